@@ -1,0 +1,41 @@
+"""The assignment-strategy interface."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+from ..strategy import ClientResult, DeviceView, Failure, Plan, Registered
+
+
+class AssignmentStrategy(Registered):
+    """Maps the round's devices to per-layer expert sets.
+
+    Args:
+        layers: MoE layer indices.
+        num_experts: E per layer.
+        seed: for any randomness (restarts reproduce the same choices).
+        **params: strategy-specific settings from the config.
+    """
+
+    _registry: ClassVar[dict[str, type]] = {}
+    _package: ClassVar[str] = "cloud.assignment"
+
+    def __init__(self, layers: list[int], num_experts: int, seed: int = 0, **params: Any):
+        if params:
+            raise TypeError(f"{type(self).__name__} got unknown parameters {sorted(params)}")
+        self.layers = list(layers)
+        self.num_experts = num_experts
+        self.seed = seed
+
+    @abstractmethod
+    def configure(self, round: int, devices: list[DeviceView]) -> Plan:
+        """Choose each device's experts for ``round``; at most ``capacity`` per layer."""
+
+    def observe(self, round: int, results: list[ClientResult], failures: list[Failure]) -> None:
+        """Feedback after the round closed (default: ignored)."""
+
+
+def get_assignment(name: str) -> type[AssignmentStrategy]:
+    """The assignment strategy class registered as ``name``. Raises KeyError."""
+    return AssignmentStrategy.lookup(name)

@@ -1,0 +1,43 @@
+"""``random_moe``: the randomMoE baseline (FedMoE, 003_a50797d291873d18.txt; ALGORITHMS.md §1).
+
+Each device gets, per layer, ``capacity`` experts drawn uniformly at random. The draw
+is kept while the device's capacity stays the same (so its base shards stay cached),
+unless ``resample: true`` asks for a fresh draw every round.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ..strategy import DeviceView, Experts, Plan
+from .base import AssignmentStrategy
+
+
+class RandomMoE(AssignmentStrategy):
+    name = "random_moe"
+
+    def __init__(self, layers: list[int], num_experts: int, seed: int = 0, resample: bool = False, **params: Any):
+        super().__init__(layers, num_experts, seed, **params)
+        self.resample = resample
+        self._kept: dict[str, Experts] = {}
+
+    def configure(self, round: int, devices: list[DeviceView]) -> Plan:
+        out: dict[str, Experts] = {}
+        for d in devices:
+            k = min(d.capacity, self.num_experts)
+            if k < 1:
+                continue
+            kept = self._kept.get(d.device_id)
+            if self.resample or kept is None or any(len(v) != k for v in kept.values()):
+                rng = random.Random(f"{self.seed}/{d.device_id}/{round if self.resample else k}")
+                kept = {layer: sorted(rng.sample(range(self.num_experts), k)) for layer in self.layers}
+                self._kept[d.device_id] = kept
+            out[d.device_id] = kept
+        return Plan(out)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kept": {d: {str(k): v for k, v in e.items()} for d, e in self._kept.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._kept = {d: {int(k): v for k, v in e.items()} for d, e in state.get("kept", {}).items()}

@@ -1,0 +1,90 @@
+"""Load-balance metrics over expert workloads (FLEX-MoE, 000_5c6cd7a163e9f8d7.txt eq. 8-9).
+
+For one MoE layer, the workload of expert e over a window of rounds is
+``W_e = sum over rounds, sum over clients holding e of u[c,e]`` (tokens routed to e).
+
+- Coefficient of variation (eq. 8): ``CV = std_e(W_e) / mean_e(W_e)`` (population std;
+  0 when the mean is 0).
+- Max-Min gap (eq. 9): ``Gap = max_e W_e - min_e W_e``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+
+def coefficient_of_variation(load: Sequence[float]) -> float:
+    """CV of a load vector (eq. 8); 0.0 for an all-zero or empty vector."""
+    w = np.asarray(load, dtype=np.float64)
+    if w.size == 0 or w.mean() == 0:
+        return 0.0
+    return float(w.std() / w.mean())
+
+
+def max_min_gap(load: Sequence[float]) -> float:
+    """max - min of a load vector (eq. 9); 0.0 for an empty vector."""
+    w = np.asarray(load, dtype=np.float64)
+    return float(w.max() - w.min()) if w.size else 0.0
+
+
+def round_load(per_device: Iterable[dict[int, Sequence[int]]], layers: Sequence[int], num_experts: int) -> dict[int, list[int]]:
+    """Sum usage counts of one round over devices: layer -> E token counts."""
+    total = {layer: np.zeros(num_experts, dtype=np.int64) for layer in layers}
+    for usage in per_device:
+        for layer, u in usage.items():
+            if layer in total:
+                total[layer] += np.asarray(u, dtype=np.int64)
+    return {layer: v.tolist() for layer, v in total.items()}
+
+
+@dataclass
+class LoadWindow:
+    """Cumulative expert workload over the last ``window`` rounds (None = all rounds).
+
+    ``add(load)`` after each round; ``cv()``/``gap()`` per layer and their means.
+    """
+
+    layers: Sequence[int]
+    num_experts: int
+    window: int | None = None
+    _history: list[dict[int, list[int]]] = field(default_factory=list)
+
+    def add(self, load: dict[int, Sequence[int]]) -> None:
+        self._history.append({layer: list(load.get(layer, [0] * self.num_experts)) for layer in self.layers})
+        if self.window is not None and len(self._history) > self.window:
+            self._history.pop(0)
+
+    def totals(self) -> dict[int, list[int]]:
+        """layer -> W_e over the window."""
+        out = {}
+        for layer in self.layers:
+            acc = np.zeros(self.num_experts, dtype=np.int64)
+            for h in self._history:
+                acc += np.asarray(h[layer], dtype=np.int64)
+            out[layer] = acc.tolist()
+        return out
+
+    def cv(self) -> dict[int, float]:
+        return {layer: coefficient_of_variation(w) for layer, w in self.totals().items()}
+
+    def gap(self) -> dict[int, float]:
+        return {layer: max_min_gap(w) for layer, w in self.totals().items()}
+
+    def summary(self) -> dict[str, object]:
+        """``cv``/``max_min_gap`` averaged over layers, plus the per-layer values."""
+        cv, gap = self.cv(), self.gap()
+        return {
+            "cv": float(np.mean(list(cv.values()))) if cv else 0.0,
+            "max_min_gap": float(np.mean(list(gap.values()))) if gap else 0.0,
+            "cv_per_layer": {str(k): v for k, v in cv.items()},
+            "max_min_gap_per_layer": {str(k): v for k, v in gap.items()},
+        }
+
+    def state_dict(self) -> dict:
+        return {"history": [{str(k): v for k, v in h.items()} for h in self._history]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self._history = [{int(k): v for k, v in h.items()} for h in d.get("history", [])]

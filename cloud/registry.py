@@ -1,0 +1,79 @@
+"""Device registry: who has joined, what they declared, whether they are online."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+from protocol.messages import Hello, Stats
+
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Device:
+    """A registered device (from its ``hello``) and its liveness."""
+
+    device_id: str
+    task: str
+    budget_bytes: int
+    num_samples: int
+    weight_formats: list[str]
+    runtime_bytes: int | None = None
+    online: bool = True
+    last_seen: float = field(default_factory=time.time)
+    rounds: int = 0
+    """Rounds whose update was accepted."""
+
+
+class Registry:
+    """Registered devices, persisted in the store so a restart keeps them."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.devices: dict[str, Device] = {d: Device(**info) for d, info in store.devices().items()}
+        self.last_stats: dict[str, Stats] = {}
+
+    def register(self, hello: Hello) -> Device:
+        """Add or update a device from its ``hello`` (idempotent)."""
+        prev = self.devices.get(hello.device_id)
+        dev = Device(
+            device_id=hello.device_id, task=hello.task, budget_bytes=hello.budget_bytes,
+            num_samples=hello.num_samples, weight_formats=list(hello.weight_formats),
+            runtime_bytes=hello.runtime_bytes, online=True, rounds=prev.rounds if prev else 0,
+        )
+        if prev is None:
+            log.info("registered %s (task %s, budget %.2f GiB, %d samples)", dev.device_id, dev.task,
+                     dev.budget_bytes / 1024**3, dev.num_samples)
+        self.devices[dev.device_id] = dev
+        self._save(dev)
+        return dev
+
+    def set_online(self, device_id: str, online: bool) -> None:
+        """Record a liveness change (status message or Last Will). Unknown ids are ignored."""
+        dev = self.devices.get(device_id)
+        if dev is None or dev.online == online:
+            return
+        dev.online = online
+        dev.last_seen = time.time()
+        log.info("%s is %s", device_id, "online" if online else "offline")
+        self._save(dev)
+
+    def accepted(self, device_id: str, stats: Stats) -> None:
+        dev = self.devices[device_id]
+        dev.rounds += 1
+        dev.last_seen = time.time()
+        self.last_stats[device_id] = stats
+        self._save(dev)
+
+    def online(self) -> list[Device]:
+        return [d for d in self.devices.values() if d.online]
+
+    def get(self, device_id: str) -> Device | None:
+        return self.devices.get(device_id)
+
+    def _save(self, dev: Device) -> None:
+        self.store.save_device(dev.device_id, asdict(dev))

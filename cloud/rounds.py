@@ -1,0 +1,390 @@
+"""The round engine: select devices, assign experts, collect, aggregate, evaluate, record.
+
+One round (DESIGN.md data flow):
+
+1. Select online devices whose budget holds at least one expert per layer.
+2. The assignment strategy maps them to per-layer expert sets (``Plan``).
+3. Each device gets its slice of the global adapter state on ``down/state`` and its
+   ``assignment`` (shard manifests, training config, deadline).
+4. Updates (chunked safetensors) and statistics arrive; each is validated (round,
+   device, names/shapes/dtypes against *that device's* assignment, finiteness,
+   checksum) and accepted once; anything else is rejected with a reply.
+5. The round closes when every selected device reported or refused, or at the
+   deadline. With at least ``quorum`` of the selected devices reported the
+   aggregation strategy produces the next global state; otherwise the state stays.
+6. Evaluation on each task's test split, load metrics, a round record in the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from edge_sdk.budget import DEFAULT_RUNTIME_BYTES, max_experts_per_layer
+from protocol.chunking import Blob
+from protocol.codec import CodecError, decode_tensors, encode_tensors
+from protocol.messages import Ack, Assignment, BlobRef, Stats, TrainConfig, encode
+from protocol.topics import Topics
+
+from .aggregation.base import AggregationStrategy
+from .assignment.base import AssignmentStrategy
+from .global_model import GlobalModel
+from .metrics import LoadWindow, round_load
+from .registry import Registry
+from .store import Store
+from .strategy import ClientResult, DeviceView, Experts, Failure
+
+log = logging.getLogger(__name__)
+
+
+class Wire(Protocol):
+    """What the engine needs from the transport."""
+
+    def publish(self, topic: str, payload: bytes) -> None: ...
+
+    def publish_blob(self, topic: str, data: bytes, kind: str, round: int, transfer_id: str | None = None) -> BlobRef: ...
+
+    @property
+    def chunk_payload_bytes(self) -> int: ...
+
+
+@dataclass
+class RoundSettings:
+    """Round-engine settings (a slice of the aggregator config)."""
+
+    clients_per_round: float = 1.0
+    """<= 1: fraction of eligible devices; > 1: a count."""
+    quorum: float = 0.5
+    """Fraction of the selected devices whose updates must be accepted to aggregate."""
+    round_timeout_s: float = 600.0
+    train: TrainConfig = field(default_factory=TrainConfig)
+    max_update_bytes: int = 256 * 1024**2
+    eval_batch_size: int = 32
+    seed: int = 0
+
+
+@dataclass
+class _Round:
+    number: int
+    started: float
+    deadline: float
+    selected: dict[str, Experts]
+    plan_info: dict[str, Any]
+    assignment_seconds: float
+    acks: dict[str, Ack] = field(default_factory=dict)
+    updates: dict[str, tuple[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    stats: dict[str, Stats] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    def reported(self, device_id: str) -> bool:
+        up, st = self.updates.get(device_id), self.stats.get(device_id)
+        return up is not None and st is not None and st.update.sha256 == up[0]
+
+    def finished(self, device_id: str) -> bool:
+        ack = self.acks.get(device_id)
+        return self.reported(device_id) or (ack is not None and not ack.accepted)
+
+
+class RoundEngine:
+    """Drives rounds; the service feeds it validated messages and calls :meth:`tick`.
+
+    Args:
+        model: the global model.
+        registry: registered devices.
+        store: durable state.
+        assignment, aggregation: the configured strategies.
+        wire: publishing side of the transport.
+        topics: the federation's topics.
+        settings: round settings.
+        eval_data: task -> test items ``(input, label id)``.
+        reject: ``(device_id, round, reason)`` -> reply to a device.
+        progress: ``(event, round, detail)`` -> operator progress.
+    """
+
+    def __init__(
+        self, model: GlobalModel, registry: Registry, store: Store, assignment: AssignmentStrategy,
+        aggregation: AggregationStrategy, wire: Wire, topics: Topics, settings: RoundSettings,
+        eval_data: dict[str, Sequence[tuple[Any, int]]], reject: Callable[[str, int, str], None],
+        progress: Callable[[str, int, dict], None],
+    ):
+        self.model, self.registry, self.store = model, registry, store
+        self.assignment, self.aggregation = assignment, aggregation
+        self.wire, self.topics, self.settings = wire, topics, settings
+        self.eval_data = eval_data
+        self.reject, self.progress = reject, progress
+        self.current: _Round | None = None
+        self.completed = int(store.get_json("last_round", 0))
+        self.window = LoadWindow(model.layers, model.spec.num_experts)
+        self.window.load_state_dict(store.get_json("load_window", {}))
+        self.previous: dict[str, Experts] = {
+            d: {int(k): v for k, v in e.items()} for d, e in store.get_json("previous_assignment", {}).items()
+        }
+        self._rng = random.Random(settings.seed + self.completed)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, Any]:
+        """Global-model loss/accuracy per task; ``accuracy``/``loss`` are the
+        sample-weighted means over tasks."""
+        per_task, n_total, acc, loss = {}, 0, 0.0, 0.0
+        for task, items in self.eval_data.items():
+            if not items:
+                continue
+            r = self.model.evaluate(task, items, self.settings.eval_batch_size)
+            per_task[task] = {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples}
+            n_total += r.samples
+            acc += r.accuracy * r.samples
+            loss += r.loss * r.samples
+        if not n_total:
+            return {"accuracy": None, "loss": None, "per_task": {}}
+        return {"accuracy": acc / n_total, "loss": loss / n_total, "per_task": per_task}
+
+    # ------------------------------------------------------------------ start
+    def capacity(self, dev) -> int:
+        labels = len(self.model.tasks.get(dev.task, [0, 1]))
+        return max_experts_per_layer(self.model.spec, dev.budget_bytes, self.settings.train.batch_size, labels,
+                                     dev.runtime_bytes or DEFAULT_RUNTIME_BYTES)
+
+    def start_round(self) -> bool:
+        """Select, assign and publish round ``completed + 1``.
+
+        Returns:
+            False if no eligible device got an assignment (nothing was published).
+        """
+        number = self.completed + 1
+        eligible = []
+        for dev in self.registry.online():
+            if dev.task not in self.model.tasks:
+                log.warning("%s declares unknown task %r; not selected", dev.device_id, dev.task)
+            elif self.model.weight_format not in dev.weight_formats:
+                log.warning("%s cannot load %s shards; not selected", dev.device_id, self.model.weight_format)
+            else:
+                eligible.append(dev)
+        eligible.sort(key=lambda d: d.device_id)
+        n = self.settings.clients_per_round
+        count = math.ceil(n * len(eligible)) if n <= 1 else int(n)
+        chosen = eligible if count >= len(eligible) else self._rng.sample(eligible, count)
+        views = [
+            DeviceView(d.device_id, d.task, d.num_samples, d.budget_bytes, self.capacity(d),
+                       self.registry.last_stats.get(d.device_id), self.previous.get(d.device_id))
+            for d in chosen
+        ]
+        t0 = time.perf_counter()
+        plan = self.assignment.configure(number, views)
+        seconds = time.perf_counter() - t0
+        for d, experts in plan.assignments.items():
+            cap = next(v.capacity for v in views if v.device_id == d)
+            if set(experts) != set(self.model.layers) or any(len(v) > max(cap, 1) for v in experts.values()):
+                raise RuntimeError(f"assignment strategy {self.assignment.name} produced an invalid plan for {d}")
+        if not plan.assignments:
+            return False
+        now = time.time()
+        rnd = _Round(number, now, now + self.settings.round_timeout_s,
+                     {d: {k: sorted(v) for k, v in e.items()} for d, e in plan.assignments.items()},
+                     plan.info, seconds)
+        self.current = rnd
+        for device_id, experts in rnd.selected.items():
+            self._send_assignment(rnd, device_id, experts)
+        log.info("round %d: %d devices assigned (%s, %.3f s)", number, len(rnd.selected), self.assignment.name, seconds)
+        self.progress("round_start", number, {"devices": sorted(rnd.selected), "assignment_seconds": seconds})
+        return True
+
+    def _send_assignment(self, rnd: _Round, device_id: str, experts: Experts) -> None:
+        dev = self.registry.get(device_id)
+        state = encode_tensors(self.model.state_for(experts, dev.task), "fp32")
+        ref = self.wire.publish_blob(self.topics.down(device_id, "state"), state, "state", rnd.number,
+                                     uuid.uuid4().hex[:16])
+        msg = Assignment(
+            round=rnd.number, model_version=self.model.version, model=self.model.spec, task=dev.task,
+            labels=self.model.tasks[dev.task], experts=experts,
+            shards=self.model.manifests(experts, self.topics, self.wire.chunk_payload_bytes),
+            weight_format=self.model.weight_format, state=ref, train=self.settings.train, deadline=rnd.deadline,
+        )
+        self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
+
+    # ------------------------------------------------------------------ incoming
+    def _check_current(self, device_id: str, round_: int, what: str) -> _Round | None:
+        rnd = self.current
+        if rnd is None or round_ != rnd.number:
+            cur = rnd.number if rnd else self.completed
+            self.reject(device_id, round_, f"{what} for round {round_} rejected: current round is {cur} (stale or early)")
+            return None
+        if device_id not in rnd.selected:
+            self.reject(device_id, round_, f"{what} rejected: {device_id} was not selected in round {round_}")
+            return None
+        return rnd
+
+    def on_ack(self, device_id: str, ack: Ack) -> None:
+        rnd = self._check_current(device_id, ack.round, "ack")
+        if rnd is None or device_id in rnd.acks:
+            return
+        rnd.acks[device_id] = ack
+        if not ack.accepted:
+            log.warning("round %d: %s refused its assignment: %s", rnd.number, device_id, ack.reason)
+
+    def on_update(self, device_id: str, blob: Blob) -> None:
+        rnd = self._check_current(device_id, blob.header.round, "update")
+        if rnd is None:
+            return
+        if device_id in rnd.updates:
+            if rnd.updates[device_id][0] != blob.header.sha:
+                self.reject(device_id, rnd.number, "a second, different update for this round was ignored")
+            return
+        dev = self.registry.get(device_id)
+        expected = self.model.expected_for(rnd.selected[device_id], dev.task)
+        try:
+            tensors = decode_tensors(blob.data, self.settings.max_update_bytes, expected)
+        except CodecError as e:
+            rnd.rejected[device_id] = str(e)
+            self.reject(device_id, rnd.number, f"update rejected: {e}")
+            return
+        rnd.updates[device_id] = (blob.header.sha, tensors)
+        self._maybe_report(rnd, device_id)
+
+    def on_stats(self, device_id: str, stats: Stats) -> None:
+        rnd = self._check_current(device_id, stats.round, "stats")
+        if rnd is None:
+            return
+        if device_id in rnd.stats:
+            return
+        dev = self.registry.get(device_id)
+        problem = self._stats_problem(stats, rnd.selected[device_id], dev.task)
+        if problem:
+            rnd.rejected[device_id] = problem
+            self.reject(device_id, rnd.number, f"stats rejected: {problem}")
+            return
+        rnd.stats[device_id] = stats
+        self._maybe_report(rnd, device_id)
+
+    def _stats_problem(self, stats: Stats, experts: Experts, task: str) -> str | None:
+        if stats.task != task:
+            return f"task {stats.task!r} differs from the registered {task!r}"
+        E = self.model.spec.num_experts
+        if sorted(ls.layer for ls in stats.layers) != sorted(self.model.layers):
+            return f"layers {[ls.layer for ls in stats.layers]} differ from the model's {self.model.layers}"
+        for ls in stats.layers:
+            if len(ls.usage) != E:
+                return f"layer {ls.layer}: {len(ls.usage)} experts reported, model has {E}"
+            held = set(experts[ls.layer])
+            if any(u > 0 and e not in held for e, u in enumerate(ls.usage)):
+                return f"layer {ls.layer}: usage reported for experts it does not hold"
+        return None
+
+    def _maybe_report(self, rnd: _Round, device_id: str) -> None:
+        if rnd.reported(device_id):
+            st = rnd.stats[device_id]
+            log.info("round %d: update from %s accepted (%d/%d)", rnd.number, device_id,
+                     sum(rnd.reported(d) for d in rnd.selected), len(rnd.selected))
+            self.progress("report", rnd.number, {"device": device_id, "val_accuracy": st.val_accuracy,
+                                                 "reported": sum(rnd.reported(d) for d in rnd.selected),
+                                                 "selected": len(rnd.selected)})
+        elif device_id in rnd.stats and device_id in rnd.updates:
+            self.reject(device_id, rnd.number, "stats reference an update other than the one received")
+
+    # ------------------------------------------------------------------ close
+    def should_close(self, now: float | None = None) -> bool:
+        rnd = self.current
+        if rnd is None:
+            return False
+        now = time.time() if now is None else now
+        return now >= rnd.deadline or all(rnd.finished(d) for d in rnd.selected)
+
+    def close_round(self) -> dict[str, Any]:
+        """Aggregate (given a quorum), evaluate, persist and return the round record."""
+        rnd = self.current
+        assert rnd is not None
+        results, failures = [], []
+        for d, experts in sorted(rnd.selected.items()):
+            dev = self.registry.get(d)
+            if rnd.reported(d):
+                st = rnd.stats[d]
+                results.append(ClientResult(d, dev.task, st.num_samples, experts, rnd.updates[d][1], st))
+                self.registry.accepted(d, st)
+            else:
+                ack = rnd.acks.get(d)
+                reason = rnd.rejected.get(d) or (ack.reason if ack is not None and not ack.accepted else None)
+                failures.append(Failure(d, reason or "no update before the deadline"))
+        need = max(1, math.ceil(self.settings.quorum * len(rnd.selected)))
+        status = "ok" if len(results) >= need else "no_quorum"
+        if status == "ok":
+            self.model.set_state(self.aggregation.aggregate(rnd.number, self.model.state, results, failures))
+        else:
+            log.warning("round %d: %d/%d updates, quorum %d not met; global model unchanged", rnd.number,
+                        len(results), len(rnd.selected), need)
+        self.assignment.observe(rnd.number, results, failures)
+        ev = self.evaluate()
+        load = round_load(({ls.layer: ls.usage for ls in r.stats.layers} for r in results), self.model.layers,
+                          self.model.spec.num_experts)
+        self.window.add(load)
+        record = self._record(rnd, results, failures, status, ev, load)
+        for r in results:
+            self.previous[r.device_id] = r.experts
+        self._persist(record)
+        self.current = None
+        self.completed = rnd.number
+        log.info("round %d closed (%s): accuracy %s, %d/%d updates, %.1f s", rnd.number, status,
+                 f"{ev['accuracy']:.4f}" if ev["accuracy"] is not None else "n/a", len(results), len(rnd.selected),
+                 record["seconds"])
+        self.progress("round_end", rnd.number, {k: record[k] for k in ("accuracy", "loss", "mean_local_accuracy",
+                                                                         "seconds", "status", "cv")})
+        return record
+
+    def _record(self, rnd: _Round, results: list[ClientResult], failures: list[Failure], status: str,
+                ev: dict[str, Any], load: dict[int, list[int]]) -> dict[str, Any]:
+        devices = {}
+        for r in results:
+            st, dev = r.stats, self.registry.get(r.device_id)
+            devices[r.device_id] = {
+                "task": r.task, "bytes_up": st.bytes_up, "bytes_down": st.bytes_down,
+                "peak_rss_bytes": st.peak_rss_bytes, "baseline_rss_bytes": st.baseline_rss_bytes,
+                "budget_bytes": dev.budget_bytes, "experts": {str(k): v for k, v in r.experts.items()},
+                "shards_fetched": st.shards_fetched, "samples": st.num_samples, "val_accuracy": st.val_accuracy,
+                "train_loss": st.train_loss, "train_seconds": st.train_seconds,
+            }
+        local = [r.stats.val_accuracy for r in results if r.stats.val_accuracy is not None]
+        return {
+            "round": rnd.number,
+            "status": status,
+            "accuracy": ev["accuracy"],
+            "loss": ev["loss"],
+            "per_task": ev["per_task"],
+            "mean_local_accuracy": sum(local) / len(local) if local else None,
+            "train_loss": sum(r.stats.train_loss for r in results) / len(results) if results else None,
+            "seconds": time.time() - rnd.started,
+            "bytes_up": sum(d["bytes_up"] for d in devices.values()),
+            "bytes_down": sum(d["bytes_down"] for d in devices.values()),
+            "expert_load": {str(k): v for k, v in load.items()},
+            **self.window.summary(),
+            "assignment": {"strategy": self.assignment.name, "seconds": rnd.assignment_seconds, **rnd.plan_info},
+            "assignment_seconds": rnd.assignment_seconds,
+            "assignment_status": rnd.plan_info.get("status", "ok"),
+            "selected": sorted(rnd.selected),
+            "failures": {f.device_id: f.reason for f in failures},
+            "devices": devices,
+        }
+
+    def _persist(self, record: dict[str, Any]) -> None:
+        self.store.put_blob("global_state", encode_tensors(self.model.state, "fp32"))
+        self.store.put_json("assignment_state", self.assignment.state_dict())
+        self.store.put_json("aggregation_state", self.aggregation.state_dict())
+        self.store.put_json("load_window", self.window.state_dict())
+        self.store.put_json("previous_assignment",
+                            {d: {str(k): v for k, v in e.items()} for d, e in self.previous.items()})
+        self.store.save_round(record)
+        self.store.put_json("last_round", record["round"])
+
+    def restore(self) -> None:
+        """Load the persisted global state and strategy states (after a restart)."""
+        blob = self.store.get_blob("global_state")
+        if blob is not None:
+            self.model.set_state(decode_tensors(blob, 2**34, {k: (tuple(v.shape), v.dtype)
+                                                               for k, v in self.model.state.items()}))
+            log.info("resumed global state after round %d", self.completed)
+        self.assignment.load_state_dict(self.store.get_json("assignment_state", {}))
+        self.aggregation.load_state_dict(self.store.get_json("aggregation_state", {}))

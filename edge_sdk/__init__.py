@@ -1,0 +1,9 @@
+"""Edge SDK: what a device application embeds to take part in a federation.
+
+>>> from edge_sdk import EdgeClient
+>>> EdgeClient("mqtt://broker:1883", "dev-7", dataset, budget_bytes="1.5GiB", task="bbc").run()
+"""
+
+from .client import SDK_VERSION, EdgeClient, RoundSummary
+
+__all__ = ["EdgeClient", "RoundSummary", "SDK_VERSION"]

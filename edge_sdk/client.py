@@ -1,0 +1,371 @@
+"""EdgeClient: the device side of a federation, embeddable in a device application.
+
+One round, as the device sees it (DESIGN.md data flow):
+
+1. ``down/assignment`` arrives (validated): experts per layer, shard manifests, the
+   reference to this round's adapter state, training config, deadline.
+2. The device checks the assignment against its memory budget (:mod:`.budget`) and
+   acks (or refuses, with the reason).
+3. Base shards whose sha256 is not cached are fetched from their retained topics,
+   verified, cached; nothing else is subscribed to, so no other shard arrives.
+4. The adapter state for what it holds arrives on ``down/state`` and is checked
+   against the sub-MoE's own names and shapes.
+5. LoRA training on local data, validation, activation statistics.
+6. ``up/update``: the trained adapter state as chunked safetensors; then
+   ``up/stats``: statistics, traffic and memory figures, referencing the update.
+
+Raw samples never leave the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from protocol import topics as T
+from protocol.chunking import ChunkError, Reassembler
+from protocol.codec import CodecError, decode_tensors, encode_tensors
+from protocol.messages import (
+    Ack, Assignment, Command, Hello, MessageError, Stats, Status, encode, parse_message,
+)
+from protocol.transport import Transport, TlsConfig, publish_packet_bytes
+
+from . import budget as B
+from .data import encode_labels, train_val_split
+from .shards import ShardCache, decode_shard
+from .stats import ActivationStats
+from .submoe import SubMoE
+from .train import evaluate, objective_terms, train_local
+
+log = logging.getLogger(__name__)
+SDK_VERSION = "0.1.0"
+MAX_STATE_BYTES = 512 * 1024**2
+
+
+@dataclass
+class RoundSummary:
+    """What one round did on this device."""
+
+    round: int
+    train_loss: float
+    val_accuracy: float
+    bytes_up: int
+    bytes_down: int
+    peak_rss_bytes: int
+    shards_fetched: list[str]
+    experts: dict[int, list[int]]
+    seconds: float
+
+
+@dataclass
+class _Held:
+    key: tuple
+    model: SubMoE
+
+
+@dataclass
+class _Inbox:
+    controls: list[Any] = field(default_factory=list)
+    states: dict[str, bytes] = field(default_factory=dict)
+    shards: dict[str, bytes] = field(default_factory=dict)
+
+
+class EdgeClient:
+    """Join a federation over MQTT and train assigned sub-MoEs on local data.
+
+    Args:
+        broker: broker URL, e.g. ``mqtt://127.0.0.1:1883``.
+        device_id: this device's id (also its MQTT username under an ACL).
+        dataset: a sequence / torch Dataset of ``(input, label)``; ``label`` a class
+            name or id of the task's label list.
+        federation: federation name (topic root ``fl/v1/{federation}``).
+        budget_bytes: memory budget in bytes, or a string like ``"1.5GiB"``.
+        task: task name (selects the classification head).
+        weight_formats: formats this device can load, preferred first.
+        cache_dir: where base shards are cached by sha256.
+        val_fraction: share of local data held out for validation.
+        seed: local shuffling seed.
+        threads: torch intra-op threads (``None`` leaves torch's default).
+        protocol, username, password, tls, max_payload: MQTT settings
+            (:class:`protocol.transport.Transport`).
+    """
+
+    def __init__(
+        self,
+        broker: str,
+        device_id: str,
+        dataset: Sequence[tuple[Any, Any]],
+        *,
+        federation: str = "default",
+        budget_bytes: int | str = "1GiB",
+        task: str = "default",
+        weight_formats: Sequence[str] = ("int8", "fp32"),
+        cache_dir: str | Path | None = None,
+        val_fraction: float = 0.2,
+        seed: int = 0,
+        threads: int | None = None,
+        protocol: str = "auto",
+        username: str | None = None,
+        password: str | None = None,
+        tls: TlsConfig | None = None,
+        max_payload: int | None = None,
+    ):
+        self.device_id = T.check_id(device_id, "device id")
+        self.topics = T.Topics(federation)
+        self.budget_bytes = B.parse_bytes(budget_bytes)
+        self.task = task
+        self.weight_formats = list(weight_formats)
+        self.raw_items = [dataset[i] for i in range(len(dataset))]
+        self.val_fraction = val_fraction
+        self.seed = seed
+        if threads:
+            torch.set_num_threads(threads)
+        self.cache = ShardCache(Path(cache_dir) if cache_dir else Path.home() / ".cache" / "fedmoe" / device_id)
+        status_offline = encode(Status(device_id=device_id, state="offline"))
+        kw = {"max_payload": max_payload} if max_payload else {}
+        self.transport = Transport(
+            broker, f"dev-{device_id}", protocol=protocol, username=username or device_id, password=password,
+            tls=tls, will=(self.topics.up(device_id, "status"), status_offline), **kw,
+        )
+        self.runtime_bytes = B.current_rss_bytes() or B.DEFAULT_RUNTIME_BYTES
+        self.history: list[RoundSummary] = []
+        self._inbox = _Inbox()
+        self._shard_rx = Reassembler(2 * 1024**3)
+        self._state_rx = Reassembler(MAX_STATE_BYTES)
+        self._decoded: dict[str, dict[str, torch.Tensor]] = {}
+        self._held: _Held | None = None
+        self._data_cache: tuple[tuple[str, ...], list, list] | None = None
+        self._last_round = -1
+        self._mark = (0, 0)
+        self._stop = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self, max_rounds: int | None = None, idle_timeout: float | None = None) -> list[RoundSummary]:
+        """Connect, announce, and serve rounds until told to stop.
+
+        Args:
+            max_rounds: return after this many rounds (None: until a ``stop`` command).
+            idle_timeout: return if no assignment arrives for this many seconds.
+
+        Returns:
+            The summaries of the rounds this device trained.
+
+        Raises:
+            protocol.transport.TransportError: the broker cannot be reached.
+        """
+        self.transport.connect()
+        self.transport.subscribe(self.topics.device_down(self.device_id))
+        status = encode(Status(device_id=self.device_id, state="online"))
+        self.transport.publish(self.topics.up(self.device_id, "status"), status, retain=True)
+        hello = Hello(
+            device_id=self.device_id, sdk_version=SDK_VERSION, budget_bytes=self.budget_bytes,
+            weight_formats=self.weight_formats, num_samples=len(self.raw_items), task=self.task,
+            runtime_bytes=self.runtime_bytes,
+        )
+        self.transport.publish(self.topics.up(self.device_id, "hello"), encode(hello), retain=True)
+        log.info("%s joined %s (budget %.2f GiB, %d samples, task %s)", self.device_id, self.topics.federation,
+                 self.budget_bytes / 1024**3, len(self.raw_items), self.task)
+        self._mark = (self.transport.bytes_sent, self.transport.bytes_received)
+        last_activity = time.monotonic()
+        try:
+            while not self._stop and (max_rounds is None or len(self.history) < max_rounds):
+                msg = self._next_control(timeout=1.0)
+                if msg is None:
+                    if idle_timeout is not None and time.monotonic() - last_activity > idle_timeout:
+                        log.info("%s: no assignment for %.0f s; leaving", self.device_id, idle_timeout)
+                        break
+                    continue
+                last_activity = time.monotonic()
+                if isinstance(msg, Command):
+                    if msg.command == "stop":
+                        log.info("%s: stop command received", self.device_id)
+                        self._stop = True
+                    else:
+                        log.warning("%s: the cloud rejected a message of round %s: %s", self.device_id, msg.round,
+                                    msg.reason)
+                elif isinstance(msg, Assignment):
+                    self._serve(msg)
+        finally:
+            self.close()
+        return self.history
+
+    def close(self) -> None:
+        """Publish ``offline`` and disconnect."""
+        if self.transport.connected:
+            try:
+                status = encode(Status(device_id=self.device_id, state="offline"))
+                self.transport.publish(self.topics.up(self.device_id, "status"), status, retain=True, timeout=5)
+            except Exception as e:  # best effort on the way out
+                log.debug("could not publish offline status: %s", e)
+        self.transport.close()
+
+    # ------------------------------------------------------------------ message pump
+    def _pump(self, timeout: float) -> bool:
+        """Handle one incoming message; False if none arrived within ``timeout``."""
+        m = self.transport.get(timeout)
+        if m is None:
+            return False
+        shard_root = f"{self.topics.root}/shards/"
+        try:
+            if m.topic.startswith(shard_root):
+                blob = self._shard_rx.add("cloud", m.payload)
+                if blob is not None:
+                    self._inbox.shards[blob.header.sha] = blob.data
+                return True
+            _, _, kind = self.topics.parse_device_topic(m.topic)
+            if kind == "state":
+                blob = self._state_rx.add("cloud", m.payload)
+                if blob is not None:
+                    self._inbox.states[blob.transfer_id] = blob.data
+            elif kind in ("assignment", "command"):
+                self._inbox.controls.append(parse_message(m.payload, Assignment if kind == "assignment" else Command))
+        except (ChunkError, MessageError, ValueError) as e:
+            log.warning("%s: rejected message on %s: %s", self.device_id, m.topic, e)
+        return True
+
+    def _next_control(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not self._inbox.controls:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._pump(left)
+        return self._inbox.controls.pop(0)
+
+    def _wait(self, done, deadline: float, what: str) -> None:
+        while not done():
+            if time.time() > deadline:
+                raise TimeoutError(f"{what} did not arrive before the round deadline")
+            self._pump(0.5)
+
+    # ------------------------------------------------------------------ one round
+    def _serve(self, a: Assignment) -> None:
+        if a.round <= self._last_round:
+            log.info("%s: ignoring stale assignment for round %d", self.device_id, a.round)
+            return
+        self._last_round = a.round
+        try:
+            self._train_round(a)
+        except (TimeoutError, CodecError, KeyError, ValueError) as e:
+            log.error("%s: round %d failed: %s", self.device_id, a.round, e)
+            self._ack(a.round, False, f"round failed on device: {e}")
+
+    def _ack(self, rnd: int, accepted: bool, reason: str | None = None) -> None:
+        msg = Ack(device_id=self.device_id, round=rnd, accepted=accepted, reason=reason)
+        self.transport.publish(self.topics.up(self.device_id, "ack"), encode(msg))
+
+    def _train_round(self, a: Assignment) -> None:
+        t0 = time.perf_counter()
+        B.reset_peak_rss()
+        labels = list(a.labels)
+        per_layer = max(len(v) for v in a.experts.values())
+        plan = B.estimate(a.model, per_layer, a.train.batch_size, len(labels), self.runtime_bytes)
+        if plan.total > self.budget_bytes:
+            reason = f"assignment needs ~{plan.total / 2**20:.0f} MiB, budget is {self.budget_bytes / 2**20:.0f} MiB"
+            log.warning("%s: refusing round %d: %s", self.device_id, a.round, reason)
+            self._ack(a.round, False, reason)
+            return
+        self._ack(a.round, True)
+        train_items, val_items = self._local_data(labels)
+
+        fetched = self._fetch_shards(a)
+        model = self._model_for(a, len(labels))
+        self._wait(lambda: a.state.transfer_id in self._inbox.states, a.deadline, "adapter state")
+        state = decode_tensors(self._inbox.states.pop(a.state.transfer_id), MAX_STATE_BYTES, model.expected())
+        model.load_adapter_state(state)
+
+        stats = ActivationStats(model.model.moe_blocks(), a.model.num_experts, hidden=a.train.collect_hidden)
+        result = train_local(model, train_items, a.train, terms=objective_terms(a.train, state), stats=stats,
+                             seed=self.seed * 100_003 + a.round)
+        val = evaluate(model, val_items, stats=stats) if val_items else None
+        log.info("%s round %d: %d steps, loss %.4f, val acc %s (%.1f s)", self.device_id, a.round, result.steps,
+                 result.loss, f"{val.accuracy:.3f}" if val else "n/a", result.seconds)
+
+        update = encode_tensors(model.adapter_state(), "fp32")
+        ref = self.transport.publish_blob(self.topics.up(self.device_id, "update"), update, "update", a.round,
+                                          transfer_id=uuid.uuid4().hex[:16])
+        peak = B.peak_rss_bytes()
+        topic = self.topics.up(self.device_id, "stats")
+        sent0, recv0 = self._mark
+        down = self.transport.bytes_received - recv0
+
+        def build(bytes_up: int) -> bytes:
+            return encode(Stats(
+                device_id=self.device_id, round=a.round, task=a.task, num_samples=len(train_items),
+                train_loss=result.loss, val_loss=val.loss if val else None,
+                val_accuracy=val.accuracy if val else None, layers=stats.layer_stats(), update=ref,
+                train_seconds=result.seconds, bytes_up=bytes_up, bytes_down=down, peak_rss_bytes=peak,
+                baseline_rss_bytes=self.runtime_bytes, shards_fetched=fetched,
+            ))
+
+        up_before = self.transport.bytes_sent - sent0
+        payload, up = build(up_before), up_before
+        for _ in range(8):  # bytes_up includes this very message: iterate to the fixed point
+            total = up_before + publish_packet_bytes(topic, len(payload), 1, self.transport.v5)
+            if total == up:
+                break
+            up, payload = total, build(total)
+        self.transport.publish(topic, payload)
+        self._mark = (self.transport.bytes_sent, self.transport.bytes_received)
+        self.history.append(RoundSummary(
+            a.round, result.loss, val.accuracy if val else float("nan"), up, down, peak, fetched,
+            {k: list(v) for k, v in a.experts.items()}, time.perf_counter() - t0,
+        ))
+
+    def _local_data(self, labels: list[str]) -> tuple[list, list]:
+        key = tuple(labels)
+        if self._data_cache is None or self._data_cache[0] != key:
+            items = encode_labels(self.raw_items, labels)
+            train, val = train_val_split(items, self.val_fraction, self.seed)
+            self._data_cache = (key, train, val)
+        return self._data_cache[1], self._data_cache[2]
+
+    def _fetch_shards(self, a: Assignment) -> list[str]:
+        """Make every assigned shard available (memory, then disk cache, then network).
+
+        Returns:
+            Ids of the shards downloaded from the broker this round.
+        """
+        fetched = []
+        wanted = {m.sha256 for m in a.shards}
+        for sha in [s for s in self._decoded if s not in wanted]:
+            del self._decoded[sha]
+        missing = []
+        for m in a.shards:
+            if m.sha256 in self._decoded:
+                continue
+            data = self.cache.get(m.sha256)
+            if data is None:
+                missing.append(m)
+            else:
+                self._decoded[m.sha256] = decode_shard(data)
+        if missing:
+            self._shard_rx = Reassembler(2 * 1024**3)  # forget earlier fetches of evicted shards
+        for m in missing:
+            self.transport.subscribe(m.topic + "/#")
+        try:
+            for m in missing:
+                self._wait(lambda: m.sha256 in self._inbox.shards, a.deadline, f"shard {m.shard_id}")
+                data = self._inbox.shards.pop(m.sha256)
+                self.cache.put(m.sha256, data)
+                self._decoded[m.sha256] = decode_shard(data)
+                fetched.append(m.shard_id)
+        finally:
+            for m in missing:
+                self.transport.unsubscribe(m.topic + "/#")
+        return fetched
+
+    def _model_for(self, a: Assignment, num_labels: int) -> SubMoE:
+        key = (a.model.model_dump_json(), tuple(sorted((k, tuple(v)) for k, v in a.experts.items())),
+               tuple(m.sha256 for m in a.shards), a.task, num_labels)
+        if self._held is None or self._held.key != key:
+            self._held = None
+            shards = {m.shard_id: self._decoded[m.sha256] for m in a.shards}
+            self._held = _Held(key, SubMoE(a.model, a.experts, a.task, num_labels, shards))
+        return self._held.model

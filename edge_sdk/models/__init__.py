@@ -1,0 +1,9 @@
+"""Model adapters: where routers and experts live in each supported family."""
+
+from .base import ModelAdapter, MoEModel, all_experts, get_adapter
+from .moe import ExpertFFN, Router, RoutingRecord, SparseMoeBlock, moe_blocks
+
+__all__ = [
+    "ModelAdapter", "MoEModel", "all_experts", "get_adapter",
+    "ExpertFFN", "Router", "RoutingRecord", "SparseMoeBlock", "moe_blocks",
+]

@@ -1,0 +1,91 @@
+"""The one small interface behind which model-specific code lives.
+
+A :class:`ModelAdapter` knows, for one model family, how to build the (sub-)MoE
+skeleton for a set of held experts, where its base weights come from, and how to
+turn raw samples into a batch. Everything else in the SDK and the cloud works on
+the :class:`MoEModel` it returns and finds routers and experts through
+:func:`edge_sdk.models.moe.moe_blocks`; nothing else branches on the architecture.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from protocol.messages import ModelSpec
+
+from .moe import SparseMoeBlock, moe_blocks
+
+_ADAPTERS: dict[str, type["ModelAdapter"]] = {}
+
+
+class MoEModel(nn.Module):
+    """A classifier with sparse MoE layers and a task head.
+
+    Subclasses set ``self.head`` (an ``nn.Linear(hidden, num_labels)``) and implement
+    :meth:`forward` and :meth:`token_mask`.
+    """
+
+    head: nn.Linear
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # pragma: no cover - interface
+        """``batch`` -> logits ``(B, num_labels)``."""
+        raise NotImplementedError
+
+    def token_mask(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # pragma: no cover - interface
+        """``(B, T)`` bool: which of the ``B*T`` tokens the MoE layers routed are real
+        (not padding), in the row-major order the blocks flatten them."""
+        raise NotImplementedError
+
+    def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        return moe_blocks(self)
+
+
+class ModelAdapter(ABC):
+    """Family-specific knowledge; one subclass per family, registered by ``family``."""
+
+    family: ClassVar[str]
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if getattr(cls, "family", None):
+            _ADAPTERS[cls.family] = cls
+
+    @abstractmethod
+    def moe_layers(self, spec: ModelSpec) -> list[int]:
+        """Indices of the MoE layers."""
+
+    @abstractmethod
+    def build(self, spec: ModelSpec, experts: dict[int, list[int]], num_labels: int, device: Any = None) -> MoEModel:
+        """Skeleton holding only ``experts`` (layer -> global ids); weights uninitialised
+        when ``device='meta'``."""
+
+    @abstractmethod
+    def base_state(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
+        """Base (pretrained or seeded) weights of the full MoE: every parameter of
+        ``build(spec, all experts)`` except routers and the head, by parameter name."""
+
+    @abstractmethod
+    def collate(self, spec: ModelSpec, items: list[tuple[Any, int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Samples ``(input, label)`` -> (batch dict, labels ``(B,)`` int64)."""
+
+    @abstractmethod
+    def activation_bytes(self, spec: ModelSpec, batch_size: int) -> int:
+        """Estimated bytes of activations kept for backward in one training step."""
+
+
+def get_adapter(family: str) -> ModelAdapter:
+    """The registered adapter for ``family``. Raises KeyError listing known families."""
+    from . import bert  # noqa: F401  (registers the built-in families)
+
+    if family not in _ADAPTERS:
+        raise KeyError(f"unknown model family {family!r}; known: {sorted(_ADAPTERS)}")
+    return _ADAPTERS[family]()
+
+
+def all_experts(adapter: ModelAdapter, spec: ModelSpec) -> dict[int, list[int]]:
+    """The full-MoE assignment: every layer holds every expert."""
+    return {layer: list(range(spec.num_experts)) for layer in adapter.moe_layers(spec)}

@@ -1,0 +1,119 @@
+"""Architecture-independent MoE building blocks: expert FFN, router, sparse MoE layer.
+
+Every model family builds its MoE layers from :class:`SparseMoeBlock`, so everything
+downstream (shards, sub-MoE, LoRA, statistics, aggregation) finds experts and routers
+the same way. Experts and router rows are keyed by their *global* expert id, so a
+sub-MoE holding experts {1, 5} names them exactly as the full MoE does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+
+class ExpertFFN(nn.Module):
+    """One expert: ``fc2(act(fc1(x)))``; ``(N, hidden) -> (N, hidden)``."""
+
+    def __init__(self, hidden: int, ffn: int, act: str = "gelu", device=None):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, ffn, device=device)
+        self.fc2 = nn.Linear(ffn, hidden, device=device)
+        self.act = ACT2FN[act] if isinstance(act, str) else act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Router(nn.Module):
+    """Router of one MoE layer: one row of shape ``(hidden,)`` per held expert.
+
+    ``forward(x)`` maps ``(N, hidden)`` to logits ``(N, n_held)`` in the order of
+    ``expert_ids`` (ascending global ids). Rows are separate parameters so that each
+    expert's row is trained, shipped and aggregated with its expert (ALGORITHMS.md §1.4).
+    """
+
+    def __init__(self, hidden: int, expert_ids: list[int], device=None):
+        super().__init__()
+        self.expert_ids = sorted(int(e) for e in expert_ids)
+        self.rows = nn.ParameterDict(
+            {str(e): nn.Parameter(torch.zeros(hidden, device=device)) for e in self.expert_ids}
+        )
+
+    def weight(self) -> torch.Tensor:
+        """Stacked rows, ``(n_held, hidden)``."""
+        return torch.stack([self.rows[str(e)] for e in self.expert_ids])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight().t()
+
+
+@dataclass
+class RoutingRecord:
+    """What one forward pass of a :class:`SparseMoeBlock` decided (flattened tokens).
+
+    Attributes:
+        probs: ``(N, n_held)`` softmax over held experts (keeps its graph, for
+            routing regularisers).
+        topk_idx: ``(N, k)`` local expert indices chosen per token.
+        topk_weight: ``(N, k)`` renormalised routing weights of the chosen experts.
+        hidden: ``(N, hidden)`` layer input (detached), only when the block records it.
+    """
+
+    probs: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weight: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k sparse MoE layer over the experts this model holds.
+
+    The softmax runs over the held experts only, the top-``k`` (``k = min(top_k,
+    n_held)``) are renormalised to sum to 1 (Mixtral style), so an upcycled block of
+    identical experts reproduces the dense FFN exactly.
+
+    Shapes: ``forward(x)`` takes ``(..., hidden)`` and returns the same shape.
+    """
+
+    def __init__(self, layer: int, hidden: int, ffn: int, expert_ids: list[int], top_k: int, act: str = "gelu",
+                 device=None):
+        super().__init__()
+        if not expert_ids:
+            raise ValueError(f"MoE layer {layer} needs at least one expert")
+        self.layer = int(layer)
+        self.top_k = int(top_k)
+        self.router = Router(hidden, expert_ids, device=device)
+        self.experts = nn.ModuleDict({str(e): ExpertFFN(hidden, ffn, act, device=device) for e in self.router.expert_ids})
+        self.record_hidden = False
+        self.last: RoutingRecord | None = None
+
+    @property
+    def expert_ids(self) -> list[int]:
+        return self.router.expert_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.router(flat).float(), dim=-1)
+        k = min(self.top_k, probs.shape[-1])
+        weight, idx = probs.topk(k, dim=-1)
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for j, e in enumerate(self.router.expert_ids):
+            tok, slot = (idx == j).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            y = self.experts[str(e)](flat[tok]) * weight[tok, slot, None].to(flat.dtype)
+            out.index_add_(0, tok, y)
+        self.last = RoutingRecord(probs, idx, weight, flat.detach() if self.record_hidden else None)
+        return out.reshape(shape)
+
+
+def moe_blocks(model: nn.Module) -> dict[int, SparseMoeBlock]:
+    """All :class:`SparseMoeBlock` modules of ``model`` by MoE layer index."""
+    return {m.layer: m for m in model.modules() if isinstance(m, SparseMoeBlock)}

@@ -1,0 +1,200 @@
+"""The sub-MoE a device trains (ALGORITHMS.md §0): backbone + assigned experts, LoRA.
+
+:class:`SubMoE` builds the model skeleton on the ``meta`` device (no memory for
+experts it does not hold), assigns the decoded base-shard tensors into it, injects
+LoRA with peft, draws the frozen LoRA ``A`` factors from the shared seed (FFA-LoRA,
+Sun et al., ICLR 2024: A frozen, only B trained, so averaging B is exact), and maps
+its trainable tensors to architecture-independent adapter-state keys
+(:mod:`protocol.keys`). The cloud uses the same class with every expert for
+evaluation and to create the initial global adapter state, so both sides agree on
+names, shapes and seeds by construction.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+from protocol import keys
+from protocol.messages import ModelSpec
+
+from .models.base import MoEModel, get_adapter
+from .shards import block_paths, join_shards
+
+ATTENTION_TARGETS = {"bert-upcycled": ("query", "value")}
+"""Non-expert modules LoRA adapts per family (when ``lora.attention``)."""
+ROUTER_INIT_STD = 0.02
+
+
+def key_seed(seed: int, name: str) -> int:
+    """Deterministic per-name seed shared by cloud and devices."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def _lora_name(local: str) -> str:
+    """``fc1.lora_B.default.weight`` -> ``fc1.lora_B``."""
+    return local.replace(".default.weight", "").replace(".default", "")
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` at parameter/buffer ``name`` without copying (frozen)."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    elif attr in mod._buffers:
+        mod._buffers[attr] = tensor
+    else:
+        raise KeyError(f"model has no parameter or buffer {name!r}")
+
+
+class SubMoE(nn.Module):
+    """A (sub-)MoE with LoRA, whose trainable state has canonical adapter-state keys.
+
+    Args:
+        spec: the model spec from the assignment.
+        experts: layer -> global expert ids held.
+        task: task name (keys the head).
+        num_labels: classes of the task.
+        base_shards: shard id -> decoded fp32 tensors (``edge_sdk.shards``); ``None``
+            builds a randomly initialised base (tests only).
+
+    Raises:
+        KeyError: a needed shard or tensor is missing from ``base_shards``.
+    """
+
+    def __init__(self, spec: ModelSpec, experts: dict[int, list[int]], task: str, num_labels: int,
+                 base_shards: dict[str, dict[str, torch.Tensor]] | None):
+        super().__init__()
+        self.spec = spec
+        self.task = task
+        self.num_labels = num_labels
+        self.adapter = get_adapter(spec.family)
+        self.experts = {int(k): sorted(int(e) for e in v) for k, v in experts.items()}
+        if base_shards is None:
+            model = self.adapter.build(spec, self.experts, num_labels)
+        else:
+            model = self.adapter.build(spec, self.experts, num_labels, device="meta")
+            for name, t in join_shards(model, base_shards).items():
+                _assign(model, name, t)
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_meta and not self._is_adapter_slot(name):
+                raise KeyError(f"base shards lack tensor {name!r}")
+        for block in model.moe_blocks().values():
+            block.router.to_empty(device="cpu")
+        model.head.to_empty(device="cpu")
+        self.model: MoEModel = model
+        self._inject_lora()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self._keys = self._map_keys()
+        for k, p in self.trainable().items():
+            p.requires_grad_(True)
+        self.reset_adapter_state()
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _is_adapter_slot(name: str) -> bool:
+        return name.startswith("head.") or ".router.rows." in name
+
+    def _inject_lora(self) -> None:
+        lora = self.spec.lora
+        targets = [r"experts\.\d+\.(fc1|fc2)"]
+        if lora.attention:
+            targets += [rf"{t}" for t in ATTENTION_TARGETS.get(self.spec.family, ())]
+        regex = rf".*\.({'|'.join(targets)})$"
+        cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=regex, bias="none")
+        inject_adapter_in_model(cfg, self.model)
+        for name, p in self.model.named_parameters():
+            if ".lora_A." in name:
+                key = self._canonical(name, block_paths(self.model))
+                gen = torch.Generator().manual_seed(key_seed(lora.seed, key))
+                bound = 1.0 / math.sqrt(p.shape[1])
+                with torch.no_grad():
+                    p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
+
+    def _canonical(self, name: str, paths: dict[str, int]) -> str | None:
+        if name.startswith("head."):
+            return keys.head_key(self.task, name[len("head."):])
+        for path, layer in paths.items():
+            if name.startswith(f"{path}.router.rows."):
+                return keys.router_key(layer, int(name.rsplit(".", 1)[1]))
+            if name.startswith(f"{path}.experts."):
+                e, local = name[len(f"{path}.experts."):].split(".", 1)
+                return keys.expert_key(layer, int(e), _lora_name(local)) if ".lora_" in local else None
+        return keys.backbone_key(_lora_name(name)) if ".lora_" in name else None
+
+    def _map_keys(self) -> dict[str, nn.Parameter]:
+        paths = block_paths(self.model)
+        out: dict[str, nn.Parameter] = {}
+        for name, p in self.model.named_parameters():
+            key = self._canonical(name, paths)
+            if key is None:
+                continue
+            if ".lora_A" in key and not self.spec.lora.train_a:
+                continue
+            out[key] = p
+        return out
+
+    # ------------------------------------------------------------------ adapter state
+    def trainable(self) -> dict[str, nn.Parameter]:
+        """Adapter-state key -> live parameter (LoRA B [and A], router rows, head)."""
+        return self._keys
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the adapter state, by canonical key."""
+        return {k: p.detach().clone() for k, p in self._keys.items()}
+
+    def expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Key -> (shape, dtype) of this model's adapter state (what an update must hold)."""
+        return {k: (tuple(p.shape), p.dtype) for k, p in self._keys.items()}
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy adapter-state tensors in.
+
+        Raises:
+            KeyError: ``state`` lacks a key this model holds or has one it does not.
+            ValueError: a shape differs.
+        """
+        missing = sorted(set(self._keys) - set(state))
+        extra = sorted(set(state) - set(self._keys))
+        if missing or extra:
+            raise KeyError(f"adapter state mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+        with torch.no_grad():
+            for k, p in self._keys.items():
+                t = state[k]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"{k}: shape {tuple(t.shape)} != {tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+
+    def reset_adapter_state(self) -> None:
+        """Initial values, identical on every machine: LoRA B = 0, router rows
+        N(0, 0.02²), head like ``nn.Linear`` (uniform ±1/sqrt(hidden), bias 0), each
+        drawn from a generator seeded by ``(spec.seed, key)``."""
+        with torch.no_grad():
+            for k, p in self._keys.items():
+                gen = torch.Generator().manual_seed(key_seed(self.spec.seed, k))
+                kind = keys.parse(k)
+                if kind.group == "router":
+                    p.copy_(torch.randn(p.shape, generator=gen) * ROUTER_INIT_STD)
+                elif kind.group == "head" and kind.path == "weight":
+                    bound = 1.0 / math.sqrt(p.shape[1])
+                    p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
+                else:
+                    p.zero_()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``batch`` -> logits ``(B, num_labels)``."""
+        return self.model(batch)
+
+    def collate(self, items):
+        return self.adapter.collate(self.spec, items)
+
+    def num_base_bytes(self) -> int:
+        """Bytes of the (dequantized, fp32) base weights held in memory."""
+        return sum(t.numel() * t.element_size() for n, t in self.model.named_parameters() if not t.requires_grad)

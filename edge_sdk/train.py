@@ -1,0 +1,147 @@
+"""Local training and evaluation of a sub-MoE.
+
+The local objective is composed (DESIGN.md "Seams"): the task loss (cross-entropy)
+plus optional terms the assignment names, each a small callable
+``term(model, batch, logits) -> scalar``. Built in: the FedProx proximal term
+``mu/2 * ||w - w_global||²`` over the adapter state (Li et al., 2020; ALGORITHMS.md §5).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from protocol.messages import TrainConfig
+
+from .stats import ActivationStats
+from .submoe import SubMoE
+
+log = logging.getLogger(__name__)
+ObjectiveTerm = Callable[[SubMoE, dict, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ProximalTerm:
+    """FedProx: ``mu/2 * sum_k ||w_k - w_k^global||²`` over the adapter state."""
+
+    mu: float
+    reference: dict[str, torch.Tensor]
+
+    def __call__(self, model: SubMoE, batch: dict, logits: torch.Tensor) -> torch.Tensor:
+        total = logits.new_zeros(())
+        for k, p in model.trainable().items():
+            total = total + (p - self.reference[k]).pow(2).sum()
+        return 0.5 * self.mu * total
+
+
+def objective_terms(cfg: TrainConfig, global_state: dict[str, torch.Tensor]) -> list[ObjectiveTerm]:
+    """The extra loss terms ``cfg`` asks for, given the round's starting adapter state."""
+    terms: list[ObjectiveTerm] = []
+    if cfg.prox_mu > 0:
+        terms.append(ProximalTerm(cfg.prox_mu, {k: v.detach().clone() for k, v in global_state.items()}))
+    return terms
+
+
+@dataclass
+class TrainResult:
+    """Outcome of local training: mean loss, steps, samples seen, wall seconds."""
+
+    loss: float
+    steps: int
+    samples: int
+    seconds: float
+
+
+@dataclass
+class EvalResult:
+    """Mean cross-entropy and accuracy over ``samples`` samples."""
+
+    loss: float
+    accuracy: float
+    samples: int
+
+
+def _batches(items: Sequence, batch_size: int, order: list[int]):
+    for i in range(0, len(order), batch_size):
+        yield [items[j] for j in order[i : i + batch_size]]
+
+
+def train_local(
+    model: SubMoE,
+    items: Sequence[tuple[Any, int]],
+    cfg: TrainConfig,
+    *,
+    terms: Sequence[ObjectiveTerm] = (),
+    stats: ActivationStats | None = None,
+    seed: int = 0,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> TrainResult:
+    """Train the adapter state of ``model`` on ``items`` (AdamW, fresh each round).
+
+    Steps = ``ceil(local_epochs * len(items) / batch_size)``, capped by ``max_steps``.
+
+    Raises:
+        ValueError: no training samples, or the loss became non-finite.
+    """
+    if not items:
+        raise ValueError("no local training samples")
+    params = [p for p in model.trainable().values()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = math.ceil(cfg.local_epochs * len(items) / cfg.batch_size)
+    if cfg.max_steps:
+        steps = min(steps, cfg.max_steps)
+    rng = random.Random(seed)
+    model.train()
+    t0, done, seen, loss_sum = time.perf_counter(), 0, 0, 0.0
+    while done < steps:
+        order = list(range(len(items)))
+        rng.shuffle(order)
+        for chunk in _batches(items, cfg.batch_size, order):
+            batch, labels = model.collate(chunk)
+            logits = model(batch)
+            per_sample = F.cross_entropy(logits.float(), labels, reduction="none")
+            loss = per_sample.mean()
+            for term in terms:
+                loss = loss + term(model, batch, logits)
+            if not torch.isfinite(loss):
+                raise ValueError(f"non-finite training loss at step {done}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if stats is not None:
+                stats.add_train(model.model.token_mask(batch), per_sample.detach(), logits.argmax(-1) == labels)
+            done += 1
+            seen += len(chunk)
+            loss_sum += loss.item() * len(chunk)
+            if progress is not None:
+                progress(done, steps, loss.item())
+            if done >= steps:
+                break
+    return TrainResult(loss_sum / max(seen, 1), done, seen, time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def evaluate(
+    model: SubMoE, items: Sequence[tuple[Any, int]], batch_size: int = 32, stats: ActivationStats | None = None
+) -> EvalResult:
+    """Mean loss and accuracy of ``model`` on ``items``; optionally feeds validation
+    activation statistics. Returns zeros for an empty set."""
+    model.eval()
+    n, loss_sum, correct = 0, 0.0, 0
+    for chunk in _batches(items, batch_size, list(range(len(items)))):
+        batch, labels = model.collate(chunk)
+        logits = model(batch)
+        loss_sum += float(F.cross_entropy(logits.float(), labels, reduction="sum"))
+        correct += int((logits.argmax(-1) == labels).sum())
+        n += len(chunk)
+        if stats is not None:
+            stats.add_validation(model.model.token_mask(batch))
+    model.train()
+    return EvalResult(loss_sum / max(n, 1), correct / max(n, 1), n)

@@ -1,0 +1,189 @@
+"""The ``fedmoe`` command line: ``simulate``, ``aggregator``, ``device``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import fields
+
+log = logging.getLogger("fedmoe")
+
+
+def _setup_logging(verbose: bool) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("amqtt", "transitions", "bitsandbytes", "httpx", "urllib3"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _kv(text: str) -> dict:
+    """``a=1,b=x`` -> {"a": 1, "b": "x"} (YAML-typed values)."""
+    import yaml
+
+    out = {}
+    for part in filter(None, text.split(",")):
+        k, _, v = part.partition("=")
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .simulate import SimulationConfig, simulate
+
+    cfg = SimulationConfig()
+    names = {f.name for f in fields(SimulationConfig)}
+    for k, v in vars(args).items():
+        if k in names and v is not None:
+            setattr(cfg, k, v)
+    cfg.tasks = args.tasks.split(",") if args.tasks else cfg.tasks
+    if args.budget_range:
+        lo, _, hi = args.budget_range.partition(":")
+        cfg.budget_range = (lo, hi or lo)
+    if args.assignment_params:
+        cfg.assignment_params = _kv(args.assignment_params)
+    if args.aggregation_params:
+        cfg.aggregation_params = _kv(args.aggregation_params)
+    if args.tiny:
+        cfg.base = None
+        cfg.model_config = {"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2,
+                            "num_attention_heads": 2, "intermediate_size": 128}
+        cfg.budget_range = ("700MiB", "700MiB") if not args.budget_range else cfg.budget_range
+    simulate(cfg)
+    return 0
+
+
+def _aggregator(args: argparse.Namespace) -> int:
+    from cloud.service import Aggregator, AggregatorConfig
+
+    cfg = AggregatorConfig.load(args.config, store=args.store, rounds=args.rounds, protocol=args.protocol,
+                                username=args.username, password=args.password, tls_ca=args.tls_ca)
+    broker = None
+    url = args.broker
+    if url is None:
+        from .broker import EmbeddedBroker
+
+        host, _, port = (args.listen or "127.0.0.1:0").rpartition(":")
+        broker = EmbeddedBroker(host or "127.0.0.1", int(port or 0)).start()
+        url = broker.url
+        cfg = cfg.model_copy(update={"protocol": "3.1.1"})
+        log.info("no --broker given: devices connect to %s", url)
+    try:
+        Aggregator(cfg, url).run()
+    finally:
+        if broker is not None:
+            broker.stop()
+    return 0
+
+
+def _device(args: argparse.Namespace) -> int:
+    from edge_sdk import EdgeClient
+    from edge_sdk.data import load_text_file
+    from protocol.transport import TlsConfig
+
+    tls = TlsConfig(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+    client = EdgeClient(
+        args.broker, args.device_id, load_text_file(args.data), federation=args.federation, budget_bytes=args.budget,
+        task=args.task, cache_dir=args.cache_dir, val_fraction=args.val_fraction, seed=args.seed,
+        threads=args.threads, protocol=args.protocol, username=args.username, password=args.password, tls=tls,
+        weight_formats=args.formats.split(","),
+    )
+    client.run(max_rounds=args.max_rounds, idle_timeout=args.idle_timeout)
+    return 0
+
+
+def _mqtt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--protocol", default="auto", choices=["auto", "5", "3.1.1"], help="MQTT protocol version")
+    p.add_argument("--username")
+    p.add_argument("--password")
+    p.add_argument("--tls-ca", help="CA certificate (PEM) for TLS")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedmoe", description="Federated MoE fine-tuning over MQTT")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("simulate", help="run a whole federation on this machine")
+    s.add_argument("--out", help="output directory (default runs/demo)")
+    s.add_argument("--devices", type=int)
+    s.add_argument("--rounds", type=int)
+    s.add_argument("--tasks", help="comma-separated built-in tasks: bbc, tweets")
+    s.add_argument("--partition", help="iid | dirichlet:ALPHA | classes:K")
+    s.add_argument("--assignment", help="assignment strategy (random_moe, full, ...)")
+    s.add_argument("--assignment-params", help="k=v,... strategy parameters")
+    s.add_argument("--aggregation", help="aggregation strategy (modular, ...)")
+    s.add_argument("--aggregation-params", help="k=v,... strategy parameters")
+    s.add_argument("--budget-range", help="device memory budgets LO:HI, e.g. 0.8GiB:0.9GiB")
+    s.add_argument("--broker", help="use this broker instead of the embedded one")
+    s.add_argument("--seed", type=int)
+    s.add_argument("--num-experts", type=int)
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--max-seq-len", type=int)
+    s.add_argument("--local-epochs", type=float)
+    s.add_argument("--max-steps", type=int)
+    s.add_argument("--batch-size", type=int)
+    s.add_argument("--lr", type=float)
+    s.add_argument("--prox-mu", type=float)
+    s.add_argument("--lora-rank", type=int)
+    s.add_argument("--weight-format")
+    s.add_argument("--eval-max-samples", type=int)
+    s.add_argument("--tiny", action="store_true", help="a tiny randomly initialised model (quick checks)")
+    s.set_defaults(func=_simulate)
+
+    a = sub.add_parser("aggregator", help="run the cloud aggregator service")
+    a.add_argument("--broker", help="broker URL; omitted: start an embedded broker (see --listen)")
+    a.add_argument("--listen", help="HOST:PORT of the embedded broker when --broker is omitted")
+    a.add_argument("--config", required=True, help="aggregator YAML config")
+    a.add_argument("--store", help="store URL (overrides the config)")
+    a.add_argument("--rounds", type=int)
+    _mqtt_args(a)
+    a.set_defaults(func=_aggregator)
+
+    d = sub.add_parser("device", help="run one edge device")
+    d.add_argument("--broker", required=True)
+    d.add_argument("--device-id", required=True)
+    d.add_argument("--budget", required=True, help="memory budget, e.g. 1.5GiB")
+    d.add_argument("--data", required=True, help="CSV or JSONL file with text,label")
+    d.add_argument("--task", default="default")
+    d.add_argument("--federation", default="default")
+    d.add_argument("--cache-dir")
+    d.add_argument("--threads", type=int)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--val-fraction", type=float, default=0.2)
+    d.add_argument("--formats", default="int8,fp32", help="weight formats this device loads")
+    d.add_argument("--max-rounds", type=int)
+    d.add_argument("--idle-timeout", type=float)
+    d.add_argument("--tls-cert")
+    d.add_argument("--tls-key")
+    _mqtt_args(d)
+    d.set_defaults(func=_device)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # report cleanly; details in the log at debug level
+        log.error("%s: %s", type(e).__name__, e)
+        log.debug("traceback", exc_info=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

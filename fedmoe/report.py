@@ -1,0 +1,105 @@
+"""Plots and the per-round table of a simulation report (``report.json``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_all(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write accuracy.png, bytes.png and expert_load.png into ``out``; return their paths."""
+    return [plot_accuracy(report, out / "accuracy.png"), plot_bytes(report, out / "bytes.png"),
+            plot_expert_load(report, out / "expert_load.png")]
+
+
+def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
+    """Global test accuracy (round 0 = before training) and mean local validation accuracy."""
+    plt = _plt()
+    rounds = report["rounds"]
+    xs = [0] + [r["round"] for r in rounds]
+    acc = [report.get("initial_accuracy")] + [r["accuracy"] for r in rounds]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [np.nan if a is None else a for a in acc], "o-", label="global model, test split")
+    ax.plot([r["round"] for r in rounds], [np.nan if r["mean_local_accuracy"] is None else r["mean_local_accuracy"]
+                                           for r in rounds], "s--", label="mean local validation")
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("Accuracy per round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_bytes(report: dict[str, Any], path: Path) -> Path:
+    """Bytes received and published per device per round (log scale)."""
+    plt = _plt()
+    rounds = report["rounds"]
+    devices = sorted({d for r in rounds for d in r["devices"]})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    for key, ax in zip(("bytes_down", "bytes_up"), axes):
+        for d in devices:
+            xs = [r["round"] for r in rounds if d in r["devices"]]
+            ys = [r["devices"][d][key] / 2**20 for r in rounds if d in r["devices"]]
+            ax.plot(xs, ys, "o-", label=d)
+        ax.set_yscale("log")
+        ax.set_xlabel("round")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"{'received' if key == 'bytes_down' else 'published'} per device (on the wire)")
+        ax.grid(alpha=0.3, which="both")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_expert_load(report: dict[str, Any], path: Path) -> Path:
+    """Heat map per MoE layer: training tokens routed to each expert in each round."""
+    plt = _plt()
+    rounds = report["rounds"]
+    layers = sorted({int(k) for r in rounds for k in r["expert_load"]})
+    fig, axes = plt.subplots(1, max(1, len(layers)), figsize=(4 * max(1, len(layers)), 3.6), squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        m = np.array([r["expert_load"].get(str(layer), []) for r in rounds], dtype=float).T
+        im = ax.imshow(m, aspect="auto", cmap="viridis", origin="lower",
+                       extent=(0.5, len(rounds) + 0.5, -0.5, m.shape[0] - 0.5))
+        ax.set_xlabel("round")
+        ax.set_ylabel("expert")
+        ax.set_title(f"MoE layer {layer}: tokens per expert")
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def table(report: dict[str, Any]) -> str:
+    """A fixed-width per-round table."""
+    head = f"{'round':>5} {'acc':>6} {'local':>6} {'loss':>6} {'sec':>6} {'MiB up':>8} {'MiB down':>9} " \
+           f"{'CV':>6} {'gap':>9} {'devs':>5}"
+    lines = [head, "-" * len(head)]
+    ia = report.get("initial_accuracy")
+    lines.append(f"{0:>5} {ia if ia is not None else float('nan'):>6.3f} {'':>6} {'':>6} {'':>6} {'':>8} {'':>9}")
+    f = lambda v, spec: format(v, spec) if v is not None else format(float("nan"), spec)  # noqa: E731
+    for r in report["rounds"]:
+        lines.append(
+            f"{r['round']:>5} {f(r['accuracy'], '6.3f')} {f(r['mean_local_accuracy'], '6.3f')} "
+            f"{f(r['loss'], '6.3f')} {r['seconds']:>6.1f} {r['bytes_up'] / 2**20:>8.2f} "
+            f"{r['bytes_down'] / 2**20:>9.2f} {r['cv']:>6.3f} {r['max_min_gap']:>9.0f} {len(r['devices']):>5}"
+        )
+    return "\n".join(lines)

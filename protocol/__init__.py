@@ -1,0 +1,6 @@
+"""The contract between edge devices and the cloud aggregator (protocol v1).
+
+Topic names (:mod:`.topics`), versioned message schemas (:mod:`.messages`), the
+tensor codec (:mod:`.codec`), blob chunking (:mod:`.chunking`), adapter-state key
+names (:mod:`.keys`) and the MQTT transport (:mod:`.transport`).
+"""

@@ -1,0 +1,228 @@
+"""Chunking of large blobs over MQTT and idempotent reassembly.
+
+Wire format of one chunk message (the MQTT payload)::
+
+    b"FMC1" | uint32 big-endian header length | header JSON (ChunkHeader) | data
+
+The header carries the transfer id, the chunk's sequence number and count, the whole
+blob's size and sha256, and the chunk's own sha256. Chunks may arrive out of order
+and more than once (QoS 1); :class:`Reassembler` keys them by
+(sender, round, transfer id, seq), ignores exact duplicates, rejects corrupted or
+inconsistent chunks, never allocates more than the declared (and bounded) blob size,
+and verifies the blob's sha256 before handing it out exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .codec import sha256_hex
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"FMC1"
+DEFAULT_CHUNK_BYTES = 256 * 1024
+HEADER_RESERVE = 512
+"""Bytes reserved per chunk for magic, length and header JSON."""
+MAX_HEADER = 2048
+
+
+class ChunkError(ValueError):
+    """A chunk or a reassembled blob failed validation."""
+
+
+class ChunkHeader(BaseModel):
+    """Header of one chunk message."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Transfer (upload) id, unique per sender and round."""
+    kind: str = Field(pattern=r"^[a-z0-9_.-]{1,32}$")
+    round: int = Field(ge=0)
+    seq: int = Field(ge=0)
+    n: int = Field(ge=1, le=1_000_000)
+    size: int = Field(ge=0)
+    sha: str = Field(pattern=r"^[0-9a-f]{64}$")
+    csha: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+@dataclass
+class Blob:
+    """A reassembled, checksum-verified blob."""
+
+    sender: str
+    header: ChunkHeader
+    data: bytes
+
+    @property
+    def transfer_id(self) -> str:
+        return self.header.id
+
+
+def chunk_data_bytes(max_payload: int) -> int:
+    """Data bytes per chunk so that a chunk message stays within ``max_payload`` bytes.
+
+    Raises:
+        ValueError: ``max_payload`` leaves no room for data after the header reserve.
+    """
+    n = int(max_payload) - HEADER_RESERVE
+    if n < 1024:
+        raise ValueError(f"chunk size {max_payload} bytes is too small (need > {HEADER_RESERVE + 1024})")
+    return n
+
+
+def split_blob(data: bytes, max_payload: int, transfer_id: str, kind: str, round: int) -> tuple[list[bytes], str]:
+    """Split ``data`` into chunk messages of at most ``max_payload`` bytes each.
+
+    Returns:
+        ``(payloads, sha256)``: the MQTT payloads in sequence order (at least one, even
+        for empty data) and the hex sha256 of the whole blob.
+    """
+    step = chunk_data_bytes(max_payload)
+    n = max(1, -(-len(data) // step))
+    sha = sha256_hex(data)
+    out = []
+    view = memoryview(data)
+    for seq in range(n):
+        part = view[seq * step : (seq + 1) * step]
+        header = ChunkHeader(
+            id=transfer_id, kind=kind, round=round, seq=seq, n=n, size=len(data), sha=sha, csha=sha256_hex(part)
+        )
+        hb = header.model_dump_json().encode()
+        msg = MAGIC + struct.pack(">I", len(hb)) + hb + bytes(part)
+        assert len(msg) <= max_payload, "chunk header exceeded its reserve"
+        out.append(msg)
+    return out, sha
+
+
+def parse_chunk(payload: bytes, max_blob_bytes: int) -> tuple[ChunkHeader, bytes]:
+    """Validate one chunk message.
+
+    Raises:
+        ChunkError: bad magic, malformed header, blob larger than ``max_blob_bytes``,
+            sequence out of range, or data whose sha256 differs from the header's.
+    """
+    if len(payload) < 8 or payload[:4] != MAGIC:
+        raise ChunkError("not a chunk message (bad magic)")
+    (hlen,) = struct.unpack(">I", payload[4:8])
+    if hlen > MAX_HEADER or 8 + hlen > len(payload):
+        raise ChunkError(f"chunk header length {hlen} is invalid")
+    try:
+        header = ChunkHeader.model_validate(json.loads(payload[8 : 8 + hlen]))
+    except (ValidationError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ChunkError(f"malformed chunk header: {str(e)[:200]}") from None
+    if header.size > max_blob_bytes:
+        raise ChunkError(f"blob of {header.size} bytes exceeds limit {max_blob_bytes}")
+    if header.seq >= header.n:
+        raise ChunkError(f"chunk seq {header.seq} out of range (n={header.n})")
+    if header.n > max(1, header.size):
+        raise ChunkError(f"{header.n} chunks for {header.size} bytes")
+    data = payload[8 + hlen :]
+    if sha256_hex(data) != header.csha:
+        raise ChunkError(f"chunk {header.seq}/{header.n} of {header.id} is corrupted (sha256 mismatch)")
+    return header, data
+
+
+@dataclass
+class _Pending:
+    header: ChunkHeader
+    parts: dict[int, bytes] = field(default_factory=dict)
+    stored: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class Reassembler:
+    """Collects chunks into blobs; idempotent under duplicates and reordering.
+
+    Args:
+        max_blob_bytes: largest blob accepted (bytes).
+        max_pending: most transfers held incomplete at once (oldest evicted first).
+        ttl_s: an incomplete transfer older than this (seconds) is dropped.
+        remember: how many completed transfer keys are remembered to ignore late
+            duplicates.
+    """
+
+    def __init__(self, max_blob_bytes: int, max_pending: int = 256, ttl_s: float = 3600.0, remember: int = 10_000):
+        self.max_blob_bytes = max_blob_bytes
+        self.max_pending = max_pending
+        self.ttl_s = ttl_s
+        self._pending: OrderedDict[tuple, _Pending] = OrderedDict()
+        self._done: OrderedDict[tuple, None] = OrderedDict()
+        self._remember = remember
+
+    def add(self, sender: str, payload: bytes) -> Blob | None:
+        """Add one chunk message from ``sender``.
+
+        Returns:
+            The completed :class:`Blob` the first time its last chunk arrives, else None.
+
+        Raises:
+            ChunkError: the chunk is invalid, conflicts with earlier chunks of its
+                transfer, or the completed blob fails its sha256 (the transfer is dropped).
+        """
+        header, data = parse_chunk(payload, self.max_blob_bytes)
+        key = (sender, header.round, header.id)
+        if key in self._done:
+            return None
+        self._expire()
+        p = self._pending.get(key)
+        if p is None:
+            p = _Pending(header)
+            self._pending[key] = p
+            while len(self._pending) > self.max_pending:
+                old, _ = self._pending.popitem(last=False)
+                log.warning("dropping incomplete transfer %s (too many pending)", old)
+        h0 = p.header
+        if (h0.kind, h0.n, h0.size, h0.sha) != (header.kind, header.n, header.size, header.sha):
+            raise ChunkError(f"chunk {header.seq} of {header.id} disagrees with earlier chunks of the transfer")
+        if header.seq in p.parts:
+            if p.parts[header.seq] != data:
+                raise ChunkError(f"duplicate chunk {header.seq} of {header.id} with different content")
+            return None
+        if p.stored + len(data) > header.size:
+            del self._pending[key]
+            raise ChunkError(f"transfer {header.id} sent more bytes than it declared ({header.size})")
+        p.parts[header.seq] = data
+        p.stored += len(data)
+        if len(p.parts) < header.n:
+            return None
+        del self._pending[key]
+        blob = b"".join(p.parts[i] for i in range(header.n))
+        if len(blob) != header.size or sha256_hex(blob) != header.sha:
+            raise ChunkError(f"transfer {header.id}: reassembled blob fails its sha256")
+        self._done[key] = None
+        while len(self._done) > self._remember:
+            self._done.popitem(last=False)
+        return Blob(sender, header, blob)
+
+    def progress(self, sender: str, round: int, transfer_id: str) -> tuple[int, int]:
+        """(chunks received, chunks expected) of a pending transfer; (0, 0) if unknown."""
+        p = self._pending.get((sender, round, transfer_id))
+        return (len(p.parts), p.header.n) if p else (0, 0)
+
+    def drop_round(self, round: int) -> None:
+        """Forget pending transfers of ``round`` and earlier (the round closed)."""
+        for key in [k for k in self._pending if k[1] <= round]:
+            del self._pending[key]
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held in incomplete transfers."""
+        return sum(p.stored for p in self._pending.values())
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            key, p = next(iter(self._pending.items()))
+            if now - p.started <= self.ttl_s:
+                break
+            log.warning("dropping incomplete transfer %s after %.0f s", key, now - p.started)
+            del self._pending[key]

