@@ -127,6 +127,7 @@ class RoundEngine:
             d: {int(k): v for k, v in e.items()} for d, e in store.get_json("previous_assignment", {}).items()
         }
         self._rng = random.Random(settings.seed + self.completed)
+        self._idle_round = -1
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any]:
@@ -149,7 +150,7 @@ class RoundEngine:
     def capacity(self, dev) -> int:
         labels = len(self.model.tasks.get(dev.task, [0, 1]))
         return max_experts_per_layer(self.model.spec, dev.budget_bytes, self.settings.train.batch_size, labels,
-                                     dev.runtime_bytes or DEFAULT_RUNTIME_BYTES)
+                                     DEFAULT_RUNTIME_BYTES if dev.runtime_bytes is None else dev.runtime_bytes)
 
     def start_round(self) -> bool:
         """Select, assign and publish round ``completed + 1``.
@@ -183,6 +184,10 @@ class RoundEngine:
             if set(experts) != set(self.model.layers) or any(len(v) > max(cap, 1) for v in experts.values()):
                 raise RuntimeError(f"assignment strategy {self.assignment.name} produced an invalid plan for {d}")
         if not plan.assignments:
+            if number != self._idle_round:
+                self._idle_round = number
+                log.warning("round %d: no device could be assigned (eligible: %s, capacities %s); waiting", number,
+                            [d.device_id for d in eligible], {v.device_id: v.capacity for v in views})
             return False
         now = time.time()
         rnd = _Round(number, now, now + self.settings.round_timeout_s,

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--assignment-params", help="k=v,... strategy parameters")
     s.add_argument("--aggregation", help="aggregation strategy (modular, ...)")
     s.add_argument("--aggregation-params", help="k=v,... strategy parameters")
-    s.add_argument("--budget-range", help="device memory budgets LO:HI, e.g. 0.8GiB:0.9GiB")
+    s.add_argument("--budget-range", help="device memory budgets LO:HI, e.g. 0.68GiB:0.77GiB")
     s.add_argument("--broker", help="use this broker instead of the embedded one")
     s.add_argument("--seed", type=int)
     s.add_argument("--num-experts", type=int)

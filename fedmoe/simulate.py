@@ -51,7 +51,7 @@ class SimulationConfig:
     assignment_params: dict[str, Any] = field(default_factory=dict)
     aggregation: str = "modular"
     aggregation_params: dict[str, Any] = field(default_factory=dict)
-    budget_range: tuple[str, str] = ("0.8GiB", "0.9GiB")
+    budget_range: tuple[str, str] = ("0.68GiB", "0.77GiB")
     broker: str | None = None
     seed: int = 0
     num_experts: int = 8
@@ -217,7 +217,9 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     R.plot_all(report, out)
-    print(R.table(report))
+    table = R.table(report)
+    (out / "rounds.md").write_text("```\n" + table + "\n```\n")
+    print(table)
     return report
 
 

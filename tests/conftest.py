@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny model specs, real brokers (Mosquitto and the embedded amqtt)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from protocol.messages import ModelSpec  # noqa: E402
+
+TINY_CONFIG = {"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "intermediate_size": 64}
+
+
+def tiny_spec(**kw) -> ModelSpec:
+    """A tiny randomly initialised BERT upcycled to 4 experts (1 MoE layer)."""
+    args = dict(base=None, config=TINY_CONFIG, num_experts=4, top_k=2, max_seq_len=32, upcycle_noise=0.0)
+    args.update(kw)
+    return ModelSpec(**args)
+
+
+@pytest.fixture
+def spec() -> ModelSpec:
+    return tiny_spec()
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mosquitto_url():
+    """The Mosquitto broker at 127.0.0.1:1883, or one started on a free port."""
+    if _listening("127.0.0.1", 1883):
+        yield "mqtt://127.0.0.1:1883"
+        return
+    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    if not os.path.exists(exe):
+        pytest.skip("no Mosquitto broker running and no mosquitto binary to start one")
+    port = _free_port()
+    d = tempfile.mkdtemp()
+    conf = Path(d) / "m.conf"
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(50):
+        if _listening("127.0.0.1", port):
+            break
+        time.sleep(0.1)
+    yield f"mqtt://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def embedded_url():
+    """An embedded amqtt broker for the test session."""
+    from fedmoe.broker import EmbeddedBroker
+
+    b = EmbeddedBroker().start()
+    yield b.url
+    b.stop()

@@ -1,0 +1,76 @@
+"""Helpers to run a tiny federation in-process against a real broker."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from cloud.service import Aggregator, AggregatorConfig, TaskConfig
+from edge_sdk import EdgeClient
+from edge_sdk.budget import estimate
+from fedmoe.datasets import bbc_news
+from protocol.messages import TrainConfig
+from tests.conftest import tiny_spec
+
+
+@dataclass
+class Federation:
+    url: str
+    tmp: str
+    protocol: str = "auto"
+    rounds: int = 2
+    experts: tuple = (2, 4)
+    """Experts per layer each device's budget holds (budgets computed from the memory plan)."""
+    assignment: str = "random_moe"
+    round_timeout_s: float = 60.0
+    min_devices: int | None = None
+    spec_kw: dict = field(default_factory=lambda: {"upcycle_noise": 0.01})
+    records: list = field(default_factory=list)
+    clients: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.federation = f"test-{uuid.uuid4().hex[:8]}"
+        items, self.labels = bbc_news()
+        self.test_items = items[::40][:48]
+        self.train_items = items[1::7]
+        cfg = AggregatorConfig(
+            federation=self.federation, model=tiny_spec(**self.spec_kw), tasks={"bbc": TaskConfig(labels=self.labels)},
+            rounds=self.rounds, min_devices=self.min_devices or len(self.experts), start_timeout_s=60,
+            round_timeout_s=self.round_timeout_s, train=TrainConfig(max_steps=3, batch_size=8),
+            store=f"sqlite:///{self.tmp}/agg.db", clear_retained_on_exit=True, protocol=self.protocol,
+            assignment={"name": self.assignment},
+        )
+        self.aggregator = Aggregator(cfg, self.url, eval_data={"bbc": self.test_items})
+
+    def client(self, i: int, experts: int) -> EdgeClient:
+        spec = self.aggregator.cfg.model
+        budget = estimate(spec, experts, 8, len(self.labels), runtime_bytes=0).total + 1
+        return EdgeClient(self.url, f"dev{i}", self.train_items[i * 40:(i + 1) * 40], federation=self.federation,
+                          budget_bytes=budget, task="bbc", cache_dir=f"{self.tmp}/cache{i}", protocol=self.protocol,
+                          runtime_bytes=0)
+
+    def _guard(self, fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # surfaced by the test
+                self.errors.append(e)
+        return run
+
+    def run(self, extra=None, timeout: float = 180):
+        agg = threading.Thread(target=self._guard(lambda: self.records.extend(self.aggregator.run())))
+        agg.start()
+        self.clients = [self.client(i, k) for i, k in enumerate(self.experts)]
+        threads = [threading.Thread(target=self._guard(c.run)) for c in self.clients]
+        for t in threads:
+            t.start()
+        if extra is not None:
+            extra(self)
+        agg.join(timeout)
+        for t in threads:
+            t.join(30)
+        assert not agg.is_alive(), "aggregator did not finish"
+        assert not self.errors, self.errors
+        return self.records

@@ -1,0 +1,104 @@
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from protocol.codec import CodecError, check_expected, decode_tensors, dequantize_int8, encode_tensors, \
+    inspect_header, quantize_int8
+
+LIMIT = 10 * 2**20
+
+
+def sample():
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g), "i": torch.arange(5)}
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "int8"])
+def test_round_trip_each_format(fmt):
+    t = sample()
+    out = decode_tensors(encode_tensors(t, fmt), LIMIT)
+    assert set(out) == set(t)
+    assert torch.equal(out["i"], t["i"])
+    tol = {"fp32": 0, "fp16": 2e-3, "bf16": 2e-2, "int8": None}[fmt]
+    if fmt == "int8":
+        scale = t["w"].abs().amax(1) / 127
+        assert (out["w"] - t["w"]).abs().max(1).values.le(scale / 2 + 1e-7).all()
+        assert torch.equal(out["b"], t["b"])  # 1-D tensors stay fp32
+    else:
+        assert torch.allclose(out["w"].float(), t["w"], rtol=tol, atol=tol)
+
+
+def test_int8_error_bound_per_row():
+    w = torch.randn(64, 32) * torch.linspace(0.01, 10, 64)[:, None]
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (64,)
+    err = (dequantize_int8(q, s) - w).abs()
+    assert (err <= s[:, None] / 2 + 1e-6).all()
+
+
+def test_int8_payload_is_smaller():
+    t = {"w": torch.randn(256, 256)}
+    assert len(encode_tensors(t, "int8")) < 0.3 * len(encode_tensors(t, "fp32"))
+
+
+def test_rejects_nan_and_inf():
+    for bad in (float("nan"), float("inf")):
+        t = {"w": torch.ones(3, 3)}
+        t["w"][1, 1] = bad
+        with pytest.raises(CodecError, match="NaN or Inf"):
+            decode_tensors(encode_tensors(t), LIMIT)
+
+
+def test_rejects_oversized_before_parsing():
+    data = encode_tensors({"w": torch.zeros(100, 100)})
+    with pytest.raises(CodecError, match="exceeds limit"):
+        decode_tensors(data, len(data) - 1)
+
+
+def _raw(header: dict, body: bytes) -> bytes:
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + body
+
+
+def test_rejects_declared_sizes_larger_than_payload():
+    data = _raw({"w": {"dtype": "F32", "shape": [1000000, 1000], "data_offsets": [0, 4_000_000_000]}}, b"\0" * 16)
+    with pytest.raises(CodecError, match="do not match"):
+        inspect_header(data, LIMIT)
+
+
+def test_rejects_truncated_and_garbage():
+    good = encode_tensors(sample())
+    for bad in (b"", b"\x01\x02", good[: len(good) // 2], b"\xff" * 64, struct.pack("<Q", 10**12) + b"{}"):
+        with pytest.raises(CodecError):
+            decode_tensors(bad, LIMIT)
+
+
+def test_rejects_unknown_dtype_and_gaps():
+    with pytest.raises(CodecError, match="unsupported dtype"):
+        inspect_header(_raw({"w": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8), LIMIT)
+    with pytest.raises(CodecError, match="overlap or leave gaps"):
+        inspect_header(_raw({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8), LIMIT)
+
+
+def test_rejects_int8_without_scale():
+    data = save({"w": torch.zeros(2, 2, dtype=torch.int8)}, metadata={"format": "int8"})
+    with pytest.raises(CodecError, match="no scale"):
+        decode_tensors(data, LIMIT)
+
+
+def test_expected_names_shapes_dtypes():
+    t = sample()
+    exp = {k: (tuple(v.shape), v.dtype) for k, v in t.items()}
+    check_expected(t, exp)
+    with pytest.raises(CodecError, match="missing"):
+        check_expected({k: v for k, v in t.items() if k != "b"}, exp)
+    with pytest.raises(CodecError, match="shape"):
+        check_expected({**t, "w": torch.zeros(8, 16)}, exp)
+    with pytest.raises(CodecError, match="dtype"):
+        check_expected({**t, "w": t["w"].half()}, exp)
+    data = encode_tensors({**t, "extra": torch.zeros(1)})
+    with pytest.raises(CodecError, match="unexpected"):
+        decode_tensors(data, LIMIT, exp)

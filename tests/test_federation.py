@@ -1,0 +1,64 @@
+"""A tiny federation end to end, through real brokers (Mosquitto and embedded amqtt)."""
+
+import time
+
+import pytest
+
+from edge_sdk.shards import shards_for
+from protocol.topics import Topics
+from protocol.transport import Transport
+from tests.federation import Federation
+
+
+def check_records(records, fed):
+    assert [r["round"] for r in records] == list(range(1, fed.rounds + 1))
+    assert all(r["status"] == "ok" and r["accuracy"] is not None for r in records)
+    assert fed.aggregator.initial["accuracy"] is not None
+    for r in records:
+        assert set(r["devices"]) == {"dev0", "dev1"}
+        assert len(r["expert_load"]["1"]) == 4 and r["cv"] >= 0 and r["max_min_gap"] >= 0
+        for d, v in r["devices"].items():
+            held = {int(k): e for k, e in v["experts"].items()}
+            # a device never receives a shard it was not assigned
+            assert set(v["shards_fetched"]) <= set(shards_for(held)), (d, v)
+            assert v["bytes_up"] > 0 and v["bytes_down"] > 0 and v["peak_rss_bytes"] > 0
+    first, second = records[0]["devices"], records[1]["devices"]
+    for d in first:
+        assert sorted(first[d]["shards_fetched"]) == sorted(shards_for({int(k): e for k, e in first[d]["experts"].items()}))
+        if first[d]["experts"] == second[d]["experts"]:
+            assert second[d]["shards_fetched"] == []
+            assert second[d]["bytes_down"] < 0.1 * first[d]["bytes_down"]
+    # heterogeneous budgets -> different numbers of experts
+    sizes = [len(first[f"dev{i}"]["experts"]["1"]) for i in range(2)]
+    assert sizes == list(fed.experts)
+
+
+def retained_shards(url, federation, protocol):
+    t = Transport(url, protocol=protocol).connect()
+    t.subscribe(f"fl/v1/{federation}/shards/#")
+    time.sleep(1.0)
+    n = t.inbox.qsize()
+    t.close()
+    return n
+
+
+@pytest.mark.slow
+def test_federation_over_mosquitto(mosquitto_url, tmp_path):
+    fed = Federation(mosquitto_url, str(tmp_path), experts=(2, 4))
+    records = fed.run()
+    check_records(records, fed)
+    assert fed.clients[0].transport.v5  # Mosquitto speaks MQTT 5
+    assert retained_shards(mosquitto_url, fed.federation, "auto") == 0  # cleaned up
+
+
+@pytest.mark.slow
+def test_federation_over_embedded_broker(embedded_url, tmp_path):
+    fed = Federation(embedded_url, str(tmp_path), protocol="3.1.1", experts=(1, 4))
+    check_records(fed.run(), fed)
+
+
+@pytest.mark.slow
+def test_full_moe_baseline_everyone_holds_everything(mosquitto_url, tmp_path):
+    fed = Federation(mosquitto_url, str(tmp_path), rounds=1, experts=(4, 4), assignment="full")
+    (rec,) = fed.run()
+    assert all(v["experts"] == {"1": [0, 1, 2, 3]} for v in rec["devices"].values())

@@ -1,0 +1,144 @@
+"""Upcycling equivalence, shards, the sub-MoE and its adapter state."""
+
+import pytest
+import torch
+from transformers import BertModel
+
+from edge_sdk.models import all_experts, get_adapter
+from edge_sdk.models.bert import resolve_path
+from edge_sdk.shards import BACKBONE, decode_shard, encode_shard, join_shards, shards_for, split_base
+from edge_sdk.submoe import SubMoE
+from protocol import keys
+from tests.conftest import tiny_spec
+
+
+def shards(spec, fmt="fp32"):
+    ad = get_adapter(spec.family)
+    skel = ad.build(spec, all_experts(ad, spec), 2, device="meta")
+    return {k: decode_shard(encode_shard(v, fmt)) for k, v in split_base(ad.base_state(spec), skel).items()}
+
+
+def dense_forward(spec, batch):
+    """Mean-pooled hidden states of the dense (not upcycled) encoder with the same weights."""
+    ad = get_adapter(spec.family)
+    cfg = ad.config(spec)
+    if spec.base is None:
+        torch.manual_seed(spec.seed)
+        dense = BertModel(cfg, add_pooling_layer=False)
+    else:
+        dense = BertModel.from_pretrained(resolve_path(spec.base), config=cfg, add_pooling_layer=False)
+    dense.eval()
+    h = dense(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    m = batch["attention_mask"].unsqueeze(-1).float()
+    return (h * m).sum(1) / m.sum(1)
+
+
+def moe_pooled(model, batch):
+    model.eval()
+    hidden = model.model.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    m = batch["attention_mask"].unsqueeze(-1).float()
+    return (hidden * m).sum(1) / m.sum(1)
+
+
+TEXTS = [("The quick brown fox jumps over the lazy dog.", 0), ("Shares rose sharply after strong results.", 1),
+         ("The striker scored twice in the second half", 0)]
+
+
+@torch.no_grad()
+def test_upcycled_equals_dense_tiny():
+    spec = tiny_spec(upcycle_noise=0.0)
+    model = SubMoE(spec, {1: [0, 1, 2, 3]}, "t", 2, shards(spec))
+    batch, _ = model.collate(TEXTS)
+    assert torch.allclose(moe_pooled(model, batch), dense_forward(spec, batch), atol=1e-5)
+    # a sub-MoE of any expert subset computes the same function before training
+    sub = SubMoE(spec, {1: [2]}, "t", 2, shards(spec))
+    assert torch.allclose(moe_pooled(sub, batch), dense_forward(spec, batch), atol=1e-5)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_upcycled_minilm_equals_dense():
+    from protocol.messages import ModelSpec
+
+    spec = ModelSpec(upcycle_noise=0.0, max_seq_len=64)
+    model = SubMoE(spec, all_experts(get_adapter(spec.family), spec), "t", 5, shards(spec))
+    batch, _ = model.collate(TEXTS)
+    assert torch.allclose(moe_pooled(model, batch), dense_forward(spec, batch), atol=1e-4)
+    # with the default symmetry-breaking noise the function stays (almost) the same
+    noisy_spec = ModelSpec(max_seq_len=64)
+    noisy = SubMoE(noisy_spec, all_experts(get_adapter(spec.family), spec), "t", 5, shards(noisy_spec))
+    cos = torch.nn.functional.cosine_similarity(moe_pooled(noisy, batch), dense_forward(spec, batch))
+    assert cos.min() > 0.999
+
+
+def test_shards_split_and_join_cover_everything():
+    spec = tiny_spec()
+    ad = get_adapter(spec.family)
+    skel = ad.build(spec, all_experts(ad, spec), 2, device="meta")
+    base = ad.base_state(spec)
+    sh = split_base(base, skel)
+    assert set(sh) == {BACKBONE, "L1.E0", "L1.E1", "L1.E2", "L1.E3"}
+    assert set(sh["L1.E2"]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    joined = join_shards(skel, sh)
+    assert set(joined) == set(base)
+    sub = ad.build(spec, {1: [1, 3]}, 2, device="meta")
+    assert shards_for({1: [3, 1]}) == [BACKBONE, "L1.E1", "L1.E3"]
+    with pytest.raises(KeyError, match="L1.E3"):
+        join_shards(sub, {k: v for k, v in sh.items() if k != "L1.E3"})
+
+
+def test_submoe_holds_only_assigned_experts_with_global_keys():
+    spec = tiny_spec()
+    sh = shards(spec)
+    model = SubMoE(spec, {1: [1, 3]}, "bbc", 5, {k: sh[k] for k in shards_for({1: [1, 3]})})
+    state = model.adapter_state()
+    groups = {keys.parse(k).group for k in state}
+    assert groups == {"expert", "router", "head", "backbone"}
+    assert {keys.parse(k).expert for k in state if keys.parse(k).group == "expert"} == {1, 3}
+    assert set(k for k in state if k.startswith("router.")) == {"router.1.1", "router.1.3"}
+    assert all(".lora_A" not in k for k in state)  # FFA-LoRA: A is frozen and not shipped
+    assert all(".lora_B" in k for k in state if k.startswith(("expert", "backbone")))
+    batch, labels = model.collate(TEXTS)
+    assert model(batch).shape == (3, 5)
+    # only adapter-state parameters train
+    trainable = {id(p) for p in model.trainable().values()}
+    assert all((id(p) in trainable) == p.requires_grad for p in model.parameters())
+
+
+def test_lora_a_and_initial_state_identical_across_builds():
+    spec = tiny_spec()
+    sh = shards(spec)
+    a = SubMoE(spec, {1: [0, 1, 2, 3]}, "bbc", 5, sh)
+    b = SubMoE(spec, {1: [2]}, "bbc", 5, {k: sh[k] for k in shards_for({1: [2]})})
+    la = {n: p for n, p in a.model.named_parameters() if "experts.2.fc1.lora_A" in n}
+    lb = {n: p for n, p in b.model.named_parameters() if "experts.2.fc1.lora_A" in n}
+    assert la and torch.equal(next(iter(la.values())), next(iter(lb.values())))
+    sa, sb = a.adapter_state(), b.adapter_state()
+    for k, v in sb.items():
+        assert torch.equal(sa[k], v), k
+
+
+def test_adapter_state_load_validates():
+    spec = tiny_spec()
+    model = SubMoE(spec, {1: [0, 1]}, "bbc", 5, None)
+    st = model.adapter_state()
+    st["router.1.0"] = torch.ones_like(st["router.1.0"])
+    model.load_adapter_state(st)
+    assert torch.equal(model.adapter_state()["router.1.0"], st["router.1.0"])
+    with pytest.raises(KeyError):
+        model.load_adapter_state({k: v for k, v in st.items() if k != "router.1.0"})
+    bad = dict(st)
+    bad["router.1.0"] = torch.ones(7)
+    with pytest.raises(ValueError):
+        model.load_adapter_state(bad)
+
+
+def test_moe_block_routes_top_k_over_held_experts_only():
+    spec = tiny_spec()
+    model = SubMoE(spec, {1: [0, 2, 3]}, "bbc", 5, None)
+    block = model.model.moe_blocks()[1]
+    batch, _ = model.collate(TEXTS)
+    model(batch)
+    rec = block.last
+    assert rec.probs.shape[1] == 3 and rec.topk_idx.shape[1] == 2
+    assert torch.allclose(rec.topk_weight.sum(-1), torch.ones(rec.topk_weight.shape[0]))
