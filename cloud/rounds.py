@@ -27,7 +27,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from edge_sdk.budget import DEFAULT_RUNTIME_BYTES, max_experts_per_layer
+from edge_sdk.budget import DEFAULT_RUNTIME_BYTES, estimate, max_experts_per_layer
 from protocol.chunking import Blob
 from protocol.codec import CodecError, decode_tensors, encode_tensors
 from protocol.messages import Ack, Assignment, BlobRef, Stats, TrainConfig, encode
@@ -147,10 +147,20 @@ class RoundEngine:
         return {"accuracy": acc / n_total, "loss": loss / n_total, "per_task": per_task}
 
     # ------------------------------------------------------------------ start
+    def _runtime(self, dev) -> int:
+        return DEFAULT_RUNTIME_BYTES if dev.runtime_bytes is None else dev.runtime_bytes
+
     def capacity(self, dev) -> int:
+        """Experts per layer ``dev``'s budget holds (0..E)."""
         labels = len(self.model.tasks.get(dev.task, [0, 1]))
         return max_experts_per_layer(self.model.spec, dev.budget_bytes, self.settings.train.batch_size, labels,
-                                     DEFAULT_RUNTIME_BYTES if dev.runtime_bytes is None else dev.runtime_bytes)
+                                     self._runtime(dev))
+
+    def memory_fn(self, dev) -> Callable[[Experts], int]:
+        """``experts -> bytes`` ``dev`` needs for a round holding them."""
+        labels = len(self.model.tasks.get(dev.task, [0, 1]))
+        batch, runtime = self.settings.train.batch_size, self._runtime(dev)
+        return lambda experts: estimate(self.model.spec, experts, batch, labels, runtime).total
 
     def start_round(self) -> bool:
         """Select, assign and publish round ``completed + 1``.
@@ -172,7 +182,7 @@ class RoundEngine:
         count = math.ceil(n * len(eligible)) if n <= 1 else int(n)
         chosen = eligible if count >= len(eligible) else self._rng.sample(eligible, count)
         views = [
-            DeviceView(d.device_id, d.task, d.num_samples, d.budget_bytes, self.capacity(d),
+            DeviceView(d.device_id, d.task, d.num_samples, d.budget_bytes, self.capacity(d), self.memory_fn(d),
                        self.registry.last_stats.get(d.device_id), self.previous.get(d.device_id))
             for d in chosen
         ]
@@ -195,12 +205,13 @@ class RoundEngine:
                      plan.info, seconds)
         self.current = rnd
         for device_id, experts in rnd.selected.items():
-            self._send_assignment(rnd, device_id, experts)
+            self._send_assignment(rnd, device_id, experts, plan.train.get(device_id))
         log.info("round %d: %d devices assigned (%s, %.3f s)", number, len(rnd.selected), self.assignment.name, seconds)
         self.progress("round_start", number, {"devices": sorted(rnd.selected), "assignment_seconds": seconds})
         return True
 
-    def _send_assignment(self, rnd: _Round, device_id: str, experts: Experts) -> None:
+    def _send_assignment(self, rnd: _Round, device_id: str, experts: Experts,
+                         train: dict[str, Any] | None = None) -> None:
         dev = self.registry.get(device_id)
         state = encode_tensors(self.model.state_for(experts, dev.task), "fp32")
         ref = self.wire.publish_blob(self.topics.down(device_id, "state"), state, "state", rnd.number,
@@ -209,7 +220,8 @@ class RoundEngine:
             round=rnd.number, model_version=self.model.version, model=self.model.spec, task=dev.task,
             labels=self.model.tasks[dev.task], experts=experts,
             shards=self.model.manifests(experts, self.topics, self.wire.chunk_payload_bytes),
-            weight_format=self.model.weight_format, state=ref, train=self.settings.train, deadline=rnd.deadline,
+            weight_format=self.model.weight_format, state=ref,
+            train=TrainConfig.model_validate({**self.settings.train.model_dump(), **train}) if train else self.settings.train, deadline=rnd.deadline,
         )
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
 

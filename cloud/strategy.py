@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -30,6 +30,8 @@ class DeviceView:
     Attributes:
         capacity: experts per MoE layer its memory budget holds (from
             ``edge_sdk.budget``), 0..E.
+        memory: bytes this device needs to train a given assignment (the same memory
+            model the device checks its assignment with); compare with ``budget_bytes``.
         last_stats: its most recent accepted statistics, if any.
         previous: its assignment in the last round it took part in, if any.
     """
@@ -39,6 +41,7 @@ class DeviceView:
     num_samples: int
     budget_bytes: int
     capacity: int
+    memory: Callable[[Experts], int] | None = None
     last_stats: Stats | None = None
     previous: Experts | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -73,11 +76,15 @@ class Plan:
 
     Attributes:
         assignments: device -> experts; devices left out do not train this round.
-        info: anything worth recording in the round record (e.g. solver status).
+        info: anything worth recording in the round record; ``info["status"]`` becomes
+            the record's ``assignment_status`` (e.g. solver status, fallbacks).
+        train: device -> overrides of the round's ``TrainConfig`` fields for that device
+            (e.g. a short probe: ``{"max_steps": 5}``).
     """
 
     assignments: dict[str, Experts]
     info: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class Registered:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from typing import Mapping, Sequence
 
 from torch import nn
 
@@ -120,15 +121,22 @@ class MemoryEstimate:
 
 def estimate(
     spec: ModelSpec,
-    experts_per_layer: int,
+    experts: int | Mapping[int, Sequence[int] | int],
     batch_size: int,
     num_labels: int,
     runtime_bytes: int = DEFAULT_RUNTIME_BYTES,
 ) -> MemoryEstimate:
-    """Estimate peak bytes for a device holding ``experts_per_layer`` experts in every
-    MoE layer and training with ``batch_size``."""
+    """Estimate peak bytes for a device training with ``batch_size``.
+
+    Args:
+        experts: experts held per MoE layer (the same count in every layer), or per layer
+            either the expert ids or their count (layers may differ).
+    """
     c = param_counts(spec)
-    n = experts_per_layer * c.moe_layers
+    if isinstance(experts, int):
+        n = experts * c.moe_layers
+    else:
+        n = sum(v if isinstance(v, int) else len(v) for v in experts.values())
     weights = 4 * (c.backbone + n * c.expert)
     lora = n * c.expert_lora + c.backbone_lora
     trainable = n * (c.expert_lora_trainable + c.router_row) + c.backbone_lora_trainable + c.head_per_label * num_labels

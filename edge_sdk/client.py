@@ -275,8 +275,7 @@ class EdgeClient:
         t0 = time.perf_counter()
         B.reset_peak_rss()
         labels = list(a.labels)
-        per_layer = max(len(v) for v in a.experts.values())
-        plan = B.estimate(a.model, per_layer, a.train.batch_size, len(labels), self.runtime_bytes)
+        plan = B.estimate(a.model, a.experts, a.train.batch_size, len(labels), self.runtime_bytes)
         if plan.total > self.budget_bytes:
             reason = f"assignment needs ~{plan.total / 2**20:.0f} MiB, budget is {self.budget_bytes / 2**20:.0f} MiB"
             log.warning("%s: refusing round %d: %s", self.device_id, a.round, reason)
