@@ -266,6 +266,9 @@ class EdgeClient:
         except (TimeoutError, CodecError, KeyError, ValueError) as e:
             log.error("%s: round %d failed: %s", self.device_id, a.round, e)
             self._ack(a.round, False, f"round failed on device: {e}")
+        except Exception as e:  # keep serving later rounds; the cloud counts this one as failed
+            log.exception("%s: round %d failed unexpectedly", self.device_id, a.round)
+            self._ack(a.round, False, f"round failed on device: {type(e).__name__}: {e}")
 
     def _ack(self, rnd: int, accepted: bool, reason: str | None = None) -> None:
         msg = Ack(device_id=self.device_id, round=rnd, accepted=accepted, reason=reason)
