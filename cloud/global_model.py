@@ -34,22 +34,31 @@ class GlobalModel:
     Args:
         spec: the model spec.
         tasks: task name -> class labels.
-        weight_format: format the base shards are published in (``int8``, ``fp32``...).
+        weight_format: the primary format of the base shards (``int8``, ``fp32``...); the
+            cloud evaluates with exactly these (dequantized) weights.
         version: model version (part of the shard topics).
+        formats: further formats the base shards are served in (a device gets the first
+            of its own ``hello`` preferences that is served, :meth:`format_for`).
     """
 
-    def __init__(self, spec: ModelSpec, tasks: dict[str, list[str]], weight_format: str, version: int = 0):
+    def __init__(self, spec: ModelSpec, tasks: dict[str, list[str]], weight_format: str, version: int = 0,
+                 formats: Sequence[str] = ()):
         self.spec = spec
         self.tasks = {t: list(labels) for t, labels in tasks.items()}
         self.weight_format = weight_format
+        self.formats = list(dict.fromkeys([weight_format, *formats]))
         self.version = version
         adapter = get_adapter(spec.family)
         self.layers = adapter.moe_layers(spec)
         self.all_experts = all_experts(adapter, spec)
         skeleton = adapter.build(spec, self.all_experts, 2, device="meta")
         shards = split_base(adapter.base_state(spec), skeleton)
-        self.shard_bytes: dict[str, bytes] = {sid: encode_shard(t, weight_format) for sid, t in shards.items()}
-        self.shard_sha = {sid: sha256_hex(b) for sid, b in self.shard_bytes.items()}
+        self.encoded: dict[str, dict[str, bytes]] = {
+            fmt: {sid: encode_shard(t, fmt) for sid, t in shards.items()} for fmt in self.formats}
+        self.sha: dict[str, dict[str, str]] = {
+            fmt: {sid: sha256_hex(b) for sid, b in enc.items()} for fmt, enc in self.encoded.items()}
+        self.shard_bytes: dict[str, bytes] = self.encoded[weight_format]
+        self.shard_sha = self.sha[weight_format]
         del shards
         decoded = {sid: decode_shard(b) for sid, b in self.shard_bytes.items()}
         self.models: dict[str, SubMoE] = {
@@ -63,16 +72,23 @@ class GlobalModel:
                  version, len(self.layers), spec.num_experts, sum(map(len, self.shard_bytes.values())) / 2**20,
                  weight_format, sum(v.numel() * 4 for v in self.state.values()) / 2**20)
 
-    def manifests(self, experts: dict[int, list[int]], topics: Topics, chunk_payload: int) -> list[ShardManifest]:
-        """Manifests of the base shards a device holding ``experts`` needs."""
+    def format_for(self, preferences: Sequence[str]) -> str | None:
+        """The first of a device's preferred formats that is served (None: none is)."""
+        return next((f for f in preferences if f in self.formats), None)
+
+    def manifests(self, experts: dict[int, list[int]], topics: Topics, chunk_payload: int,
+                  fmt: str | None = None) -> list[ShardManifest]:
+        """Manifests of the base shards a device holding ``experts`` needs, in ``fmt``
+        (default: the primary format); topics carry the format level."""
         from protocol.chunking import chunk_data_bytes
 
+        fmt = fmt or self.weight_format
+        enc, sha = self.encoded[fmt], self.sha[fmt]
         step = chunk_data_bytes(chunk_payload)
         return [
             ShardManifest(
-                shard_id=sid, topic=topics.shard_prefix(self.version, sid), bytes=len(self.shard_bytes[sid]),
-                sha256=self.shard_sha[sid], format=self.weight_format,
-                chunks=max(1, -(-len(self.shard_bytes[sid]) // step)),
+                shard_id=sid, topic=topics.shard_prefix(self.version, sid, fmt), bytes=len(enc[sid]),
+                sha256=sha[sid], format=fmt, chunks=max(1, -(-len(enc[sid]) // step)),
             )
             for sid in shards_for(experts)
         ]

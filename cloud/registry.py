@@ -69,6 +69,17 @@ class Registry:
         self.last_stats[device_id] = stats
         self._save(dev)
 
+    def update_memory(self, device_id: str, budget_bytes: int | None, runtime_bytes: int | None) -> None:
+        """Record a device's new budget / measured baseline (from a refusal). Unknown ids are ignored."""
+        dev = self.devices.get(device_id)
+        if dev is None:
+            return
+        if budget_bytes is not None:
+            dev.budget_bytes = int(budget_bytes)
+        if runtime_bytes is not None:
+            dev.runtime_bytes = int(runtime_bytes)
+        self._save(dev)
+
     def online(self) -> list[Device]:
         return [d for d in self.devices.values() if d.online]
 

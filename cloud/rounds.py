@@ -9,10 +9,23 @@ One round (DESIGN.md data flow):
 4. Updates (chunked safetensors) and statistics arrive; each is validated (round,
    device, names/shapes/dtypes against *that device's* assignment, finiteness,
    checksum) and accepted once; anything else is rejected with a reply.
+   A device that refuses its assignment because its memory plan exceeds its budget
+   (the ack carries its budget and baseline now) is reassigned within the same round:
+   its expert sets shrink (largest layer first, keeping at least one expert per layer)
+   until the plan fits, and it gets the smaller assignment as a new ``attempt``
+   (recorded under ``reassigned``); if not even one expert per layer fits it counts as
+   failed. No device is ever sent an assignment its declared budget cannot hold.
 5. The round closes when every selected device reported or refused, or at the
    deadline. With at least ``quorum`` of the selected devices reported the
    aggregation strategy produces the next global state; otherwise the state stays.
 6. Evaluation on each task's test split, load metrics, a round record in the store.
+
+Crash safety: the round in flight (selection, deadline, plan) is stored before any
+assignment goes out, and every accepted update and statistics message is stored when
+accepted (``inflight/...``); closing a round writes the new global state, the round
+record and ``last_round`` in one transaction and drops the in-flight data. A restarted
+aggregator (:meth:`RoundEngine.restore`) therefore resumes the open round with what it
+had accepted, and never applies a round twice.
 """
 
 from __future__ import annotations
@@ -22,14 +35,14 @@ import math
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from edge_sdk.budget import DEFAULT_RUNTIME_BYTES, estimate, max_experts_per_layer
 from protocol.chunking import Blob
-from protocol.codec import CodecError, decode_tensors, encode_tensors
+from protocol.codec import CodecError, decode_tensors, encode_tensors, sha256_hex
 from protocol.messages import Ack, Assignment, BlobRef, Stats, TrainConfig, encode
 from protocol.topics import Topics
 
@@ -78,10 +91,13 @@ class _Round:
     selected: dict[str, Experts]
     plan_info: dict[str, Any]
     assignment_seconds: float
+    train: dict[str, Any] = field(default_factory=dict)
     acks: dict[str, Ack] = field(default_factory=dict)
     updates: dict[str, tuple[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
     stats: dict[str, Stats] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)
+    reassigned: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def reported(self, device_id: str) -> bool:
         up, st = self.updates.get(device_id), self.stats.get(device_id)
@@ -128,6 +144,9 @@ class RoundEngine:
         }
         self._rng = random.Random(settings.seed + self.completed)
         self._idle_round = -1
+        self.ensure_shards: Callable[[str], None] | None = None
+        """Called with a weight format before an assignment in it goes out (the service
+        publishes that format's shards on first use)."""
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any]:
@@ -150,17 +169,21 @@ class RoundEngine:
     def _runtime(self, dev) -> int:
         return DEFAULT_RUNTIME_BYTES if dev.runtime_bytes is None else dev.runtime_bytes
 
+    def format_for(self, dev) -> str:
+        """The weight format ``dev`` gets: its first preference the cloud serves."""
+        return self.model.format_for(dev.weight_formats) or self.model.weight_format
+
     def capacity(self, dev) -> int:
         """Experts per layer ``dev``'s budget holds (0..E)."""
         labels = len(self.model.tasks.get(dev.task, [0, 1]))
         return max_experts_per_layer(self.model.spec, dev.budget_bytes, self.settings.train.batch_size, labels,
-                                     self._runtime(dev))
+                                     self._runtime(dev), self.format_for(dev))
 
     def memory_fn(self, dev) -> Callable[[Experts], int]:
-        """``experts -> bytes`` ``dev`` needs for a round holding them."""
+        """``experts -> bytes`` ``dev`` needs for a round holding them (``edge_sdk.budget.plan``)."""
         labels = len(self.model.tasks.get(dev.task, [0, 1]))
-        batch, runtime = self.settings.train.batch_size, self._runtime(dev)
-        return lambda experts: estimate(self.model.spec, experts, batch, labels, runtime).total
+        batch, runtime, fmt = self.settings.train.batch_size, self._runtime(dev), self.format_for(dev)
+        return lambda experts: estimate(self.model.spec, experts, batch, labels, runtime, fmt).total
 
     def start_round(self) -> bool:
         """Select, assign and publish round ``completed + 1``.
@@ -173,8 +196,9 @@ class RoundEngine:
         for dev in self.registry.online():
             if dev.task not in self.model.tasks:
                 log.warning("%s declares unknown task %r; not selected", dev.device_id, dev.task)
-            elif self.model.weight_format not in dev.weight_formats:
-                log.warning("%s cannot load %s shards; not selected", dev.device_id, self.model.weight_format)
+            elif self.model.format_for(dev.weight_formats) is None:
+                log.warning("%s loads only %s shards, the cloud serves %s; not selected", dev.device_id,
+                            dev.weight_formats, self.model.formats)
             else:
                 eligible.append(dev)
         eligible.sort(key=lambda d: d.device_id)
@@ -183,15 +207,19 @@ class RoundEngine:
         chosen = eligible if count >= len(eligible) else self._rng.sample(eligible, count)
         views = [
             DeviceView(d.device_id, d.task, d.num_samples, d.budget_bytes, self.capacity(d), self.memory_fn(d),
-                       self.registry.last_stats.get(d.device_id), self.previous.get(d.device_id))
+                       self.registry.last_stats.get(d.device_id), self.previous.get(d.device_id),
+                       extra={"runtime_bytes": self._runtime(d), "weight_format": self.format_for(d)})
             for d in chosen
         ]
         t0 = time.perf_counter()
         plan = self.assignment.configure(number, views)
         seconds = time.perf_counter() - t0
         for d, experts in plan.assignments.items():
-            cap = next(v.capacity for v in views if v.device_id == d)
-            if set(experts) != set(self.model.layers) or any(len(v) > max(cap, 1) for v in experts.values()):
+            view = next(v for v in views if v.device_id == d)
+            # Per-layer counts may differ (FedMoE): beyond the uniform capacity, the memory estimate decides.
+            over = any(len(v) > max(view.capacity, 1) for v in experts.values()) and (
+                view.memory is None or view.memory(experts) > view.budget_bytes)
+            if set(experts) != set(self.model.layers) or over or any(not v for v in experts.values()):
                 raise RuntimeError(f"assignment strategy {self.assignment.name} produced an invalid plan for {d}")
         if not plan.assignments:
             if number != self._idle_round:
@@ -203,7 +231,13 @@ class RoundEngine:
         rnd = _Round(number, now, now + self.settings.round_timeout_s,
                      {d: {k: sorted(v) for k, v in e.items()} for d, e in plan.assignments.items()},
                      plan.info, seconds)
+        rnd.train = dict(plan.train)
         self.current = rnd
+        self.store.put_json("current_round", {
+            "number": number, "started": rnd.started, "deadline": rnd.deadline, "plan_info": _jsonable(plan.info),
+            "assignment_seconds": seconds, "train": rnd.train,
+            "selected": {d: {str(k): v for k, v in e.items()} for d, e in rnd.selected.items()},
+        })
         for device_id, experts in rnd.selected.items():
             self._send_assignment(rnd, device_id, experts, plan.train.get(device_id))
         log.info("round %d: %d devices assigned (%s, %.3f s)", number, len(rnd.selected), self.assignment.name, seconds)
@@ -213,14 +247,17 @@ class RoundEngine:
     def _send_assignment(self, rnd: _Round, device_id: str, experts: Experts,
                          train: dict[str, Any] | None = None) -> None:
         dev = self.registry.get(device_id)
+        fmt = self.format_for(dev)
+        if self.ensure_shards is not None:
+            self.ensure_shards(fmt)
         state = encode_tensors(self.model.state_for(experts, dev.task), "fp32")
         ref = self.wire.publish_blob(self.topics.down(device_id, "state"), state, "state", rnd.number,
                                      uuid.uuid4().hex[:16])
         msg = Assignment(
             round=rnd.number, model_version=self.model.version, model=self.model.spec, task=dev.task,
             labels=self.model.tasks[dev.task], experts=experts,
-            shards=self.model.manifests(experts, self.topics, self.wire.chunk_payload_bytes),
-            weight_format=self.model.weight_format, state=ref,
+            shards=self.model.manifests(experts, self.topics, self.wire.chunk_payload_bytes, fmt),
+            weight_format=fmt, state=ref, attempt=rnd.attempts.get(device_id, 0),
             train=TrainConfig.model_validate({**self.settings.train.model_dump(), **train}) if train else self.settings.train, deadline=rnd.deadline,
         )
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
@@ -239,11 +276,55 @@ class RoundEngine:
 
     def on_ack(self, device_id: str, ack: Ack) -> None:
         rnd = self._check_current(device_id, ack.round, "ack")
-        if rnd is None or device_id in rnd.acks:
+        if rnd is None or ack.attempt != rnd.attempts.get(device_id, 0):
+            return
+        if device_id in rnd.acks:
             return
         rnd.acks[device_id] = ack
+        self.store.put_json(f"inflight/{rnd.number}/ack/{device_id}", ack.model_dump(mode="json"))
         if not ack.accepted:
             log.warning("round %d: %s refused its assignment: %s", rnd.number, device_id, ack.reason)
+            if ack.needed_bytes is not None and ack.budget_bytes is not None and device_id not in rnd.updates:
+                self._reassign(rnd, device_id, ack)
+
+    MAX_ATTEMPTS = 3
+
+    def _reassign(self, rnd: _Round, device_id: str, ack: Ack) -> None:
+        """Shrink a device's assignment to what its (updated) budget holds and send it
+        again as the next attempt (module docstring, step 4)."""
+        self.registry.update_memory(device_id, ack.budget_bytes, ack.runtime_bytes)
+        dev = self.registry.get(device_id)
+        attempt = rnd.attempts.get(device_id, 0) + 1
+        before = rnd.selected[device_id]
+        experts = {k: list(v) for k, v in before.items()}
+        need = self.memory_fn(dev)
+        while need(experts) > dev.budget_bytes:
+            layer = max(experts, key=lambda k: (len(experts[k]), -k))
+            if len(experts[layer]) <= 1:
+                break
+            experts[layer] = experts[layer][:-1]
+        fits = need(experts) <= dev.budget_bytes
+        info = {"attempt": attempt, "reason": ack.reason, "budget_bytes": dev.budget_bytes,
+                "needed_bytes": ack.needed_bytes, "from": {str(k): v for k, v in before.items()},
+                "to": {str(k): v for k, v in experts.items()} if fits else None}
+        rnd.reassigned[device_id] = info
+        if not fits or attempt > self.MAX_ATTEMPTS or experts == before:
+            log.warning("round %d: %s cannot be reassigned within %.0f MiB; it sits this round out", rnd.number,
+                        device_id, dev.budget_bytes / 2**20)
+            info["to"] = None
+            return
+        rnd.acks.pop(device_id, None)
+        self.store.delete(f"inflight/{rnd.number}/ack/{device_id}")
+        rnd.attempts[device_id] = attempt
+        rnd.selected[device_id] = experts
+        cur = self.store.get_json("current_round")
+        if cur is not None and cur.get("number") == rnd.number:
+            cur["selected"][device_id] = {str(k): v for k, v in experts.items()}
+            cur.setdefault("attempts", {})[device_id] = attempt
+            self.store.put_json("current_round", cur)
+        log.info("round %d: %s reassigned within its budget (%s -> %s experts per layer, attempt %d)", rnd.number,
+                 device_id, [len(v) for v in before.values()], [len(v) for v in experts.values()], attempt)
+        self._send_assignment(rnd, device_id, experts, rnd.train.get(device_id))
 
     def on_update(self, device_id: str, blob: Blob) -> None:
         rnd = self._check_current(device_id, blob.header.round, "update")
@@ -262,6 +343,7 @@ class RoundEngine:
             self.reject(device_id, rnd.number, f"update rejected: {e}")
             return
         rnd.updates[device_id] = (blob.header.sha, tensors)
+        self.store.put_blob(f"inflight/{rnd.number}/update/{device_id}", blob.data)
         self._maybe_report(rnd, device_id)
 
     def on_stats(self, device_id: str, stats: Stats) -> None:
@@ -277,6 +359,7 @@ class RoundEngine:
             self.reject(device_id, rnd.number, f"stats rejected: {problem}")
             return
         rnd.stats[device_id] = stats
+        self.store.put_json(f"inflight/{rnd.number}/stats/{device_id}", stats.model_dump(mode="json"))
         self._maybe_report(rnd, device_id)
 
     def _stats_problem(self, stats: Stats, experts: Experts, task: str) -> str | None:
@@ -322,7 +405,6 @@ class RoundEngine:
             if rnd.reported(d):
                 st = rnd.stats[d]
                 results.append(ClientResult(d, dev.task, st.num_samples, experts, rnd.updates[d][1], st))
-                self.registry.accepted(d, st)
             else:
                 ack = rnd.acks.get(d)
                 reason = rnd.rejected.get(d) or (ack.reason if ack is not None and not ack.accepted else None)
@@ -330,7 +412,11 @@ class RoundEngine:
         need = max(1, math.ceil(self.settings.quorum * len(rnd.selected)))
         status = "ok" if len(results) >= need else "no_quorum"
         if status == "ok":
-            self.model.set_state(self.aggregation.aggregate(rnd.number, self.model.state, results, failures))
+            agg = results
+            if self.settings.train.router == "private":  # client-private gating: router rows stay on the devices
+                agg = [replace(r, state={k: v for k, v in r.state.items() if not k.startswith("router.")})
+                       for r in results]
+            self.model.set_state(self.aggregation.aggregate(rnd.number, self.model.state, agg, failures))
         else:
             log.warning("round %d: %d/%d updates, quorum %d not met; global model unchanged", rnd.number,
                         len(results), len(rnd.selected), need)
@@ -342,7 +428,10 @@ class RoundEngine:
         record = self._record(rnd, results, failures, status, ev, load)
         for r in results:
             self.previous[r.device_id] = r.experts
-        self._persist(record)
+        with self.store.transaction():
+            for r in results:
+                self.registry.accepted(r.device_id, r.stats)
+            self._persist(record)
         self.current = None
         self.completed = rnd.number
         log.info("round %d closed (%s): accuracy %s, %d/%d updates, %.1f s", rnd.number, status,
@@ -359,10 +448,12 @@ class RoundEngine:
             st, dev = r.stats, self.registry.get(r.device_id)
             devices[r.device_id] = {
                 "task": r.task, "bytes_up": st.bytes_up, "bytes_down": st.bytes_down,
+                "payload_up": st.payload_up, "payload_down": st.payload_down,
                 "peak_rss_bytes": st.peak_rss_bytes, "baseline_rss_bytes": st.baseline_rss_bytes,
                 "budget_bytes": dev.budget_bytes, "experts": {str(k): v for k, v in r.experts.items()},
                 "shards_fetched": st.shards_fetched, "samples": st.num_samples, "val_accuracy": st.val_accuracy,
                 "train_loss": st.train_loss, "train_seconds": st.train_seconds,
+                "predicted_peak_bytes": st.predicted_peak_bytes, "weight_format": st.weight_format,
             }
         local = [r.stats.val_accuracy for r in results if r.stats.val_accuracy is not None]
         return {
@@ -383,6 +474,7 @@ class RoundEngine:
             "assignment_status": rnd.plan_info.get("status", "ok"),
             "selected": sorted(rnd.selected),
             "failures": {f.device_id: f.reason for f in failures},
+            "reassigned": rnd.reassigned,
             "devices": devices,
         }
 
@@ -395,6 +487,8 @@ class RoundEngine:
                             {d: {str(k): v for k, v in e.items()} for d, e in self.previous.items()})
         self.store.save_round(record)
         self.store.put_json("last_round", record["round"])
+        self.store.delete("current_round")
+        self.store.delete_prefix(f"inflight/{record['round']}/")
 
     def restore(self) -> None:
         """Load the persisted global state and strategy states (after a restart)."""
@@ -405,3 +499,65 @@ class RoundEngine:
             log.info("resumed global state after round %d", self.completed)
         self.assignment.load_state_dict(self.store.get_json("assignment_state", {}))
         self.aggregation.load_state_dict(self.store.get_json("aggregation_state", {}))
+        self._restore_round()
+
+    def _restore_round(self) -> None:
+        """Rebuild the round that was open when the aggregator stopped, with the acks,
+        updates and statistics it had accepted (each validated again)."""
+        cur = self.store.get_json("current_round")
+        if cur is None:
+            return
+        if cur["number"] != self.completed + 1:
+            log.warning("discarding stored in-flight round %s (last closed round is %d)", cur["number"],
+                        self.completed)
+            self.store.delete("current_round")
+            self.store.delete_prefix(f"inflight/{cur['number']}/")
+            return
+        rnd = _Round(cur["number"], cur["started"], cur["deadline"],
+                     {d: {int(k): v for k, v in e.items()} for d, e in cur["selected"].items()},
+                     cur.get("plan_info", {}), cur.get("assignment_seconds", 0.0), train=cur.get("train", {}),
+                     attempts={d: int(a) for d, a in cur.get("attempts", {}).items()})
+        prefix = f"inflight/{rnd.number}/"
+        for d in rnd.selected:
+            ack = self.store.get_json(f"{prefix}ack/{d}")
+            if ack is not None:
+                rnd.acks[d] = Ack.model_validate(ack)
+            st = self.store.get_json(f"{prefix}stats/{d}")
+            if st is not None:
+                rnd.stats[d] = Stats.model_validate(st)
+            data = self.store.get_blob(f"{prefix}update/{d}")
+            dev = self.registry.get(d)
+            if data is not None and dev is not None:
+                expected = self.model.expected_for(rnd.selected[d], dev.task)
+                rnd.updates[d] = (sha256_hex(data), decode_tensors(data, self.settings.max_update_bytes, expected))
+        self.current = rnd
+        log.info("resumed round %d: %d selected, %d updates and %d stats already accepted", rnd.number,
+                 len(rnd.selected), len(rnd.updates), len(rnd.stats))
+
+    def resend_assignments(self) -> int:
+        """Send the open round's assignment again to every selected device that has not
+        reported (after a restart; devices ignore an assignment they already have).
+
+        Returns:
+            How many assignments were sent.
+        """
+        rnd = self.current
+        if rnd is None:
+            return 0
+        n = 0
+        for d, experts in rnd.selected.items():
+            if not rnd.finished(d) and self.registry.get(d) is not None:
+                self._send_assignment(rnd, d, experts, rnd.train.get(d))
+                n += 1
+        return n
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` if JSON can hold it, else its ``str`` (plan info is free-form)."""
+    import json
+
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return json.loads(json.dumps(value, default=str))

@@ -5,6 +5,18 @@
 engine (schema, topic/device-id agreement, known device, chunk checksums, size
 limits); a message that fails is logged with its reason and, where a device can be
 named, answered on that device's ``down/command`` topic with a ``reject``.
+
+Security (``device_keys`` set, see ``fedmoe provision``): only provisioned devices may
+register, and every update chunk and stats message must carry a valid Ed25519
+signature of its device (:mod:`protocol.signing`); unsigned, forged, replayed and
+mismatched (topic vs. signed device) messages are rejected. The MQTT account and TLS
+come from ``credentials`` / ``tls_ca``.
+
+Durability: the aggregator's MQTT session is persistent (fixed client id,
+``clean_start`` false once the store holds state, ``session_expiry_s``), so QoS 1
+messages published while it is down are delivered when it comes back; a restarted
+aggregator resumes the open round from its store, drains what the broker queued for it,
+re-sends assignments to devices that have not reported, and closes the round as usual.
 """
 
 from __future__ import annotations
@@ -19,7 +31,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from edge_sdk.data import encode_labels, load_text_file
-from protocol.chunking import DEFAULT_CHUNK_BYTES, ChunkError, Reassembler
+from protocol.chunking import DEFAULT_CHUNK_BYTES, ChunkError, Reassembler, parse_chunk
+from protocol.codec import sha256_hex
+from protocol.signing import SignatureError
 from protocol.messages import (
     Ack, Command, Hello, MessageError, ModelSpec, Progress, Stats, Status, TrainConfig, WeightFormat, encode,
     parse_message,
@@ -73,6 +87,9 @@ class AggregatorConfig(BaseModel):
     aggregation: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="modular"))
     train: TrainConfig = Field(default_factory=TrainConfig)
     weight_format: WeightFormat = "int8"
+    """Primary format of the base shards (the cloud evaluates with these weights)."""
+    weight_formats: list[WeightFormat] = Field(default_factory=list)
+    """Further formats served to devices that prefer them (published on first use)."""
     max_payload: int = Field(DEFAULT_CHUNK_BYTES, ge=4096)
     max_update_bytes: int = Field(256 * 1024**2, gt=0)
     store: str = "sqlite:///fedmoe-aggregator.db"
@@ -89,6 +106,16 @@ class AggregatorConfig(BaseModel):
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    credentials: str | None = None
+    """JSON file with ``username``/``password`` (and optionally ``tls_ca``) for the broker
+    (``aggregator.json`` from ``fedmoe provision``)."""
+    device_keys: str | None = None
+    """JSON file device id -> Ed25519 public key; when set, signatures are required."""
+    session_expiry_s: int = Field(7 * 24 * 3600, ge=0)
+    """How long the broker keeps the aggregator's session (and queued messages) while it is down."""
+    resume_drain_s: float = Field(3.0, ge=0)
+    """After a restart the resumed round stays open at least this many seconds, so the
+    messages the broker queued for the session are handled before it closes."""
     shared_group: str | None = None
     """Subscribe through ``$share/{group}/...`` so several workers split the load
     (MQTT 5 brokers only; chunks of one upload must then reach one worker, so use it
@@ -120,14 +147,32 @@ class Aggregator:
             torch.set_num_threads(config.threads)
         self.topics = Topics(config.federation)
         self.store = Store(config.store)
+        fresh = self.store.is_empty()
+        if config.credentials:
+            from fedmoe.provision import load_credentials
+
+            cred = load_credentials(config.credentials)
+            config = config.model_copy(update={
+                "username": config.username or cred["username"], "password": config.password or cred.get("password"),
+                "tls_ca": config.tls_ca or (cred.get("tls_ca") if broker.startswith(("mqtts", "ssl")) else None)})
+            self.cfg = config
+        self.verifier = None
+        if config.device_keys:
+            from fedmoe.provision import load_device_keys
+            from protocol.signing import ReplayGuard, Verifier
+
+            self.verifier = Verifier(load_device_keys(config.device_keys))
+            self.replays = ReplayGuard()
+            log.info("signatures required; %d device keys loaded", len(self.verifier.keys))
         self.registry = Registry(self.store)
         tasks = {name: t.labels for name, t in config.tasks.items()}
-        self.model = GlobalModel(config.model, tasks, config.weight_format)
+        self.model = GlobalModel(config.model, tasks, config.weight_format, formats=config.weight_formats)
         self.eval_data = self._eval_sets(eval_data or {})
         tls = TlsConfig(config.tls_ca, config.tls_cert, config.tls_key) if config.tls_ca else None
         self.transport = Transport(broker, f"fedmoe-aggregator-{config.federation}", protocol=config.protocol,
                                    username=config.username, password=config.password, tls=tls,
-                                   max_payload=config.max_payload)
+                                   max_payload=config.max_payload, clean_start="first_only" if fresh else False,
+                                   session_expiry_s=config.session_expiry_s, manual_ack=True)
         assignment = get_assignment(config.assignment.name)(
             self.model.layers, config.model.num_experts, seed=config.seed, **config.assignment.params)
         aggregation = get_aggregation(config.aggregation.name)(**config.aggregation.params)
@@ -135,12 +180,19 @@ class Aggregator:
                                  config.max_update_bytes, config.eval_batch_size, config.seed)
         self.engine = RoundEngine(self.model, self.registry, self.store, assignment, aggregation, self, self.topics,
                                   settings, self.eval_data, self._reject, self._progress)
+        self.engine.ensure_shards = self._ensure_shards
+        self._published_formats: set[str] = set()
         self.engine.restore()
         self.updates = Reassembler(config.max_update_bytes)
+        self._reload_chunks()
         self.records: list[dict[str, Any]] = self.store.rounds()
         self.initial: dict[str, Any] | None = self.store.get_json("initial_evaluation")
         self._stop = threading.Event()
         self.rejected = 0
+        self.duplicates = 0
+        self.internal_errors = 0
+        """Messages dropped because handling them raised an unexpected error (a bug)."""
+        """Exact repeats of signed messages (QoS 1 redeliveries, replays) ignored."""
 
     def _eval_sets(self, given: dict[str, Sequence[tuple[Any, Any]]]) -> dict[str, list]:
         out = {}
@@ -201,11 +253,15 @@ class Aggregator:
         self.transport.subscribe(f"$share/{self.cfg.shared_group}/{up}" if self.cfg.shared_group else up)
         self._publish_shards()
         try:
+            resumed = self.engine.current is not None
+            if resumed:
+                self._resume()
             if self.initial is None:
                 self.initial = self.engine.evaluate()
                 self.store.put_json("initial_evaluation", self.initial)
                 log.info("initial accuracy: %s", self.initial["accuracy"])
-            self._wait_for_devices()
+            if not resumed:
+                self._wait_for_devices()
             while not self._stop.is_set() and self.engine.completed < self.cfg.rounds:
                 if self.engine.current is None and not self.engine.start_round():
                     self._pump(1.0)
@@ -215,16 +271,38 @@ class Aggregator:
                 if self.engine.current is not None and not self._stop.is_set():
                     self.records.append(self.engine.close_round())
                     self.updates = Reassembler(self.cfg.max_update_bytes)
+                    self.store.delete_prefix("chunks/")
+                    if self.verifier is not None:
+                        self.replays.prune(self.engine.completed + 1)
             self._progress("done", self.engine.completed, {})
             if self.cfg.stop_devices_when_done and not self._stop.is_set():
                 for dev in self.registry.devices.values():
                     self.transport.publish(self.topics.down(dev.device_id, "command"), encode(Command(command="stop")))
         finally:
+            finished = self.engine.completed >= self.cfg.rounds
             if self.cfg.clear_retained_on_exit:
                 self._clear_retained()
-            self.transport.close()
+            self.transport.close(end_session=finished)
             self.store.close()
         return self.records
+
+    def _resume(self) -> None:
+        """Take in what the broker queued while we were down, re-send assignments, and
+        keep the resumed round open at least ``resume_drain_s`` more seconds."""
+        rnd = self.engine.current
+        log.info("resuming round %d (session present: %s); draining queued messages", rnd.number,
+                 self.transport.session_present)
+        start = last = time.monotonic()
+        while time.monotonic() - last < 0.5 and time.monotonic() - start < self.cfg.resume_drain_s:
+            m = self.transport.get(0.1)
+            if m is not None:
+                self._handle(m.topic, m.payload, m.properties)
+                self.transport.ack(m)
+                last = time.monotonic()
+        n = self.engine.resend_assignments()
+        rnd.deadline = max(rnd.deadline, time.time() + self.cfg.resume_drain_s)
+        log.info("round %d resumed: %d/%d reported, assignment re-sent to %d devices", rnd.number,
+                 sum(rnd.reported(d) for d in rnd.selected), len(rnd.selected), n)
 
     def _wait_for_devices(self) -> None:
         deadline = time.time() + self.cfg.start_timeout_s
@@ -241,20 +319,30 @@ class Aggregator:
                 raise TimeoutError(f"only {n}/{self.cfg.min_devices} devices joined in {self.cfg.start_timeout_s} s")
             self._pump(0.5)
 
-    def _shard_items(self):
-        for sid, data in self.model.shard_bytes.items():
-            prefix = self.topics.shard_prefix(self.model.version, sid)
-            yield sid, prefix, data
+    def _shard_items(self, formats=None):
+        for fmt in formats if formats is not None else sorted(self._published_formats):
+            for sid, data in self.model.encoded[fmt].items():
+                prefix = self.topics.shard_prefix(self.model.version, sid, fmt)
+                yield sid, prefix, data, fmt
 
-    def _publish_shards(self) -> None:
+    def _publish_shards(self, fmt: str | None = None) -> None:
+        """Publish the base shards of ``fmt`` (default: the primary format) as retained messages."""
+        fmt = fmt or self.model.weight_format
         t0 = time.perf_counter()
         total = 0
-        for sid, prefix, data in self._shard_items():
+        for sid, prefix, data, _ in self._shard_items([fmt]):
             self.transport.publish_blob(lambda i, p=prefix: f"{p}/{i}", data, "shard", self.model.version,
-                                        transfer_id=f"shard-{self.model.shard_sha[sid][:32]}", retain=True)
+                                        transfer_id=f"shard-{self.model.sha[fmt][sid][:32]}", retain=True)
             total += len(data)
-        log.info("published %d base shards (%.1f MiB, retained) in %.1f s", len(self.model.shard_bytes),
+        self._published_formats.add(fmt)
+        log.info("published %d %s base shards (%.1f MiB, retained) in %.1f s", len(self.model.encoded[fmt]), fmt,
                  total / 2**20, time.perf_counter() - t0)
+
+    def _ensure_shards(self, fmt: str) -> None:
+        """Publish ``fmt``'s shards the first time a device is assigned that format (the
+        primary format's shards are published when :meth:`run` starts)."""
+        if fmt != self.model.weight_format and fmt not in self._published_formats:
+            self._publish_shards(fmt)
 
     def _clear_retained(self) -> None:
         """Delete our retained shard messages (an empty retained payload clears a topic)."""
@@ -262,7 +350,7 @@ class Aggregator:
 
         step = chunk_data_bytes(self.transport.chunk_payload_bytes)
         items = []
-        for _, prefix, data in self._shard_items():
+        for _, prefix, data, _ in self._shard_items():
             items += [(f"{prefix}/{i}", b"", True) for i in range(max(1, -(-len(data) // step)))]
         try:
             self.transport.publish_many(items)
@@ -274,10 +362,15 @@ class Aggregator:
         """Handle every message already queued, waiting up to ``timeout`` for the first."""
         m = self.transport.get(timeout)
         while m is not None:
-            self._handle(m.topic, m.payload)
+            self._handle(m.topic, m.payload, m.properties)
+            self.transport.ack(m)  # only now: a crash before this makes the broker redeliver it
             m = self.transport.get(0)
 
-    def _handle(self, topic: str, payload: bytes) -> None:
+    def _handle(self, topic: str, payload: bytes, props: dict[str, str] | None = None) -> None:
+        """Validate one incoming message and hand it to the registry or the round engine.
+
+        Never raises for bad input: it is rejected with a reply (see the module docstring).
+        """
         try:
             device_id, direction, kind = self.topics.parse_device_topic(topic)
         except ValueError as e:
@@ -298,24 +391,90 @@ class Aggregator:
                     return
                 msg = parse_message(payload, Hello)
                 self._same_device(device_id, msg.device_id)
+                if self.verifier is not None and not self.verifier.knows(device_id):
+                    raise MessageError(f"unknown device {device_id!r}: not provisioned")
                 self.registry.register(msg)
                 return
             if self.registry.get(device_id) is None:
                 raise MessageError(f"unknown device {device_id!r}: send hello first")
             if kind == "update":
+                if self.verifier is not None and not self._signed_chunk(device_id, payload, props or {}):
+                    return
                 blob = self.updates.add(device_id, payload)
                 if blob is not None:
+                    self._forget_chunks(device_id, blob.header.round, blob.header.id)
                     self.engine.on_update(device_id, blob)
+                else:
+                    self._keep_chunk(device_id, payload)
             elif kind == "stats":
                 msg = parse_message(payload, Stats)
                 self._same_device(device_id, msg.device_id)
+                if self.verifier is not None and not self._signed_stats(device_id, payload, msg, props or {}):
+                    return
                 self.engine.on_stats(device_id, msg)
             elif kind == "ack":
                 msg = parse_message(payload, Ack)
                 self._same_device(device_id, msg.device_id)
                 self.engine.on_ack(device_id, msg)
-        except (MessageError, ChunkError) as e:
+        except (MessageError, ChunkError, SignatureError) as e:
             self._reject(device_id, None, f"{kind} rejected: {e}")
+        except Exception as e:  # a bug must not take the service down; the message is dropped
+            self.internal_errors += 1
+            log.exception("internal error handling %s from %s", kind, device_id)
+            self._reject(device_id, None, f"{kind} rejected: internal error ({type(e).__name__})")
+
+    # Chunks of an incomplete update are acknowledged to the broker, so they are kept in
+    # the store until the update completes: a restarted aggregator reloads them.
+    def _keep_chunk(self, device_id: str, payload: bytes) -> None:
+        header, _ = parse_chunk(payload, self.cfg.max_update_bytes)
+        if self.updates.progress(device_id, header.round, header.id)[0] and header.n > 1:
+            self.store.put_blob(f"chunks/{header.round}/{device_id}/{header.id}/{header.seq}", payload)
+
+    def _forget_chunks(self, device_id: str, round_: int, transfer_id: str) -> None:
+        if self.store.blob_keys(f"chunks/{round_}/{device_id}/{transfer_id}/"):
+            self.store.delete_prefix(f"chunks/{round_}/{device_id}/{transfer_id}/")
+
+    def _reload_chunks(self) -> None:
+        """Feed the chunks of incomplete updates kept in the store back into reassembly."""
+        for key in self.store.blob_keys("chunks/"):
+            _, rnd, device_id, _, _ = key.split("/", 4)
+            if self.engine.current is None or int(rnd) != self.engine.current.number:
+                self.store.delete(key)
+                continue
+            try:
+                self.updates.add(device_id, self.store.get_blob(key))
+            except ChunkError as e:
+                log.warning("dropped stored chunk %s: %s", key, e)
+
+    def _signed_chunk(self, device_id: str, payload: bytes, props: dict[str, str]) -> bool:
+        """Verify an update chunk's signature against its header. False: a duplicate to ignore.
+
+        Raises:
+            SignatureError, ChunkError: unsigned, forged, mismatched or malformed.
+        """
+        signed = self.verifier.verify("update", device_id, props)
+        header, _ = parse_chunk(payload, self.cfg.max_update_bytes)
+        if (header.round, header.id, header.sha) != (signed.round, signed.upload_id, signed.sha256):
+            raise SignatureError("update chunk does not match its signature (round, upload id or sha256)")
+        if header.seq == 0:
+            self.replays.check(device_id, "update", signed)
+        return True
+
+    def _signed_stats(self, device_id: str, payload: bytes, msg: Stats, props: dict[str, str]) -> bool:
+        """Verify a stats message's signature. False: an exact repeat (QoS 1 duplicate).
+
+        Raises:
+            SignatureError: unsigned, forged, mismatched, or a replayed signature.
+        """
+        signed = self.verifier.verify("stats", device_id, props)
+        if signed.sha256 != sha256_hex(payload) or signed.round != msg.round or \
+                signed.upload_id != msg.update.transfer_id:
+            raise SignatureError("stats message does not match its signature (payload, round or upload id)")
+        if not self.replays.check(device_id, "stats", signed):
+            self.duplicates += 1
+            log.info("ignored a repeated stats message from %s (round %d)", device_id, msg.round)
+            return False
+        return True
 
     @staticmethod
     def _same_device(topic_id: str, msg_id: str) -> None:

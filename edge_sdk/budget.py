@@ -1,18 +1,32 @@
-"""Memory estimate of a device's training round, used by both sides.
+"""The memory plan of a device's training round, used by both sides.
 
-The cloud sizes assignments with it (how many experts per layer fit a budget) and
-the device checks its assignment against it. The estimate is the sum of:
+:func:`plan` predicts the peak resident memory of a round; the cloud sizes
+assignments with it (how many experts per layer fit a budget: FLEX k_c, FedMoE α·M,
+randomMoE) and the device checks every assignment against it and refuses one that
+does not fit. The plan is the sum of (:class:`MemoryPlan`):
 
 - ``runtime``: the process before any model is built (Python, torch, transformers,
-  tokenizer); measured on the device at start-up, :data:`DEFAULT_RUNTIME_BYTES` when
-  unknown (measured here: 445 MiB RSS on Linux x86-64, torch 2.13, transformers 5.23);
-- ``weights``: base weights as held in memory (fp32 after dequantization);
-- ``adapters``: LoRA A and B, router rows and head (fp32), their gradients and
-  two AdamW moments for the trainable part;
-- ``activations``: the family adapter's estimate for one training step.
+  MQTT); measured on the device at start-up (resident set size), and sent in its
+  ``hello``; :data:`DEFAULT_RUNTIME_BYTES` when unknown (measured here: 445 MiB RSS on
+  Linux x86-64, torch 2.13, transformers 5.23);
+- ``tokenizer``: the family's tokenizer once loaded (:data:`TOKENIZER_BYTES`);
+- ``weights``: base weights as held: the backbone in fp32, each expert linear in the
+  shard format (:func:`edge_sdk.quant.held_bytes`: fp32, bf16, int8 + row scales, nf4
+  + block absmax);
+- ``lora``: LoRA A and B, router rows and head (fp32);
+- ``grads`` and ``optimizer``: gradients and two AdamW moments of the trainable part
+  (LoRA B [and A], router rows, head);
+- ``activations``: the family adapter's estimate for one training step;
+- ``workspace``: the larger of the largest transient dequantized expert weight and the
+  shard fetch window (:data:`FETCH_WINDOW_BYTES`, twice: chunks and the joined blob).
 
-This is a deliberately simple first-order model; ``benchmarks/memory.py`` compares it
-with measured peaks.
+How the device measures what it compares with (``Stats.peak_rss_bytes``): the kernel's
+RSS high-water mark (``VmHWM`` of ``/proc/self/status``, reset at the start of each
+round through ``/proc/self/clear_refs``; ``getrusage`` ``ru_maxrss`` where that is
+unavailable) over the round, which includes the pre-model baseline
+(``Stats.baseline_rss_bytes``, the measured ``runtime``); the model's own peak is the
+difference. ``benchmarks/memory.py`` compares predicted and measured peaks over a
+grid of budgets and formats.
 """
 
 from __future__ import annotations
@@ -26,9 +40,15 @@ from torch import nn
 
 from protocol.messages import ModelSpec
 
-from .models.base import get_adapter
+from .models.base import get_adapter, trains_all_weights
 
 DEFAULT_RUNTIME_BYTES = 445 * 1024**2
+DEFAULT_WEIGHT_FORMAT = "int8"
+"""Format assumed when none is given (the aggregator's default ``weight_format``)."""
+FETCH_WINDOW_BYTES = 8 * 1024**2
+"""Shard bytes a device has in flight at once while fetching (then written to its cache)."""
+TOKENIZER_BYTES = {"bert-upcycled": 12 * 1024**2}
+"""Resident bytes a loaded fast tokenizer adds, per family (measured: all-MiniLM-L6-v2)."""
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 
 
@@ -67,6 +87,10 @@ class ParamCounts:
     router_row: int
     head_per_label: int
     moe_layers: int
+    expert_linears: tuple[tuple[int, int, bool], ...] = ()
+    """``(out_features, in_features, has_bias)`` of each linear of one expert."""
+    expert_other: int = 0
+    """Elements of one expert that are not in its linears."""
 
 
 def param_counts(spec: ModelSpec) -> ParamCounts:
@@ -98,25 +122,105 @@ def _param_counts(spec_json: str) -> ParamCounts:
     bb_lora = sum(r * (m.in_features + m.out_features) for m in att)
     bb_lora_tr = sum(r * m.out_features for m in att) if not spec.lora.train_a else bb_lora
     hidden = model.head.in_features
+    if trains_all_weights(spec):  # no LoRA: every weight trains
+        expert_lora, expert_lora_tr, bb_lora, bb_lora_tr = 0, expert, 0, backbone
+    linears = tuple((m.out_features, m.in_features, m.bias is not None) for m in lin)
+    other = expert - sum(o * i + (o if b else 0) for o, i, b in linears)
     return ParamCounts(backbone, expert, expert_lora, expert_lora_tr, bb_lora, bb_lora_tr, hidden, hidden + 1,
-                       len(layers))
+                       len(layers), linears, other)
 
 
 @dataclass(frozen=True)
-class MemoryEstimate:
-    """Predicted peak bytes of one training round, by component."""
+class MemoryPlan:
+    """Predicted peak bytes of one training round, by component (see the module docstring)."""
 
     runtime: int
     weights: int
-    adapters: int
+    lora: int
+    grads: int
+    optimizer: int
     activations: int
+    tokenizer: int = 0
+    workspace: int = 0
+    weight_format: str = DEFAULT_WEIGHT_FORMAT
+    experts: int = 0
+    """Experts held in all layers together."""
+
+    @property
+    def adapters(self) -> int:
+        """LoRA, router rows and head with their gradients and optimizer state."""
+        return self.lora + self.grads + self.optimizer
 
     @property
     def total(self) -> int:
-        return self.runtime + self.weights + self.adapters + self.activations
+        return (self.runtime + self.tokenizer + self.weights + self.lora + self.grads + self.optimizer
+                + self.activations + self.workspace)
 
-    def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
+    def as_dict(self) -> dict[str, int | str]:
+        return {**asdict(self), "adapters": self.adapters, "total": self.total}
+
+
+MemoryEstimate = MemoryPlan
+"""Former name of :class:`MemoryPlan`."""
+
+
+def _count(c: ParamCounts, experts: int | Mapping[int, Sequence[int] | int]) -> int:
+    if isinstance(experts, int):
+        return experts * c.moe_layers
+    return sum(v if isinstance(v, int) else len(v) for v in experts.values())
+
+
+def plan(
+    model_spec: ModelSpec,
+    assignment: int | Mapping[int, Sequence[int] | int],
+    weight_format: str = DEFAULT_WEIGHT_FORMAT,
+    lora_rank: int | None = None,
+    batch: int = 8,
+    seq_len: int | None = None,
+    *,
+    num_labels: int = 2,
+    runtime_bytes: int = DEFAULT_RUNTIME_BYTES,
+) -> MemoryPlan:
+    """Predict the peak memory of a round training ``assignment`` (module docstring).
+
+    Args:
+        model_spec: the model.
+        assignment: experts held per MoE layer (the same count in every layer), or per
+            layer the expert ids or their count (layers may differ).
+        weight_format: the format the expert shards are held in (fp32, bf16, int8, nf4).
+        lora_rank, seq_len: override the spec's LoRA rank / maximum sequence length.
+        batch: training batch size.
+        num_labels: classes of the task head.
+        runtime_bytes: the process's measured baseline (``runtime``).
+
+    Returns:
+        The breakdown; ``.total`` is the predicted peak RSS in bytes.
+
+    Raises:
+        ValueError: unknown weight format.
+    """
+    from .quant import held_bytes, workspace_bytes
+
+    spec = model_spec
+    upd: dict = {}
+    if lora_rank is not None and lora_rank != spec.lora.rank:
+        upd["lora"] = spec.lora.model_copy(update={"rank": int(lora_rank)})
+    if seq_len is not None and seq_len != spec.max_seq_len:
+        upd["max_seq_len"] = int(seq_len)
+    if upd:
+        spec = spec.model_copy(update=upd)
+    c = param_counts(spec)
+    n = _count(c, assignment)
+    expert = sum(held_bytes(o, i, weight_format, b) for o, i, b in c.expert_linears) + 4 * c.expert_other \
+        if c.expert_linears else 4 * c.expert
+    weights = 4 * c.backbone + n * expert
+    trainable = n * (c.expert_lora_trainable + c.router_row) + c.backbone_lora_trainable + c.head_per_label * num_labels
+    lora = 4 * (n * (c.expert_lora + c.router_row) + c.backbone_lora + c.head_per_label * num_labels)
+    acts = get_adapter(spec.family).activation_bytes(spec, batch)
+    work = max([workspace_bytes(o, i, weight_format) for o, i, _ in c.expert_linears] + [2 * FETCH_WINDOW_BYTES])
+    return MemoryPlan(runtime_bytes, weights, lora, 4 * trainable, 8 * trainable, acts,
+                      TOKENIZER_BYTES.get(spec.family, 0) if spec.tokenizer or spec.base else 0, work,
+                      weight_format, n)
 
 
 def estimate(
@@ -125,34 +229,29 @@ def estimate(
     batch_size: int,
     num_labels: int,
     runtime_bytes: int = DEFAULT_RUNTIME_BYTES,
-) -> MemoryEstimate:
-    """Estimate peak bytes for a device training with ``batch_size``.
+    weight_format: str = DEFAULT_WEIGHT_FORMAT,
+) -> MemoryPlan:
+    """:func:`plan` with the spec's LoRA rank and sequence length (the cloud's and the
+    device's call).
 
     Args:
         experts: experts held per MoE layer (the same count in every layer), or per layer
             either the expert ids or their count (layers may differ).
     """
-    c = param_counts(spec)
-    if isinstance(experts, int):
-        n = experts * c.moe_layers
-    else:
-        n = sum(v if isinstance(v, int) else len(v) for v in experts.values())
-    weights = 4 * (c.backbone + n * c.expert)
-    lora = n * c.expert_lora + c.backbone_lora
-    trainable = n * (c.expert_lora_trainable + c.router_row) + c.backbone_lora_trainable + c.head_per_label * num_labels
-    adapters = 4 * (lora + 3 * trainable)
-    acts = get_adapter(spec.family).activation_bytes(spec, batch_size)
-    return MemoryEstimate(runtime_bytes, weights, adapters, acts)
+    return plan(spec, experts, weight_format, batch=batch_size, num_labels=num_labels, runtime_bytes=runtime_bytes)
 
 
 def max_experts_per_layer(
-    spec: ModelSpec, budget_bytes: int, batch_size: int, num_labels: int, runtime_bytes: int = DEFAULT_RUNTIME_BYTES
+    spec: ModelSpec, budget_bytes: int, batch_size: int, num_labels: int, runtime_bytes: int = DEFAULT_RUNTIME_BYTES,
+    weight_format: str = DEFAULT_WEIGHT_FORMAT,
 ) -> int:
-    """Largest experts-per-layer count (0..E) whose :func:`estimate` fits ``budget_bytes``."""
+    """Largest experts-per-layer count (0..E) whose :func:`plan` fits ``budget_bytes``."""
     best = 0
     for k in range(1, spec.num_experts + 1):
-        if estimate(spec, k, batch_size, num_labels, runtime_bytes).total <= budget_bytes:
+        if estimate(spec, k, batch_size, num_labels, runtime_bytes, weight_format).total <= budget_bytes:
             best = k
+        else:
+            break
     return best
 
 

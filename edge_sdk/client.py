@@ -30,7 +30,7 @@ import torch
 
 from protocol import topics as T
 from protocol.chunking import ChunkError, Reassembler
-from protocol.codec import CodecError, decode_tensors, encode_tensors
+from protocol.codec import CodecError, decode_tensors, encode_tensors, sha256_hex
 from protocol.messages import (
     Ack, Assignment, Command, Hello, MessageError, Stats, Status, encode, parse_message,
 )
@@ -61,6 +61,9 @@ class RoundSummary:
     shards_fetched: list[str]
     experts: dict[int, list[int]]
     seconds: float
+    predicted_peak_bytes: int = 0
+    """The memory plan's total for the round (compare with ``peak_rss_bytes``)."""
+    weight_format: str = ""
 
 
 @dataclass
@@ -99,6 +102,17 @@ class EdgeClient:
         low_memory: serve large allocations by mmap so freed activations return to
             the OS (:func:`edge_sdk.budget.tune_allocator`): about half the peak memory
             for about 35% slower steps (measured on MiniLM, see its docstring).
+        signing_key: this device's Ed25519 key (base64 from ``fedmoe provision``, or a
+            key object); updates and stats are then signed (:mod:`protocol.signing`,
+            needs MQTT 5 for the user properties).
+        cache_max: size limit of the shard cache directory (bytes or ``"2GiB"``); least
+            recently used shards not needed this round are evicted beyond it.
+
+    The budget may be lowered while the client runs (``client.budget_bytes = ...``, e.g.
+    when the device application needs memory): the next assignment that no longer fits
+    is refused with the new budget, and the cloud reassigns within it.
+
+    :meth:`from_credentials` builds a client from a provisioned credentials file.
     """
 
     def __init__(
@@ -122,6 +136,8 @@ class EdgeClient:
         max_payload: int | None = None,
         runtime_bytes: int | None = None,
         low_memory: bool = True,
+        signing_key: Any = None,
+        cache_max: int | str | None = None,
     ):
         self.device_id = T.check_id(device_id, "device id")
         self.topics = T.Topics(federation)
@@ -135,7 +151,8 @@ class EdgeClient:
             torch.set_num_threads(threads)
         if low_memory:
             B.tune_allocator()
-        self.cache = ShardCache(Path(cache_dir) if cache_dir else Path.home() / ".cache" / "fedmoe" / device_id)
+        self.cache = ShardCache(Path(cache_dir) if cache_dir else Path.home() / ".cache" / "fedmoe" / device_id,
+                                B.parse_bytes(cache_max) if cache_max else None)
         status_offline = encode(Status(device_id=device_id, state="offline"))
         kw = {"max_payload": max_payload} if max_payload else {}
         self.transport = Transport(
@@ -145,16 +162,48 @@ class EdgeClient:
         if runtime_bytes is None:
             runtime_bytes = B.current_rss_bytes() or B.DEFAULT_RUNTIME_BYTES
         self.runtime_bytes = runtime_bytes
+        self.signer = None
+        if signing_key is not None:
+            from protocol.signing import Signer, load_private_key
+
+            key = load_private_key(signing_key) if isinstance(signing_key, str) else signing_key
+            self.signer = Signer(self.device_id, key)
+        self.transport.birth = (self.topics.up(device_id, "status"),
+                                encode(Status(device_id=device_id, state="online")))
         self.history: list[RoundSummary] = []
         self._inbox = _Inbox()
         self._shard_rx = Reassembler(2 * 1024**3)
         self._state_rx = Reassembler(MAX_STATE_BYTES)
         self._decoded: dict[str, dict[str, torch.Tensor]] = {}
         self._held: _Held | None = None
+        self._private_router: dict[str, torch.Tensor] = {}
         self._data_cache: tuple[tuple[str, ...], list, list] | None = None
-        self._last_round = -1
+        self._last_round = (-1, -1)
         self._mark = (0, 0)
+        self._blob_bytes_received = 0
+        self._blob_mark = 0
+        """Reassembled tensor-blob bytes received (base shards, adapter state): the payload
+        of ``transport.bytes_received``."""
         self._stop = False
+
+    @classmethod
+    def from_credentials(cls, broker: str, credentials: str | Path, dataset: Sequence[tuple[Any, Any]],
+                         **kwargs: Any) -> "EdgeClient":
+        """A client from a ``fedmoe provision`` credentials file (device id, username,
+        password, signing key, CA file); ``kwargs`` as for the constructor.
+
+        Raises:
+            ValueError: the file is unreadable or lacks a field.
+        """
+        from fedmoe.provision import load_credentials
+
+        info = load_credentials(credentials)
+        if "device_id" not in info or "signing_key" not in info:
+            raise ValueError(f"{credentials} is not a device credentials file")
+        if info.get("tls_ca") and kwargs.get("tls") is None and broker.startswith(("mqtts", "ssl")):
+            kwargs["tls"] = TlsConfig(info["tls_ca"])
+        return cls(broker, info["device_id"], dataset, username=info["username"], password=info.get("password"),
+                   signing_key=info["signing_key"], **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, max_rounds: int | None = None, idle_timeout: float | None = None) -> list[RoundSummary]:
@@ -171,6 +220,8 @@ class EdgeClient:
             protocol.transport.TransportError: the broker cannot be reached.
         """
         self.transport.connect()
+        if self.signer is not None and not self.transport.v5:
+            log.warning("%s: MQTT 3.1.1 has no user properties; signatures cannot be sent", self.device_id)
         self.transport.subscribe(self.topics.device_down(self.device_id))
         status = encode(Status(device_id=self.device_id, state="online"))
         self.transport.publish(self.topics.up(self.device_id, "status"), status, retain=True)
@@ -228,12 +279,14 @@ class EdgeClient:
                 blob = self._shard_rx.add("cloud", m.payload)
                 if blob is not None:
                     self._inbox.shards[blob.header.sha] = blob.data
+                    self._blob_bytes_received += len(blob.data)
                 return True
             _, _, kind = self.topics.parse_device_topic(m.topic)
             if kind == "state":
                 blob = self._state_rx.add("cloud", m.payload)
                 if blob is not None:
                     self._inbox.states[blob.transfer_id] = blob.data
+                    self._blob_bytes_received += len(blob.data)
             elif kind in ("assignment", "command"):
                 self._inbox.controls.append(parse_message(m.payload, Assignment if kind == "assignment" else Command))
         except (ChunkError, MessageError, ValueError) as e:
@@ -257,34 +310,36 @@ class EdgeClient:
 
     # ------------------------------------------------------------------ one round
     def _serve(self, a: Assignment) -> None:
-        if a.round <= self._last_round:
+        if (a.round, a.attempt) <= self._last_round:
             log.info("%s: ignoring stale assignment for round %d", self.device_id, a.round)
             return
-        self._last_round = a.round
+        self._last_round = (a.round, a.attempt)
         try:
             self._train_round(a)
         except (TimeoutError, CodecError, KeyError, ValueError) as e:
             log.error("%s: round %d failed: %s", self.device_id, a.round, e)
-            self._ack(a.round, False, f"round failed on device: {e}")
+            self._ack(a.round, False, f"round failed on device: {e}", attempt=a.attempt)
         except Exception as e:  # keep serving later rounds; the cloud counts this one as failed
             log.exception("%s: round %d failed unexpectedly", self.device_id, a.round)
-            self._ack(a.round, False, f"round failed on device: {type(e).__name__}: {e}")
+            self._ack(a.round, False, f"round failed on device: {type(e).__name__}: {e}", attempt=a.attempt)
 
-    def _ack(self, rnd: int, accepted: bool, reason: str | None = None) -> None:
-        msg = Ack(device_id=self.device_id, round=rnd, accepted=accepted, reason=reason)
+    def _ack(self, rnd: int, accepted: bool, reason: str | None = None, **extra: Any) -> None:
+        msg = Ack(device_id=self.device_id, round=rnd, accepted=accepted, reason=reason, **extra)
         self.transport.publish(self.topics.up(self.device_id, "ack"), encode(msg))
 
     def _train_round(self, a: Assignment) -> None:
         t0 = time.perf_counter()
         B.reset_peak_rss()
         labels = list(a.labels)
-        plan = B.estimate(a.model, a.experts, a.train.batch_size, len(labels), self.runtime_bytes)
+        plan = B.estimate(a.model, a.experts, a.train.batch_size, len(labels), self.runtime_bytes, a.weight_format)
         if plan.total > self.budget_bytes:
-            reason = f"assignment needs ~{plan.total / 2**20:.0f} MiB, budget is {self.budget_bytes / 2**20:.0f} MiB"
+            reason = (f"over budget: the memory plan needs {plan.total / 2**20:.0f} MiB "
+                      f"({a.weight_format}, {plan.experts} experts), budget is {self.budget_bytes / 2**20:.0f} MiB")
             log.warning("%s: refusing round %d: %s", self.device_id, a.round, reason)
-            self._ack(a.round, False, reason)
+            self._ack(a.round, False, reason, attempt=a.attempt, budget_bytes=self.budget_bytes,
+                      runtime_bytes=self.runtime_bytes, needed_bytes=plan.total)
             return
-        self._ack(a.round, True)
+        self._ack(a.round, True, attempt=a.attempt)
         train_items, val_items = self._local_data(labels)
 
         fetched = self._fetch_shards(a)
@@ -293,6 +348,8 @@ class EdgeClient:
         self._wait(lambda: a.state.transfer_id in self._inbox.states, a.deadline, "adapter state")
         state = decode_tensors(self._inbox.states.pop(a.state.transfer_id), MAX_STATE_BYTES, model.expected())
         model.load_adapter_state(state)
+        if a.train.router == "private":
+            self._restore_private_router(model)
 
         stats = ActivationStats(model.model.moe_blocks(), a.model.num_experts, hidden=a.train.collect_hidden)
         result = train_local(model, train_items, a.train, terms=objective_terms(a.train, state), stats=stats,
@@ -301,9 +358,13 @@ class EdgeClient:
         log.info("%s round %d: %d steps, loss %.4f, val acc %s (%.1f s)", self.device_id, a.round, result.steps,
                  result.loss, f"{val.accuracy:.3f}" if val else "n/a", result.seconds)
 
+        if a.train.router == "private":
+            self._keep_private_router(model)
         update = encode_tensors(model.adapter_state(), "fp32")
+        upload_id = uuid.uuid4().hex[:16]
+        sig = self.signer.properties("update", a.round, upload_id, sha256_hex(update)) if self.signer else None
         ref = self.transport.publish_blob(self.topics.up(self.device_id, "update"), update, "update", a.round,
-                                          transfer_id=uuid.uuid4().hex[:16])
+                                          transfer_id=upload_id, user_properties=sig)
         peak = B.peak_rss_bytes()
         topic = self.topics.up(self.device_id, "stats")
         sent0, recv0 = self._mark
@@ -315,7 +376,9 @@ class EdgeClient:
                 train_loss=result.loss, val_loss=val.loss if val else None,
                 val_accuracy=val.accuracy if val else None, layers=stats.layer_stats(), update=ref,
                 train_seconds=result.seconds, bytes_up=bytes_up, bytes_down=down, peak_rss_bytes=peak,
-                baseline_rss_bytes=self.runtime_bytes, shards_fetched=fetched,
+                baseline_rss_bytes=self.runtime_bytes, shards_fetched=fetched, predicted_peak_bytes=plan.total,
+                weight_format=a.weight_format, payload_up=len(update),
+                payload_down=self._blob_bytes_received - self._blob_mark,
             ))
 
         up_before = self.transport.bytes_sent - sent0
@@ -325,12 +388,14 @@ class EdgeClient:
             if total == up:
                 break
             up, payload = total, build(total)
-        self.transport.publish(topic, payload)
+        sig = self.signer.stats_properties(a.round, upload_id, payload) if self.signer else None
+        self.transport.publish(topic, payload, user_properties=sig)
         self._mark = (self.transport.bytes_sent, self.transport.bytes_received)
+        self._blob_mark = self._blob_bytes_received
         B.release_free_memory()
         self.history.append(RoundSummary(
             a.round, result.loss, val.accuracy if val else float("nan"), up, down, peak, fetched,
-            {k: list(v) for k, v in a.experts.items()}, time.perf_counter() - t0,
+            {k: list(v) for k, v in a.experts.items()}, time.perf_counter() - t0, plan.total, a.weight_format,
         ))
 
     def _local_data(self, labels: list[str]) -> tuple[list, list]:
@@ -341,39 +406,69 @@ class EdgeClient:
             self._data_cache = (key, train, val)
         return self._data_cache[1], self._data_cache[2]
 
+    def _restore_private_router(self, model: SubMoE) -> None:
+        """Client-private gating (FLEX-MoE, 000_5c6cd7a163e9f8d7.txt Step 3): router rows
+        this device trained before replace the cloud's; rows of newly held experts start
+        from the cloud's values."""
+        with torch.no_grad():
+            for k, p in model.trainable().items():
+                if k.startswith("router.") and k in self._private_router:
+                    p.copy_(self._private_router[k])
+
+    def _keep_private_router(self, model: SubMoE) -> None:
+        for k, p in model.trainable().items():
+            if k.startswith("router."):
+                self._private_router[k] = p.detach().clone()
+
     def _fetch_shards(self, a: Assignment) -> list[str]:
-        """Make every assigned shard available (memory, then disk cache, then network).
+        """Make every assigned shard available: in memory, else memory-mapped from the
+        disk cache, else fetched from its retained topics (at most
+        :data:`edge_sdk.budget.FETCH_WINDOW_BYTES` in flight), verified, written to the
+        cache and mapped from there. Expert linears stay in the shard's format
+        (:mod:`edge_sdk.quant`); shards of experts not assigned are never touched.
 
         Returns:
             Ids of the shards downloaded from the broker this round.
         """
         fetched = []
         wanted = {m.sha256 for m in a.shards}
+        self.cache.pinned = set(wanted)
         for sha in [s for s in self._decoded if s not in wanted]:
             del self._decoded[sha]
         missing: dict[str, Any] = {}  # sha256 -> manifest; identical shards are fetched once
         for m in a.shards:
             if m.sha256 in self._decoded or m.sha256 in missing:
                 continue
-            data = self.cache.get(m.sha256)
-            if data is None:
+            held = self.cache.load(m.sha256, keep_quantized=m.shard_id != "backbone")
+            if held is None:
                 missing[m.sha256] = m
             else:
-                self._decoded[m.sha256] = decode_shard(data)
+                self._decoded[m.sha256] = held
         if missing:
             self._shard_rx = Reassembler(2 * 1024**3)  # forget earlier fetches of evicted shards
-        for m in missing.values():
-            self.transport.subscribe(m.topic + "/#")
+        pending, active = list(missing.items()), {}
         try:
-            for sha, m in missing.items():
-                self._wait(lambda: sha in self._inbox.shards, a.deadline, f"shard {m.shard_id}")
-                data = self._inbox.shards.pop(sha)
-                self.cache.put(sha, data)
-                self._decoded[sha] = decode_shard(data)
-                fetched.append(m.shard_id)
+            while pending or active:
+                while pending and (not active or sum(x.bytes for x in active.values()) + pending[0][1].bytes
+                                   <= B.FETCH_WINDOW_BYTES):
+                    sha, m = pending.pop(0)
+                    self.transport.subscribe(m.topic + "/#")
+                    active[sha] = m
+                self._wait(lambda: any(s in self._inbox.shards for s in active), a.deadline,
+                           f"shard {next(iter(active.values())).shard_id}")
+                for sha in [s for s in active if s in self._inbox.shards]:
+                    m = active.pop(sha)
+                    self.transport.unsubscribe(m.topic + "/#")
+                    self.cache.put(sha, self._inbox.shards.pop(sha))
+                    fetched.append(m.shard_id)
         finally:
-            for m in missing.values():
+            for m in active.values():
                 self.transport.unsubscribe(m.topic + "/#")
+        for sha, m in missing.items():
+            held = self.cache.load(sha, keep_quantized=m.shard_id != "backbone")
+            if held is None:
+                raise ValueError(f"shard {m.shard_id} vanished from the cache")
+            self._decoded[sha] = held
         return fetched
 
     def _model_for(self, a: Assignment, num_labels: int) -> SubMoE:

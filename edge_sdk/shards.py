@@ -9,15 +9,24 @@ of the adapter state (ALGORITHMS.md §0).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
 import logging
+import mmap
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from protocol.codec import decode_tensors, encode_tensors, sha256_hex
+from protocol.codec import (
+    _DTYPES, ABSMAX_SUFFIX, SCALE_SUFFIX, CodecError, decode_tensors, dequantize_int8, dequantize_nf4,
+    encode_tensors, inspect_header, nf4_shapes, sha256_hex,
+)
 from protocol.topics import parse_shard_id, shard_id
 
 from .models.moe import SparseMoeBlock
@@ -92,27 +101,80 @@ def encode_shard(tensors: dict[str, torch.Tensor], fmt: str) -> bytes:
     return encode_tensors(tensors, fmt)
 
 
-def decode_shard(data: bytes) -> dict[str, torch.Tensor]:
-    """Tensors (fp32 after dequantization) of one shard's bytes.
+def decode_shard(data: bytes, keep_quantized: bool = False) -> dict[str, Any]:
+    """Tensors of one shard's bytes: fp32 after dequantization, or (``keep_quantized``)
+    with every quantized linear weight as a :class:`edge_sdk.quant.QuantLinear` under its
+    module-local path (``fc1``), its bias folded in (see :func:`held_tensors`).
 
     Raises:
         protocol.codec.CodecError: malformed or non-finite.
     """
-    return decode_tensors(data, MAX_SHARD_BYTES)
+    _, meta = inspect_header(data, MAX_SHARD_BYTES)
+    return held_tensors(decode_tensors(data, MAX_SHARD_BYTES, dequantize=False), meta, keep_quantized)
+
+
+def held_tensors(stored: dict[str, torch.Tensor], metadata: dict[str, str], keep_quantized: bool) -> dict[str, Any]:
+    """Stored shard tensors (as :func:`protocol.codec.decode_tensors` with
+    ``dequantize=False`` returns them) -> what the device holds.
+
+    With ``keep_quantized`` and a quantized format (bf16, int8, nf4), each rank-2
+    ``{p}.weight`` becomes a ``QuantLinear`` at ``{p}`` (with ``{p}.bias``); every other
+    tensor is fp32. Without, everything is dequantized to fp32.
+
+    Raises:
+        protocol.codec.CodecError: inconsistent quantization metadata.
+    """
+    from .quant import QUANTIZED_FORMATS, quantized_from_tensors
+
+    fmt = metadata.get("format", "fp32")
+    shapes = nf4_shapes(metadata) if fmt == "nf4" else {}
+    out: dict[str, Any] = {}
+    quant_prefixes = []
+    for name, t in stored.items():
+        if name.endswith((SCALE_SUFFIX, ABSMAX_SUFFIX)):
+            continue
+        logical = shapes.get(name, tuple(t.shape))
+        if keep_quantized and fmt in QUANTIZED_FORMATS and name.endswith("weight") and len(logical) == 2 \
+                and (fmt != "int8" or name + SCALE_SUFFIX in stored):
+            quant_prefixes.append(name[: -len("weight")])
+    for prefix in quant_prefixes:
+        out[prefix[:-1]] = quantized_from_tensors(stored, shapes, fmt, prefix)
+    done = {p + "weight" for p in quant_prefixes} | {p + "bias" for p in quant_prefixes}
+    for name, t in stored.items():
+        if name in done or name.endswith((SCALE_SUFFIX, ABSMAX_SUFFIX)):
+            continue
+        if name + SCALE_SUFFIX in stored:
+            t = dequantize_int8(t, stored[name + SCALE_SUFFIX])
+        elif name in shapes:
+            t = dequantize_nf4(t, stored[name + ABSMAX_SUFFIX], shapes[name])
+        elif t.is_floating_point() and t.dtype != torch.float32:
+            t = t.to(torch.float32)
+        out[name] = t
+    return out
 
 
 @dataclass
 class ShardCache:
-    """Device-side cache of shard bytes by sha256 (``{dir}/{sha256}.safetensors``).
+    """Device-side cache of shard files by sha256 (``{dir}/{sha256}.safetensors``).
 
     A shard is only ever fetched when its sha256 is not here; reads verify the hash.
+    :meth:`load` maps a file into memory (``mmap``, private copy-on-write pages) and
+    builds tensors directly on the mapped pages, so loading copies nothing and clean
+    pages stay file-backed. ``max_bytes`` bounds the directory: after each :meth:`put`
+    the least recently used files (by access time, refreshed on every use) are deleted
+    until the total fits, never a file in ``pinned`` (the current round's shards).
     """
 
     directory: Path
+    max_bytes: int | None = None
+    pinned: set[str] = field(default_factory=set)
+    evicted: int = 0
+    """Files deleted by the size limit so far."""
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._verified: set[str] = set()
 
     def _path(self, sha: str) -> Path:
         if len(sha) != 64 or not all(c in "0123456789abcdef" for c in sha):
@@ -142,6 +204,88 @@ class ShardCache:
         tmp = p.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(data)
         os.replace(tmp, p)
+        self._verified.add(sha)
+        self.evict()
+
+    def size(self) -> int:
+        """Bytes of all cached shard files."""
+        return sum(p.stat().st_size for p in self.directory.glob("*.safetensors"))
+
+    def evict(self) -> list[str]:
+        """Delete least recently used unpinned files until the cache fits ``max_bytes``.
+
+        Returns:
+            The sha256 of each deleted file.
+        """
+        if self.max_bytes is None:
+            return []
+        files = []
+        for p in self.directory.glob("*.safetensors"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            files.append((st.st_mtime, p.stem, p, st.st_size))
+        total = sum(f[3] for f in files)
+        gone = []
+        for _, sha, p, size in sorted(files):
+            if total <= self.max_bytes:
+                break
+            if sha in self.pinned:
+                continue
+            p.unlink(missing_ok=True)
+            self._verified.discard(sha)
+            total -= size
+            gone.append(sha)
+        if gone:
+            self.evicted += len(gone)
+            log.info("shard cache over %.1f MiB: evicted %d files", self.max_bytes / 2**20, len(gone))
+        return gone
+
+    def load(self, sha: str, keep_quantized: bool = True) -> dict[str, Any] | None:
+        """Memory-map a cached shard and return what the device holds of it
+        (:func:`held_tensors`), or None when absent or corrupted (then removed).
+
+        The hash is verified once per process and file; tensors share the mapped pages.
+
+        Raises:
+            protocol.codec.CodecError: a file whose hash is right but whose content is
+                not a valid shard (cannot happen for files written by :meth:`put`).
+        """
+        p = self._path(sha)
+        try:
+            f = open(p, "rb")
+        except FileNotFoundError:
+            return None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                p.unlink(missing_ok=True)
+                return None
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if sha not in self._verified:
+            if hashlib.sha256(mm).hexdigest() != sha:
+                log.warning("cached shard %s is corrupted; removing it", sha[:12])
+                mm.close()
+                p.unlink(missing_ok=True)
+                return None
+            self._verified.add(sha)
+        os.utime(p, (time.time(), time.time()))
+        infos, meta = inspect_header(mm, MAX_SHARD_BYTES)
+        (hlen,) = struct.unpack("<Q", mm[:8])
+        base = 8 + hlen
+        header = json.loads(mm[8:base])
+        header.pop("__metadata__", None)
+        stored: dict[str, torch.Tensor] = {}
+        for name, info in infos.items():
+            dtype, width = _DTYPES[info.dtype]
+            start, end = header[name]["data_offsets"]
+            n = (end - start) // width
+            t = torch.frombuffer(mm, dtype=dtype, count=n, offset=base + start) if n else torch.empty(0, dtype=dtype)
+            stored[name] = t.reshape(info.shape)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CodecError(f"cached shard {sha[:12]}: tensor {name!r} holds NaN or Inf")
+        return held_tensors(stored, meta, keep_quantized)
 
 
 __all__ = [

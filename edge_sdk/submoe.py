@@ -22,7 +22,8 @@ from torch import nn
 from protocol import keys
 from protocol.messages import ModelSpec
 
-from .models.base import MoEModel, get_adapter
+from .models.base import MoEModel, get_adapter, trains_all_weights
+from .quant import QuantLinear, swap_in_quantized
 from .shards import block_paths, join_shards
 
 ATTENTION_TARGETS = {"bert-upcycled": ("query", "value")}
@@ -52,6 +53,18 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         raise KeyError(f"model has no parameter or buffer {name!r}")
 
 
+def _placeholder(model: nn.Module, path: str, q: QuantLinear) -> None:
+    """Give the meta ``nn.Linear`` at ``path`` storage-free fp32 stand-ins (so peft
+    injects LoRA on the CPU in fp32); :func:`swap_in_quantized` replaces it afterwards."""
+    lin = model.get_submodule(path)
+    if not isinstance(lin, nn.Linear) or (lin.out_features, lin.in_features) != (q.out_features, q.in_features):
+        raise KeyError(f"quantized weight at {path!r} does not match the model's linear")
+    lin._parameters["weight"] = nn.Parameter(torch.zeros(()).expand(q.out_features, q.in_features),
+                                             requires_grad=False)
+    if lin.bias is not None:
+        lin._parameters["bias"] = nn.Parameter(torch.zeros(()).expand(q.out_features), requires_grad=False)
+
+
 class SubMoE(nn.Module):
     """A (sub-)MoE with LoRA, whose trainable state has canonical adapter-state keys.
 
@@ -60,8 +73,10 @@ class SubMoE(nn.Module):
         experts: layer -> global expert ids held.
         task: task name (keys the head).
         num_labels: classes of the task.
-        base_shards: shard id -> decoded fp32 tensors (``edge_sdk.shards``); ``None``
-            builds a randomly initialised base (tests only).
+        base_shards: shard id -> decoded fp32 tensors (``edge_sdk.shards``), where an
+            expert linear may instead be a :class:`edge_sdk.quant.QuantLinear` under its
+            module path (``fc1``): it stays quantized, LoRA wraps it; ``None`` builds a
+            randomly initialised base (tests only).
 
     Raises:
         KeyError: a needed shard or tensor is missing from ``base_shards``.
@@ -75,12 +90,17 @@ class SubMoE(nn.Module):
         self.num_labels = num_labels
         self.adapter = get_adapter(spec.family)
         self.experts = {int(k): sorted(int(e) for e in v) for k, v in experts.items()}
+        quantized: dict[str, QuantLinear] = {}
         if base_shards is None:
             model = self.adapter.build(spec, self.experts, num_labels)
         else:
             model = self.adapter.build(spec, self.experts, num_labels, device="meta")
             for name, t in join_shards(model, base_shards).items():
-                _assign(model, name, t)
+                if isinstance(t, QuantLinear):
+                    quantized[name] = t
+                    _placeholder(model, name, t)
+                else:
+                    _assign(model, name, t)
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.is_meta and not self._is_adapter_slot(name):
                 raise KeyError(f"base shards lack tensor {name!r}")
@@ -88,10 +108,22 @@ class SubMoE(nn.Module):
             block.router.to_empty(device="cpu")
         model.head.to_empty(device="cpu")
         self.model: MoEModel = model
-        self._inject_lora()
+        self.full = trains_all_weights(spec)
+        if self.full and quantized:
+            raise ValueError(f"full fine-tuning trains every weight and needs fp32 base shards, got "
+                             f"{type(next(iter(quantized.values()))).__name__} expert linears")
+        if not self.full:
+            self._inject_lora()
+        swap_in_quantized(self.model, quantized)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self._keys = self._map_keys()
+        self._initial: dict[str, torch.Tensor] = {}
+        if self.full:  # own copies (shards may be shared), and the base values are the initial state
+            for k, p in self._keys.items():
+                p.data = p.data.clone()
+                if keys.parse(k).group in ("expert", "backbone"):
+                    self._initial[k] = p.detach().clone()
         for k, p in self.trainable().items():
             p.requires_grad_(True)
         self.reset_adapter_state()
@@ -125,7 +157,11 @@ class SubMoE(nn.Module):
                 return keys.router_key(layer, int(name.rsplit(".", 1)[1]))
             if name.startswith(f"{path}.experts."):
                 e, local = name[len(f"{path}.experts."):].split(".", 1)
+                if self.full:
+                    return keys.expert_key(layer, int(e), local)
                 return keys.expert_key(layer, int(e), _lora_name(local)) if ".lora_" in local else None
+        if self.full:
+            return keys.backbone_key(name)
         return keys.backbone_key(_lora_name(name)) if ".lora_" in name else None
 
     def _map_keys(self) -> dict[str, nn.Parameter]:
@@ -142,7 +178,8 @@ class SubMoE(nn.Module):
 
     # ------------------------------------------------------------------ adapter state
     def trainable(self) -> dict[str, nn.Parameter]:
-        """Adapter-state key -> live parameter (LoRA B [and A], router rows, head)."""
+        """Adapter-state key -> live parameter (LoRA B [and A], router rows, head; every
+        parameter for a ``full_finetune`` family)."""
         return self._keys
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
@@ -179,7 +216,9 @@ class SubMoE(nn.Module):
             for k, p in self._keys.items():
                 gen = torch.Generator().manual_seed(key_seed(self.spec.seed, k))
                 kind = keys.parse(k)
-                if kind.group == "router":
+                if k in self._initial:
+                    p.copy_(self._initial[k])
+                elif kind.group == "router":
                     p.copy_(torch.randn(p.shape, generator=gen) * ROUTER_INIT_STD)
                 elif kind.group == "head" and kind.path == "weight":
                     bound = 1.0 / math.sqrt(p.shape[1])
@@ -196,5 +235,12 @@ class SubMoE(nn.Module):
         return self.adapter.collate(self.spec, items)
 
     def num_base_bytes(self) -> int:
-        """Bytes of the (dequantized, fp32) base weights held in memory."""
-        return sum(t.numel() * t.element_size() for n, t in self.model.named_parameters() if not t.requires_grad)
+        """Bytes of the base weights held in memory (fp32, or quantized expert linears
+        as stored; stride-0 stand-ins count nothing)."""
+        seen, total = set(), 0
+        for t in [p for p in self.model.parameters() if not p.requires_grad] + list(self.model.buffers()):
+            if t is None or id(t) in seen or (t.dim() and 0 in t.stride()):
+                continue
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+        return total

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 
@@ -91,6 +92,117 @@ class EmbeddedBroker:
         self._loop = None
 
     def __enter__(self) -> "EmbeddedBroker":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class MosquittoBroker:
+    """A Mosquitto broker process on a free port with a generated config (tests, benchmarks).
+
+    Args:
+        workdir: directory for the config, persistence and log.
+        config: extra config lines (auth, TLS, ACL; e.g. from
+            :func:`fedmoe.provision.mosquitto_conf` minus its listener); the listener
+            line is added here.
+        port: TCP port; 0 picks a free one (kept across :meth:`restart`).
+        persistence: keep sessions and retained messages on disk across restarts.
+        exe: the mosquitto binary (default: found on PATH or /usr/sbin/mosquitto).
+
+    Raises:
+        RuntimeError: no mosquitto binary, or the broker did not start listening.
+    """
+
+    def __init__(self, workdir: str, config: str = "allow_anonymous true\n", port: int = 0,
+                 persistence: bool = True, exe: str | None = None, host: str = "127.0.0.1"):
+        import shutil
+        from pathlib import Path
+
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.exe = exe or shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+        if not Path(self.exe).exists():
+            raise RuntimeError("mosquitto binary not found")
+        self.host = host
+        self.port = port or free_port(host)
+        self.config = config
+        self.persistence = persistence
+        self.proc = None
+
+    @staticmethod
+    def available() -> bool:
+        import shutil
+        from pathlib import Path
+
+        return bool(shutil.which("mosquitto")) or Path("/usr/sbin/mosquitto").exists()
+
+    def url(self, tls: bool = False, username: str | None = None, password: str | None = None) -> str:
+        auth = f"{username}:{password}@" if username else ""
+        return f"{'mqtts' if tls else 'mqtt'}://{auth}{self.host}:{self.port}"
+
+    def _conf(self) -> str:
+        lines = [line for line in self.config.splitlines() if not line.startswith(("listener", "persistence"))]
+        data = self.workdir / "data"
+        data.mkdir(exist_ok=True)
+        body = "\n".join(lines)
+        # listener-scoped options (certfile, keyfile, ...) must follow the listener line
+        listener_opts = ("certfile", "keyfile", "cafile", "tls_version", "require_certificate")
+        glob = [x for x in body.splitlines() if not x.startswith(listener_opts)]
+        scoped = [x for x in body.splitlines() if x.startswith(listener_opts)]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            glob.append("user root")  # else mosquitto drops to `mosquitto` and cannot read 0600 files
+        return "\n".join(glob + [
+            f"persistence {'true' if self.persistence else 'false'}",
+            f"persistence_location {data}/",
+            "autosave_interval 1",
+            f"log_dest file {self.workdir / 'mosquitto.log'}",
+            f"listener {self.port} {self.host}",
+        ] + scoped) + "\n"
+
+    def start(self, timeout: float = 20.0) -> "MosquittoBroker":
+        import subprocess
+        import time
+
+        conf = self.workdir / "mosquitto.conf"
+        conf.write_text(self._conf())
+        self.proc = subprocess.Popen([self.exe, "-c", str(conf)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"mosquitto exited with {self.proc.returncode}: {err[-2000:]}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5):
+                    log.info("mosquitto listening on %s:%d", self.host, self.port)
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"mosquitto did not listen on {self.port} within {timeout} s")
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the broker (SIGTERM saves persistence; ``kill=True`` sends SIGKILL)."""
+        if self.proc is None:
+            return
+        if kill:
+            self.proc.kill()
+        else:
+            self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
+
+    def restart(self) -> "MosquittoBroker":
+        """Stop and start again on the same port (persistent state kept)."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> "MosquittoBroker":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,4 +1,4 @@
-"""The ``fedmoe`` command line: ``simulate``, ``aggregator``, ``device``."""
+"""The ``fedmoe`` command line: ``simulate``, ``aggregator``, ``device``, ``provision``."""
 
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ def _aggregator(args: argparse.Namespace) -> int:
     from cloud.service import Aggregator, AggregatorConfig
 
     cfg = AggregatorConfig.load(args.config, store=args.store, rounds=args.rounds, protocol=args.protocol,
-                                username=args.username, password=args.password, tls_ca=args.tls_ca)
+                                username=args.username, password=args.password, tls_ca=args.tls_ca,
+                                credentials=args.credentials, device_keys=args.device_keys)
     broker = None
     url = args.broker
     if url is None:
@@ -93,13 +94,45 @@ def _device(args: argparse.Namespace) -> int:
     from protocol.transport import TlsConfig
 
     tls = TlsConfig(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
-    client = EdgeClient(
-        args.broker, args.device_id, load_text_file(args.data), federation=args.federation, budget_bytes=args.budget,
-        task=args.task, cache_dir=args.cache_dir, val_fraction=args.val_fraction, seed=args.seed,
-        threads=args.threads, protocol=args.protocol, username=args.username, password=args.password, tls=tls,
-        weight_formats=args.formats.split(","),
-    )
+    common = dict(federation=args.federation, budget_bytes=args.budget, task=args.task, cache_dir=args.cache_dir,
+                  val_fraction=args.val_fraction, seed=args.seed, threads=args.threads, protocol=args.protocol,
+                  tls=tls, weight_formats=args.formats.split(","), cache_max=args.cache_max)
+    data = load_text_file(args.data)
+    if args.credentials:
+        client = EdgeClient.from_credentials(args.broker, args.credentials, data, **common)
+    else:
+        if not args.device_id:
+            raise ValueError("give --device-id or --credentials")
+        client = EdgeClient(args.broker, args.device_id, data, username=args.username, password=args.password,
+                            **common)
     client.run(max_rounds=args.max_rounds, idle_timeout=args.idle_timeout)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from cloud.service import AggregatorConfig
+    from edge_sdk.export import export_onnx, model_from_store
+
+    cfg = AggregatorConfig.load(args.config)
+    task = args.task or next(iter(cfg.tasks))
+    model = model_from_store(cfg, args.store or cfg.store, task, args.device)
+    out = export_onnx(model, args.out, int8=args.int8)
+    print(f"wrote {out} ({'int8' if args.int8 else 'fp32'}, task {task}, "
+          f"{'device ' + args.device if args.device else 'global MoE'}, {out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _provision(args: argparse.Namespace) -> int:
+    from .provision import provision
+
+    ids = [d for d in (args.devices or "").split(",") if d]
+    if args.count:
+        ids += [f"{args.prefix}{i}" for i in range(args.count)]
+    hosts = [h for h in (args.tls_host or "").split(",") if h]
+    p = provision(args.out, ids, tls_hosts=hosts, port=args.port)
+    print(f"{len(p.devices)} devices in {p.out}: devices/<id>.json (device --credentials), aggregator.json "
+          f"(aggregator --credentials), device_keys.json (aggregator --device-keys), passwd, acl, mosquitto.conf"
+          + (", tls/" if p.ca_file else ""))
     return 0
 
 
@@ -108,6 +141,7 @@ def _mqtt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--username")
     p.add_argument("--password")
     p.add_argument("--tls-ca", help="CA certificate (PEM) for TLS")
+    p.add_argument("--credentials", help="credentials JSON from `fedmoe provision` (account, signing key, CA)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--assignment-params", help="k=v,... strategy parameters")
     s.add_argument("--aggregation", help="aggregation strategy (modular, ...)")
     s.add_argument("--aggregation-params", help="k=v,... strategy parameters")
-    s.add_argument("--budget-range", help="device memory budgets LO:HI, e.g. 0.68GiB:0.77GiB")
+    s.add_argument("--budget-range", help="device memory budgets LO:HI, default 0.687GiB:0.72GiB (2 to 8 int8 experts per layer on the default model)")
     s.add_argument("--broker", help="use this broker instead of the embedded one")
     s.add_argument("--seed", type=int)
     s.add_argument("--num-experts", type=int)
@@ -138,7 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prox-mu", type=float)
     s.add_argument("--lora-rank", type=int)
     s.add_argument("--weight-format")
+    s.add_argument("--full-finetune", action="store_true", default=None,
+                   help="train and ship every weight, no LoRA (full-model FedAvg baseline; needs --weight-format fp32)")
     s.add_argument("--eval-max-samples", type=int)
+    s.add_argument("--max-samples-per-task", type=int, help="seeded random subset of each task's data")
     s.add_argument("--tiny", action="store_true", help="a tiny randomly initialised model (quick checks)")
     s.set_defaults(func=_simulate)
 
@@ -148,17 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--config", required=True, help="aggregator YAML config")
     a.add_argument("--store", help="store URL (overrides the config)")
     a.add_argument("--rounds", type=int)
+    a.add_argument("--device-keys", help="device_keys.json from `fedmoe provision`: require signed updates")
     _mqtt_args(a)
     a.set_defaults(func=_aggregator)
 
     d = sub.add_parser("device", help="run one edge device")
     d.add_argument("--broker", required=True)
-    d.add_argument("--device-id", required=True)
+    d.add_argument("--device-id", help="device id (or take it from --credentials)")
     d.add_argument("--budget", required=True, help="memory budget, e.g. 1.5GiB")
     d.add_argument("--data", required=True, help="CSV or JSONL file with text,label")
     d.add_argument("--task", default="default")
     d.add_argument("--federation", default="default")
     d.add_argument("--cache-dir")
+    d.add_argument("--cache-max", help="shard cache size limit, e.g. 2GiB (least recently used evicted)")
     d.add_argument("--threads", type=int)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--val-fraction", type=float, default=0.2)
@@ -169,6 +208,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tls-key")
     _mqtt_args(d)
     d.set_defaults(func=_device)
+
+    x = sub.add_parser("export", help="export the global MoE or a device's sub-MoE to ONNX for onnxruntime")
+    x.add_argument("--out", required=True, help="output .onnx file")
+    x.add_argument("--int8", action="store_true", help="dynamic int8 quantization (onnxruntime)")
+    x.add_argument("--config", required=True, help="the aggregator YAML config")
+    x.add_argument("--store", help="the aggregator's store URL (default: the config's)")
+    x.add_argument("--task", help="task head to export (default: the config's first task)")
+    x.add_argument("--device", help="export this device's last assigned sub-MoE instead of the global MoE")
+    x.set_defaults(func=_export)
+
+    v = sub.add_parser("provision", help="create device credentials, signing keys, broker password file, ACL, TLS")
+    v.add_argument("--out", required=True, help="deployment secrets directory (created or extended)")
+    v.add_argument("--devices", help="comma-separated device ids")
+    v.add_argument("--count", type=int, help="also provision PREFIX0..PREFIX{N-1}")
+    v.add_argument("--prefix", default="dev")
+    v.add_argument("--tls-host", help="comma-separated broker host names/IPs: write a CA and server certificate")
+    v.add_argument("--port", type=int, default=8883, help="listener port in the generated mosquitto.conf")
+    v.set_defaults(func=_provision)
     return p
 
 

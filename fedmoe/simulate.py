@@ -52,7 +52,7 @@ class SimulationConfig:
     assignment_params: dict[str, Any] = field(default_factory=dict)
     aggregation: str = "modular"
     aggregation_params: dict[str, Any] = field(default_factory=dict)
-    budget_range: tuple[str, str] = ("0.68GiB", "0.77GiB")
+    budget_range: tuple[str, str] = ("0.687GiB", "0.72GiB")
     broker: str | None = None
     seed: int = 0
     num_experts: int = 8
@@ -67,6 +67,8 @@ class SimulationConfig:
     prox_mu: float = 0.0
     lora_rank: int = 8
     weight_format: str = "int8"
+    full_finetune: bool = False
+    """Train and ship every weight (no LoRA; needs ``weight_format`` fp32): full-model FedAvg."""
     device_threads: int = 1
     aggregator_threads: int = 2
     round_timeout_s: float = 600.0
@@ -74,6 +76,8 @@ class SimulationConfig:
     clients_per_round: float = 1.0
     max_payload: int = 256 * 1024
     eval_max_samples: int | None = None
+    max_samples_per_task: int | None = None
+    """Use a seeded random subset of this many items of each task (smaller runs)."""
     extra_aggregator: dict[str, Any] = field(default_factory=dict)
     """Further aggregator-config keys (merged last)."""
 
@@ -90,8 +94,13 @@ def _prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], di
     lo, hi = (parse_bytes(x) for x in cfg.budget_range)
     for t, (task, n_dev) in enumerate(zip(cfg.tasks, per_task)):
         items, labels = load_task(task)
+        if cfg.max_samples_per_task and len(items) > cfg.max_samples_per_task:
+            keep = random.Random(f"{cfg.seed}/{task}").sample(range(len(items)), cfg.max_samples_per_task)
+            items = [items[i] for i in sorted(keep)]
         train_idx, test_idx = split_train_test(len(items), cfg.test_fraction, cfg.seed)
         test_file = data_dir / f"test-{task}.jsonl"
+        # shuffled: the packaged data sets are sorted by label, and eval_max_samples keeps a prefix
+        random.Random(f"{cfg.seed}/{task}/test").shuffle(test_idx)
         write_jsonl(test_file, [items[i] for i in test_idx])
         tasks[task] = {"labels": labels, "eval_data": str(test_file)}
         label_ids = [labels.index(items[i][1]) for i in train_idx]
@@ -110,6 +119,8 @@ def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation:
     model: dict[str, Any] = {"num_experts": cfg.num_experts, "top_k": cfg.top_k, "max_seq_len": cfg.max_seq_len,
                              "base": cfg.base, "config": cfg.model_config, "seed": cfg.seed,
                              "lora": {"rank": cfg.lora_rank, "alpha": 2.0 * cfg.lora_rank}}
+    if cfg.full_finetune:
+        model["full_finetune"] = True
     train = {"local_epochs": cfg.local_epochs, "max_steps": cfg.max_steps, "batch_size": cfg.batch_size,
              "lr": cfg.lr, "prox_mu": cfg.prox_mu}
     out = {

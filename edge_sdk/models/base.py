@@ -48,6 +48,8 @@ class ModelAdapter(ABC):
     """Family-specific knowledge; one subclass per family, registered by ``family``."""
 
     family: ClassVar[str]
+    full_finetune: ClassVar[bool] = False
+    """True: every parameter trains and is the adapter state (tiny models); False: LoRA."""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -79,11 +81,19 @@ class ModelAdapter(ABC):
 
 def get_adapter(family: str) -> ModelAdapter:
     """The registered adapter for ``family``. Raises KeyError listing known families."""
-    from . import bert  # noqa: F401  (registers the built-in families)
+    from . import bert, conv  # noqa: F401  (registers the built-in families)
 
     if family not in _ADAPTERS:
         raise KeyError(f"unknown model family {family!r}; known: {sorted(_ADAPTERS)}")
     return _ADAPTERS[family]()
+
+
+def trains_all_weights(spec: ModelSpec) -> bool:
+    """Whether every weight trains (no LoRA) for ``spec``: its ``full_finetune`` switch,
+    else the family's default (``ModelAdapter.full_finetune``)."""
+    if spec.full_finetune is not None:
+        return spec.full_finetune
+    return get_adapter(spec.family).full_finetune
 
 
 def all_experts(adapter: ModelAdapter, spec: ModelSpec) -> dict[int, list[int]]:

@@ -90,6 +90,9 @@ class SparseMoeBlock(nn.Module):
         self.router = Router(hidden, expert_ids, device=device)
         self.experts = nn.ModuleDict({str(e): ExpertFFN(hidden, ffn, act, device=device) for e in self.router.expert_ids})
         self.record_hidden = False
+        self.dense_dispatch = False
+        """Run every held expert on every token and combine by the (zero-padded) top-k
+        gates: the same result without data-dependent control flow (ONNX export)."""
         self.last: RoutingRecord | None = None
 
     @property
@@ -103,6 +106,13 @@ class SparseMoeBlock(nn.Module):
         k = min(self.top_k, probs.shape[-1])
         weight, idx = probs.topk(k, dim=-1)
         weight = weight / weight.sum(dim=-1, keepdim=True)
+        if self.dense_dispatch:
+            gates = torch.zeros_like(probs).scatter(1, idx, weight).to(flat.dtype)
+            out = torch.zeros_like(flat)
+            for j, e in enumerate(self.router.expert_ids):
+                out = out + self.experts[str(e)](flat) * gates[:, j:j + 1]
+            self.last = RoutingRecord(probs, idx, weight, None)
+            return out.reshape(shape)
         out = torch.zeros_like(flat)
         for j, e in enumerate(self.router.expert_ids):
             tok, slot = (idx == j).nonzero(as_tuple=True)

@@ -1,0 +1,354 @@
+"""FedMoE's Table 1 and Table 2 on our data (003_a50797d291873d18.txt, "End-to-End
+Performance" and "Ablation Study").
+
+Settings (two tasks on one upcycled MiniLM MoE: BBC News topics, 5 classes, and tweet
+sentiment, 3 classes; each task with its own head, aggregated only among its devices):
+
+- Standard-Hetero-T: devices split evenly between the tasks, i.i.d. within a task;
+  a random subset selected per round.
+- Standard-Hetero-TD: the same plus Dirichlet(0.5) label skew within a task.
+
+Methods: FedMoE (``fedmoe`` assignment + aggregation), randomMoE (``randommoe``: random
+experts, FedMoE's sizes), FedProx on the full MoE (``full`` + proximal term μ = 0.01 in
+the device's local objective), FedAvg on the full MoE (``full``). Ablations on
+Standard-Hetero-T: FedMoE w/o stage 1 (no probe, uniform p), w/o stage 2 (no expert
+recommendation).
+
+Every cell is a real ``fedmoe simulate`` run (separate device processes over the embedded
+MQTT broker). Columns: per-task accuracy of the global model on the task's test split
+after the last round, the per-task mean of each device's latest local validation accuracy
+(its personalised sub-model), communication (GB counted on the wire by the devices, up +
+down, all rounds), peak device memory (GB, the largest per-process peak RSS over devices
+and rounds; also the mean of per-device peaks), expert counts of the client-expert map.
+
+Devices' memory budgets are heterogeneous and drawn so that roughly half hold the full
+MoE: the full-MoE baselines cannot use the others (``full`` leaves them out), FedMoE
+probes the former and estimates p for the latter.
+
+Cells are resumable: each writes ``runs/fedmoe_table/<profile>/<cell>/report.json`` and is
+skipped when that exists (``--force`` reruns). ``--lock FILE`` holds an exclusive flock
+only while a cell runs (the machine is shared). Writes ``results/fedmoe_table.json``,
+``results/fedmoe_table.md`` and ``results/fedmoe_table_<setting>.png``.
+
+    python benchmarks/fedmoe_table.py --quick      # < 10 min: 6 devices, 3 rounds
+    python benchmarks/fedmoe_table.py              # 12 devices, 4 per round, 10 rounds
+    python benchmarks/fedmoe_table.py --collect    # tables from the cells finished so far
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from edge_sdk.budget import estimate  # noqa: E402
+from fedmoe.simulate import SimulationConfig, simulate  # noqa: E402
+from protocol.messages import ModelSpec  # noqa: E402
+
+log = logging.getLogger("fedmoe_table")
+
+SETTINGS = {"Standard-Hetero-T": "iid", "Standard-Hetero-TD": "dirichlet:0.5"}
+METHODS: dict[str, dict[str, Any]] = {
+    "FedMoE": {"assignment": "fedmoe", "aggregation": "fedmoe"},
+    "randomMoE": {"assignment": "randommoe", "aggregation": "modular"},
+    "FedProx (full MoE)": {"assignment": "full", "aggregation": "modular", "prox_mu": 0.01},
+    "FedAvg (full MoE)": {"assignment": "full", "aggregation": "modular"},
+}
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "FedMoE w/o stage 1": {"assignment": "fedmoe", "aggregation": "fedmoe", "params": {"stage1": False}},
+    "FedMoE w/o stage 2": {"assignment": "fedmoe", "aggregation": "fedmoe", "params": {"stage2": False}},
+}
+PROFILES = {
+    "quick": dict(devices=6, clients_per_round=2, rounds=3, max_steps=4, max_seq_len=32, max_samples_per_task=600,
+                  probe_steps=3, patience=1),
+    "full": dict(devices=12, clients_per_round=4, rounds=10, max_steps=8, max_seq_len=64, max_samples_per_task=1500,
+                 probe_steps=4, patience=1),
+}
+TASKS = ["bbc", "tweets"]
+RUNTIME_GUESS = 440 * 2**20
+"""Device process memory before the model (measured ~432 MiB here); sizes the budgets."""
+
+
+def budgets(seq_len: int, batch: int = 8, experts: int = 8) -> tuple[int, int]:
+    """A budget range from ~3 experts per layer to above the full MoE (roughly half the
+    devices then hold the full MoE)."""
+    spec = ModelSpec(max_seq_len=seq_len, num_experts=experts)
+    lo = estimate(spec, 3, batch, 5, RUNTIME_GUESS).total
+    full = estimate(spec, experts, batch, 5, RUNTIME_GUESS).total
+    return lo, full + int(0.7 * (full - lo))
+
+
+def cell_config(profile: str, setting: str, method: dict[str, Any], out: Path, seed: int) -> SimulationConfig:
+    p = PROFILES[profile]
+    lo, hi = budgets(p["max_seq_len"])
+    params = dict(method.get("params", {}))
+    if method["assignment"] in ("fedmoe", "randommoe"):
+        params = {"probe_steps": p["probe_steps"], "patience": p["patience"], **params}
+        if method["assignment"] == "randommoe":
+            params.pop("patience")
+    return SimulationConfig(
+        out=str(out), devices=p["devices"], rounds=p["rounds"], tasks=TASKS, partition=SETTINGS[setting],
+        assignment=method["assignment"], assignment_params=params, aggregation=method["aggregation"],
+        budget_range=(str(lo), str(hi)), seed=seed, max_seq_len=p["max_seq_len"], max_steps=p["max_steps"],
+        prox_mu=method.get("prox_mu", 0.0), clients_per_round=p["clients_per_round"],
+        max_samples_per_task=p["max_samples_per_task"], quorum=0.5,
+    )
+
+
+@contextlib.contextmanager
+def maybe_lock(path: str | None):
+    if not path:
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _expert_counts(out: Path) -> dict[str, Any] | None:
+    """Mean expert count of the client-expert map at initialisation and at the end, and
+    the final min/max (FedMoE strategies only), read from the aggregator's store."""
+    from cloud.store import Store
+
+    db = out / "aggregator.db"
+    if not db.exists():
+        return None
+    st = Store(f"sqlite:///{db}")
+    state = st.get_json("assignment_state", {}) or {}
+    st.close()
+    if "map" not in state:
+        return None
+    count = lambda m: [sum(len(v) for v in e.values()) for e in m.values()]  # noqa: E731
+    init, final = count(state.get("initial", {})), count(state["map"])
+    if not final:
+        return None
+    events = [e["event"] for h in state.get("history", []) for e in h["events"]]
+    return {"initial_mean": sum(init) / len(init) if init else None, "final_mean": sum(final) / len(final),
+            "final_min": min(final), "final_max": max(final), "devices": len(final),
+            "recommended": events.count("recommended"), "reverted": events.count("reverted"),
+            "kept": events.count("kept"), "probed": len(state.get("probes", {}))}
+
+
+def summarise(report: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The table row of one run."""
+    rounds = report["rounds"]
+    last = rounds[-1] if rounds else {}
+    devices = {d["device_id"]: d for d in report["config"]["devices"]}
+    latest: dict[str, float] = {}
+    peaks: dict[str, int] = {}
+    peaks2: dict[str, int] = {}  # rounds where the device was not running a full-MoE probe
+    comm, device_rounds = 0, 0
+    for r in rounds:
+        probing = set(r.get("assignment", {}).get("probing", []))
+        for d, v in r["devices"].items():
+            comm += v["bytes_up"] + v["bytes_down"]
+            device_rounds += 1
+            peaks[d] = max(peaks.get(d, 0), v["peak_rss_bytes"])
+            if d not in probing:
+                peaks2[d] = max(peaks2.get(d, 0), v["peak_rss_bytes"])
+            if v.get("val_accuracy") is not None:
+                latest[d] = v["val_accuracy"]
+    per_task_local = {}
+    for task in TASKS:
+        accs = [a for d, a in latest.items() if devices[d]["task"] == task]
+        per_task_local[task] = sum(accs) / len(accs) if accs else None
+    trained = sorted({d for r in rounds for d in r["devices"]})
+    return {
+        "accuracy": {t: (last.get("per_task", {}).get(t) or {}).get("accuracy") for t in TASKS},
+        "initial_accuracy": {t: (report.get("initial_per_task") or {}).get(t, {}).get("accuracy") for t in TASKS},
+        "local_accuracy": per_task_local,
+        "accuracy_per_round": {t: [(r.get("per_task", {}).get(t) or {}).get("accuracy") for r in rounds]
+                               for t in TASKS},
+        "comm_gb": comm / 1e9,
+        "comm_mb_per_device_round": comm / 1e6 / device_rounds if device_rounds else None,
+        "peak_memory_gb": max(peaks.values()) / 2**30 if peaks else None,
+        "mean_device_peak_gb": sum(peaks.values()) / len(peaks) / 2**30 if peaks else None,
+        "peak_memory_no_probe_gb": max(peaks2.values()) / 2**30 if peaks2 else None,
+        "devices_trained": len(trained), "devices_total": len(devices),
+        "rounds_ok": sum(r["status"] == "ok" for r in rounds), "rounds": len(rounds),
+        "experts": _expert_counts(out),
+        "wall_seconds": report.get("wall_seconds"),
+    }
+
+
+def run_cell(profile: str, setting: str, name: str, method: dict[str, Any], base: Path, seed: int, force: bool,
+             lock: str | None, collect: bool = False) -> dict[str, Any] | None:
+    slug = f"{setting}--{name}".replace(" ", "_").replace("/", "").replace("(", "").replace(")", "")
+    out = base / slug
+    if (out / "report.json").exists() and not force:
+        log.info("%s / %s: reusing %s", setting, name, out / "report.json")
+        report = json.loads((out / "report.json").read_text())
+    elif collect:
+        return None
+    else:
+        cfg = cell_config(profile, setting, method, out, seed)
+        log.info("%s / %s: running (%s)", setting, name, out)
+        with maybe_lock(lock):
+            t0 = time.time()
+            try:
+                report = simulate(cfg)
+            except Exception as e:  # one failed cell must not lose the others
+                log.error("%s / %s failed: %s", setting, name, e)
+                return None
+            log.info("%s / %s: %.0f s", setting, name, time.time() - t0)
+    return {"setting": setting, "method": name, "dir": str(out), **summarise(report, out)}
+
+
+def _fmt(x, spec=".3f"):
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# FedMoE table ({result['profile']} profile)", "",
+             f"Measured {result['date']} on {result['machine']}. {result['note']}",
+             f"Profile: {json.dumps(result['profile_config'])}; budgets {result['budget_range_bytes'][0] / 2**20:.0f}"
+             f"–{result['budget_range_bytes'][1] / 2**20:.0f} MiB.", ""]
+    if result.get("cells_missing"):
+        lines += [f"Not run (no finished report): {', '.join(result['cells_missing'])}.", ""]
+    for setting in SETTINGS:
+        rows = [c for c in result["cells"] if c["setting"] == setting and c["method"] in METHODS]
+        if not rows:
+            continue
+        lines += [f"## {setting}", "",
+                  "| Method | bbc acc (global) | tweets acc (global) | bbc acc (local) | tweets acc (local) "
+                  "| Comm. (GB) | MB per device-round | Peak mem (GiB) | Peak w/o probe rounds (GiB) | Mean device peak (GiB) | Devices trained |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in rows:
+            lines.append(f"| {c['method']} | {_fmt(c['accuracy']['bbc'])} | {_fmt(c['accuracy']['tweets'])} | "
+                         f"{_fmt(c['local_accuracy']['bbc'])} | {_fmt(c['local_accuracy']['tweets'])} | "
+                         f"{_fmt(c['comm_gb'])} | {_fmt(c['comm_mb_per_device_round'], '.1f')} | {_fmt(c['peak_memory_gb'])} | {_fmt(c['peak_memory_no_probe_gb'])} | "
+                         f"{_fmt(c['mean_device_peak_gb'])} | "
+                         f"{c['devices_trained']}/{c['devices_total']} |")
+        lines.append("")
+    abl = [c for c in result["cells"] if c["setting"] == "Standard-Hetero-T" and (c["method"] in ABLATIONS
+                                                                                 or c["method"] == "FedMoE")]
+    if abl:
+        lines += ["## Ablation (Standard-Hetero-T)", "",
+                  "| Method | bbc acc (global) | tweets acc (global) | bbc acc (local) | tweets acc (local) "
+                  "| Experts avg (init → end) | Min/Max (end) | Recommended / reverted |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for c in abl:
+            e = c.get("experts") or {}
+            lines.append(f"| {c['method']} | {_fmt(c['accuracy']['bbc'])} | {_fmt(c['accuracy']['tweets'])} | "
+                         f"{_fmt(c['local_accuracy']['bbc'])} | {_fmt(c['local_accuracy']['tweets'])} | "
+                         f"{_fmt(e.get('initial_mean'), '.1f')} → {_fmt(e.get('final_mean'), '.1f')} | "
+                         f"{e.get('final_min', '–')}/{e.get('final_max', '–')} | "
+                         f"{e.get('recommended', '–')} / {e.get('reverted', '–')} |")
+        lines.append("")
+    lines += ["Columns: *global* = the global MoE on the task's test split after the last round; *local* = mean "
+              "over the task's devices of their latest validation accuracy (own sub-model, after local training). "
+              "Comm. = bytes on the wire counted by the devices (MQTT packets up + down, all rounds, base shards "
+              "included). Peak mem = largest per-device-process peak RSS (GiB) over all rounds (FedMoE's and "
+              "randomMoE's include their stage-one full-MoE probe rounds; the next column leaves those out). "
+              "Devices trained = devices that took part in at least one round (the full-MoE baselines cannot "
+              "use devices whose budget does not hold the full MoE). Expert counts are totals over the 3 MoE layers (24 = full MoE).", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for setting in SETTINGS:
+        cells = [c for c in result["cells"] if c["setting"] == setting]
+        if not cells:
+            continue
+        fig, axes = plt.subplots(1, len(TASKS), figsize=(11, 4), sharey=True)
+        for ax, task in zip(axes, TASKS):
+            for c in cells:
+                ys = [c["initial_accuracy"][task]] + c["accuracy_per_round"][task]
+                ax.plot(range(len(ys)), [float("nan") if y is None else y for y in ys], "o-", label=c["method"])
+            ax.set_title(f"{setting}: {task}")
+            ax.set_xlabel("round")
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("global test accuracy")
+        axes[-1].legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"fedmoe_table_{setting}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="6 devices, 3 rounds (< 10 min)")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated settings")
+    ap.add_argument("--methods", help="comma-separated methods/ablations (default: all)")
+    ap.add_argument("--no-ablations", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rerun cells that already have a report")
+    ap.add_argument("--lock", help="flock this file while a cell runs")
+    ap.add_argument("--collect", action="store_true", help="only tabulate cells that already finished")
+    ap.add_argument("--runs", default=str(ROOT / "runs" / "fedmoe_table"))
+    ap.add_argument("--results", default=str(ROOT / "results"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for name in ("amqtt", "transitions", "fedmoe.simulate"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    profile = "quick" if args.quick else "full"
+    base = Path(args.runs) / profile
+    wanted = set(args.methods.split(",")) if args.methods else None
+    t0 = time.time()
+    cells, missing = [], []
+    for setting in args.settings.split(","):
+        todo = dict(METHODS)
+        if setting == "Standard-Hetero-T" and not args.no_ablations:
+            todo.update(ABLATIONS)
+        for name, method in todo.items():
+            if wanted and name not in wanted:
+                continue
+            c = run_cell(profile, setting, name, method, base, args.seed, args.force, args.lock, args.collect)
+            if c is None:
+                missing.append(f"{setting} / {name}")
+            else:
+                cells.append(c)
+                print(f"{setting:20s} {name:22s} bbc {_fmt(c['accuracy']['bbc'])} tweets "
+                      f"{_fmt(c['accuracy']['tweets'])} local {_fmt(c['local_accuracy']['bbc'])}/"
+                      f"{_fmt(c['local_accuracy']['tweets'])} comm {c['comm_gb']:.3f} GB "
+                      f"peak {_fmt(c['peak_memory_gb'])} GB", flush=True)
+    import platform
+    import os
+
+    result = {
+        "profile": profile, "profile_config": PROFILES[profile], "settings": SETTINGS, "tasks": TASKS,
+        "budget_range_bytes": budgets(PROFILES[profile]["max_seq_len"]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+        "note": "The machine was shared with other work while this ran (CPU-contended); wall times are not "
+                "comparable across cells.",
+        "cells": cells, "cells_missing": missing, "wall_seconds_this_invocation": time.time() - t0,
+    }
+    res = Path(args.results)
+    res.mkdir(parents=True, exist_ok=True)
+    suffix = "" if profile == "full" else "_quick"
+    (res / f"fedmoe_table{suffix}.json").write_text(json.dumps(result, indent=1))
+    (res / f"fedmoe_table{suffix}.md").write_text(markdown(result))
+    if profile == "quick":
+        for p in plot(result, res):
+            Path(p).rename(Path(p).with_name(Path(p).stem + "_quick.png"))
+    else:
+        plot(result, res)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

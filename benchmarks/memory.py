@@ -1,0 +1,189 @@
+"""Memory benchmark: experts held per layer, predicted vs measured peak, per budget x format.
+
+For every budget in {0.5, 1, 2, 4} GiB and weight format in {fp32, int8, nf4}, a fresh
+device process (``--cell``) does what ``EdgeClient`` does in a round, without the
+network: it measures its baseline RSS, asks the memory plan (``edge_sdk.budget.plan``)
+how many experts per layer fit the budget, memory-maps those expert shards from a shard
+cache (``edge_sdk.shards.ShardCache``), builds the sub-MoE (expert linears held in the
+shard format), trains LoRA for a few steps, and reports the RSS high-water mark
+(``VmHWM``). Model: all-MiniLM-L6-v2 upcycled to 128 experts in layers 1, 3, 5 (so
+budgets matter), T = 64, batch 8, LoRA rank 8, BBC News.
+
+    python benchmarks/memory.py [--steps 3] [--out results/memory]
+
+Writes ``memory.json``, ``memory.md`` and ``memory.png``; checks measured <= budget in
+every cell and |predicted - measured| / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+BUDGETS_GIB = (0.5, 1, 2, 4)
+FORMATS = ("fp32", "int8", "nf4")
+E, T, BATCH, LABELS = int(os.environ.get("FEDMOE_BENCH_EXPERTS", 128)), 64, 8, 5
+
+
+def spec():
+    from protocol.messages import ModelSpec
+
+    return ModelSpec(num_experts=E, top_k=2, max_seq_len=T)
+
+
+def prepare(cache_root: Path, formats=FORMATS) -> dict:
+    """Write every shard in every format into per-format caches; return shard sha256 by format."""
+    import torch
+
+    from edge_sdk.models import all_experts, get_adapter
+    from edge_sdk.shards import ShardCache, encode_shard, split_base
+    from protocol.codec import sha256_hex
+
+    s = spec()
+    adapter = get_adapter(s.family)
+    skeleton = adapter.build(s, all_experts(adapter, s), 2, device="meta")
+    shards = split_base(adapter.base_state(s), skeleton)
+    index = {}
+    for fmt in formats:
+        cache = ShardCache(cache_root / fmt)
+        index[fmt] = {}
+        for sid, t in shards.items():
+            data = encode_shard(t, fmt)
+            sha = sha256_hex(data)
+            if not cache.has(sha):
+                cache.put(sha, data)
+            index[fmt][sid] = sha
+    del shards
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return index
+
+
+def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int) -> dict:
+    """One device process: plan, load, train, measure (see the module docstring)."""
+    import torch
+
+    from edge_sdk import budget as B
+
+    torch.set_num_threads(1)
+    B.tune_allocator()
+    from edge_sdk.shards import ShardCache
+    from edge_sdk.submoe import SubMoE
+    from edge_sdk.train import train_local
+    from fedmoe.datasets import bbc_news
+    from protocol.messages import TrainConfig
+
+    items, labels = bbc_news()
+    train = [(x, labels.index(y)) for x, y in items[: steps * BATCH]]
+    s = spec()
+    baseline = B.current_rss_bytes()
+    k = B.max_experts_per_layer(s, budget, BATCH, LABELS, baseline, fmt)
+    out = {"format": fmt, "budget_bytes": budget, "baseline_rss_bytes": baseline, "experts_per_layer": k}
+    if k == 0:
+        out.update(predicted_peak_bytes=None, peak_rss_bytes=baseline, note="not even one expert per layer fits")
+        return out
+    p = B.plan(s, k, fmt, batch=BATCH, num_labels=LABELS, runtime_bytes=baseline)
+    B.reset_peak_rss()
+    index = json.loads(index_file.read_text())[fmt]
+    experts = {layer: list(range(k)) for layer in (1, 3, 5)}
+    cache = ShardCache(cache_root / fmt)
+    held = {sid: cache.load(index[sid], keep_quantized=sid != "backbone")
+            for sid in ["backbone"] + [f"L{layer}.E{e}" for layer in experts for e in experts[layer]]}
+    model = SubMoE(s, experts, "bbc", LABELS, held)
+    t0 = time.perf_counter()
+    r = train_local(model, train, TrainConfig(max_steps=steps, batch_size=BATCH, lr=1e-3), seed=0)
+    peak = B.peak_rss_bytes()
+    out.update(predicted_peak_bytes=p.total, plan=p.as_dict(), peak_rss_bytes=peak, model_peak_bytes=peak - baseline,
+               step_seconds=(time.perf_counter() - t0) / max(r.steps, 1), base_bytes_held=model.num_base_bytes())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="results/memory")
+    ap.add_argument("--work", default="runs/bench-memory")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cell", nargs=2, metavar=("FORMAT", "BUDGET"))
+    args = ap.parse_args()
+    work = Path(args.work)
+    if args.cell:
+        res = cell(args.cell[0], int(args.cell[1]), work / "index.json", work / "cache", args.steps)
+        print("RESULT " + json.dumps(res))
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "index.json").exists():
+        print("preparing shards (128 experts x 3 layers x 3 formats) ...", flush=True)
+        (work / "index.json").write_text(json.dumps(prepare(work / "cache")))
+    rows = []
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    for gib in BUDGETS_GIB:
+        for fmt in FORMATS:
+            budget = int(gib * 2**30)
+            proc = subprocess.run([sys.executable, __file__, "--cell", fmt, str(budget), "--work", str(work),
+                                   "--steps", str(args.steps)], capture_output=True, text=True, env=env)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"cell {fmt} {gib} GiB failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(line[7:])
+            r["budget_gib"] = gib
+            r["within_budget"] = r["peak_rss_bytes"] <= budget
+            if r.get("predicted_peak_bytes"):
+                r["error"] = (r["predicted_peak_bytes"] - r["peak_rss_bytes"]) / r["peak_rss_bytes"]
+            rows.append(r)
+            print(f"{gib:>4} GiB {fmt:>5}: {r['experts_per_layer']:>3} experts/layer, predicted "
+                  f"{(r.get('predicted_peak_bytes') or 0) / 2**20:7.0f} MiB, measured {r['peak_rss_bytes'] / 2**20:7.0f} "
+                  f"MiB, error {100 * r.get('error', 0):+5.1f}%, within budget: {r['within_budget']}", flush=True)
+    write(rows, Path(args.out))
+
+
+def write(rows: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    errs = [abs(r["error"]) for r in rows if "error" in r]
+    summary = {"cells": len(rows), "all_within_budget": all(r["within_budget"] for r in rows),
+               "max_abs_error": max(errs) if errs else None,
+               "setup": {"experts": E, "moe_layers": [1, 3, 5], "seq_len": T, "batch": BATCH, "lora_rank": 8,
+                         "model": "all-MiniLM-L6-v2 upcycled", "threads": 1}}
+    (out / "memory.json").write_text(json.dumps({"summary": summary, "cells": rows}, indent=1))
+    lines = ["| budget | format | experts/layer | predicted MiB | measured peak MiB | baseline MiB | error | <= budget |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pred = r.get("predicted_peak_bytes")
+        lines.append(f"| {r['budget_gib']} GiB | {r['format']} | {r['experts_per_layer']} | "
+                     f"{pred / 2**20:.0f} | " if pred else f"| {r['budget_gib']} GiB | {r['format']} | 0 | - | ")
+        lines[-1] += (f"{r['peak_rss_bytes'] / 2**20:.0f} | {r['baseline_rss_bytes'] / 2**20:.0f} | "
+                      f"{100 * r['error']:+.1f}% | {'yes' if r['within_budget'] else 'NO'} |" if pred else
+                      f"{r['peak_rss_bytes'] / 2**20:.0f} | {r['baseline_rss_bytes'] / 2**20:.0f} | - | "
+                      f"{'yes' if r['within_budget'] else 'NO'} |")
+    (out / "memory.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 4))
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [(r.get("predicted_peak_bytes") or 0) / 2**20 for r in rows], 0.4,
+               label="predicted")
+        ax.bar([x + 0.2 for x in xs], [r["peak_rss_bytes"] / 2**20 for r in rows], 0.4, label="measured peak RSS")
+        ax.scatter(list(xs), [r["budget_bytes"] / 2**20 for r in rows], color="k", marker="_", s=300, label="budget")
+        ax.set_xticks(list(xs), [f"{r['budget_gib']}G\n{r['format']}\n{r['experts_per_layer']}e" for r in rows],
+                      fontsize=7)
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "memory.png", dpi=110)
+    except ImportError:
+        pass
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""``randommoe``: FedMoE's randomMoE baseline with sub-models of the *same sizes*
+(003_a50797d291873d18.txt, "Baselines"; ALGORITHMS.md §1 last line).
+
+Every device goes through FedMoE's stage one (probe or estimate, then the θ search of
+eq. 3, :mod:`.submodel_search`), so each layer gets the same number of experts FedMoE
+would give it; the experts themselves are then drawn uniformly at random (seeded per
+device and layer) and kept. No expert recommendation. This isolates *which* experts
+FedMoE picks from *how many*. (``random_moe`` is the other random baseline: as many
+experts as the budget holds.)
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ..strategy import DeviceView, Experts, Plan
+from .submodel_search import FedMoE
+
+
+class RandomSameSize(FedMoE):
+    name = "randommoe"
+
+    def __init__(self, layers: list[int], num_experts: int, seed: int = 0, **params: Any):
+        params.setdefault("stage2", False)
+        super().__init__(layers, num_experts, seed, **params)
+
+    def _stage_one(self, d: DeviceView, memory, plan: Plan) -> Experts | None:
+        had = d.device_id in self.map and d.device_id not in self.provisional
+        experts = super()._stage_one(d, memory, plan)
+        if experts is None or had or d.device_id in self._probing:
+            return experts
+        rng = random.Random(f"{self.seed}/{d.device_id}/randommoe")
+        drawn = {layer: sorted(rng.sample(range(self.num_experts), len(v))) for layer, v in experts.items()}
+        self.map[d.device_id] = self.initial[d.device_id] = drawn
+        return drawn

@@ -1,0 +1,202 @@
+"""Expert linears held quantized in memory and dequantized on the fly (QLoRA-style).
+
+A device that receives ``int8``, ``nf4`` or ``bf16`` expert shards keeps each expert
+linear's weight in that format (:class:`QuantLinear`): int8 with one fp32 scale per
+output row (``protocol.codec.quantize_int8``), nf4 in bitsandbytes' blockwise layout
+(``protocol.codec.quantize_nf4``; Dettmers et al., "QLoRA", 2023, §3), or bf16. The
+forward pass dequantizes the weight to fp32 for the one matmul and drops it; the
+backward pass dequantizes it again to compute the input gradient (the weight is frozen,
+so no weight gradient), so no fp32 copy of any expert outlives its own matmul. LoRA
+(peft) wraps the layer as usual: :func:`swap_in_quantized` replaces the frozen
+``base_layer`` of peft's LoRA wrappers after injection.
+
+This is the plain-torch backend, available everywhere torch runs. bitsandbytes'
+kernels are not needed (its nf4 byte layout is identical, tested).
+
+Memory held per linear (``held_bytes``): fp32 ``4·out·in``; bf16 ``2·out·in``; int8
+``out·in + 4·out``; nf4 ``ceil(out·in/2) + 4·ceil(out·in/64)``; plus the bias in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from protocol.codec import NF4_BLOCK, NF4_CODE, dequantize_int8
+
+QUANTIZED_FORMATS = ("bf16", "int8", "nf4")
+"""Weight formats whose expert linears stay quantized on the device."""
+
+
+def held_bytes(out_features: int, in_features: int, fmt: str, bias: bool = True) -> int:
+    """Bytes one linear's frozen weight (+ fp32 bias) occupies when held in ``fmt``.
+
+    Raises:
+        ValueError: unknown format.
+    """
+    n = out_features * in_features
+    if fmt in ("fp32",):
+        w = 4 * n
+    elif fmt in ("fp16", "bf16"):
+        w = 2 * n
+    elif fmt == "int8":
+        w = n + 4 * out_features
+    elif fmt == "nf4":
+        w = -(-n // 2) + 4 * -(-n // NF4_BLOCK)
+    else:
+        raise ValueError(f"unknown weight format {fmt!r}")
+    return w + (4 * out_features if bias else 0)
+
+
+def workspace_bytes(out_features: int, in_features: int, fmt: str) -> int:
+    """Transient bytes to dequantize one weight (the fp32 result and the index temporaries)."""
+    n = out_features * in_features
+    return {"fp32": 0, "fp16": 4 * n, "bf16": 4 * n, "int8": 8 * n, "nf4": 16 * n}[fmt]
+
+
+_PAIR_TABLE = torch.tensor(NF4_CODE, dtype=torch.float32)[
+    torch.stack([torch.arange(256) >> 4, torch.arange(256) & 0x0F], dim=1)]
+"""byte -> its two NF4 levels ``(256, 2)``."""
+
+
+def _dequant_nf4_fast(packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    n = shape[0] * shape[1]
+    vals = _PAIR_TABLE.index_select(0, packed.to(torch.int32)).reshape(-1)
+    nblocks = absmax.numel()
+    if vals.numel() < nblocks * NF4_BLOCK:
+        vals = F.pad(vals, (0, nblocks * NF4_BLOCK - vals.numel()))
+    return (vals[: nblocks * NF4_BLOCK].view(nblocks, NF4_BLOCK) * absmax[:, None]).reshape(-1)[:n].view(shape)
+
+
+class _DequantLinear(torch.autograd.Function):
+    """``y = x @ deq(W).T + b`` that saves no fp32 weight for backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
+        ctx.layer = layer
+        w = layer.dequantized(x.dtype)
+        return F.linear(x, w, layer.bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        w = ctx.layer.dequantized(grad.dtype)
+        return grad @ w, None
+
+
+class QuantLinear(nn.Module):
+    """A frozen linear layer whose weight is held in ``int8``, ``nf4`` or ``bf16``.
+
+    Args:
+        fmt: the held format.
+        shape: ``(out_features, in_features)``.
+        data: the stored weight: int8 ``(out, in)``; nf4 packed uint8 ``(ceil(out·in/2),)``;
+            bf16 ``(out, in)``.
+        scale: int8 per-row scales ``(out,)`` or nf4 block absmax ``(ceil(out·in/64),)``
+            (fp32); ``None`` for bf16.
+        bias: fp32 ``(out,)`` or ``None``.
+
+    ``forward``: ``(..., in)`` -> ``(..., out)`` in the input's dtype.
+
+    Raises:
+        ValueError: unknown format or inconsistent shapes.
+    """
+
+    def __init__(self, fmt: str, shape: tuple[int, int], data: torch.Tensor, scale: torch.Tensor | None,
+                 bias: torch.Tensor | None):
+        super().__init__()
+        if fmt not in QUANTIZED_FORMATS:
+            raise ValueError(f"QuantLinear holds {QUANTIZED_FORMATS}, not {fmt!r}")
+        out_f, in_f = (int(d) for d in shape)
+        n = out_f * in_f
+        want = {"int8": (out_f, in_f), "bf16": (out_f, in_f), "nf4": (-(-n // 2),)}[fmt]
+        if tuple(data.shape) != want:
+            raise ValueError(f"{fmt} weight of shape {tuple(data.shape)}, expected {want}")
+        self.fmt, self.out_features, self.in_features = fmt, out_f, in_f
+        self.register_buffer("qweight_data", data, persistent=False)
+        self.register_buffer("qweight_scale", scale, persistent=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str) -> "QuantLinear":
+        """Quantize an fp32 ``nn.Linear`` (tests, export of a quantized model)."""
+        from protocol.codec import quantize_int8, quantize_nf4
+
+        w = linear.weight.detach().float()
+        bias = linear.bias.detach().float().clone() if linear.bias is not None else None
+        if fmt == "int8":
+            q, s = quantize_int8(w)
+            return cls(fmt, tuple(w.shape), q, s, bias)
+        if fmt == "nf4":
+            q, s = quantize_nf4(w)
+            return cls(fmt, tuple(w.shape), q, s, bias)
+        return cls(fmt, tuple(w.shape), w.to(torch.bfloat16), None, bias)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``(out, in)`` in ``dtype`` (a fresh tensor)."""
+        if self.fmt == "int8":
+            w = dequantize_int8(self.qweight_data, self.qweight_scale)
+        elif self.fmt == "nf4":
+            w = _dequant_nf4_fast(self.qweight_data, self.qweight_scale, (self.out_features, self.in_features))
+        else:
+            w = self.qweight_data.to(torch.float32)
+        return w if dtype == torch.float32 else w.to(dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (for inspection and export; allocates)."""
+        return self.dequantized()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _DequantLinear.apply(x, self)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def held_bytes(self) -> int:
+        """Bytes this layer holds (weight storage, scales, bias)."""
+        ts = [self.qweight_data, self.qweight_scale, self.bias]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+def quantized_from_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], fmt: str,
+                           prefix: str) -> QuantLinear:
+    """Build a :class:`QuantLinear` from a shard's stored tensors ``{prefix}weight`` (+
+    ``::scale`` / ``::absmax``) and ``{prefix}bias``.
+
+    Raises:
+        KeyError: a tensor is missing.
+    """
+    from protocol.codec import ABSMAX_SUFFIX, SCALE_SUFFIX
+
+    wname = f"{prefix}weight"
+    data = tensors[wname]
+    bias = tensors.get(f"{prefix}bias")
+    bias = bias.float() if bias is not None else None
+    if fmt == "int8":
+        return QuantLinear(fmt, tuple(data.shape), data, tensors[wname + SCALE_SUFFIX], bias)
+    if fmt == "nf4":
+        return QuantLinear(fmt, shapes[wname], data, tensors[wname + ABSMAX_SUFFIX], bias)
+    return QuantLinear(fmt, tuple(data.shape), data.to(torch.bfloat16), None, bias)
+
+
+def swap_in_quantized(model: nn.Module, layers: dict[str, QuantLinear]) -> None:
+    """Replace frozen linears by quantized ones, after peft injected LoRA.
+
+    Args:
+        model: the model.
+        layers: module path of an original ``nn.Linear`` (as before injection, e.g.
+            ``...experts.3.fc1``) -> its :class:`QuantLinear`.
+
+    Raises:
+        KeyError: a path names no module.
+    """
+    for path, q in layers.items():
+        mod = model.get_submodule(path)
+        if hasattr(mod, "base_layer"):  # a peft LoRA wrapper
+            mod.base_layer = q
+        else:
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, name, q)

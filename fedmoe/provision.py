@@ -1,0 +1,246 @@
+"""``fedmoe provision``: device credentials, signing keys, broker password file, ACL, TLS.
+
+One directory holds a deployment's secrets (``examples/deploy/README.md``)::
+
+    passwd              Mosquitto password file (PBKDF2-SHA512 ``$7$`` entries)
+    acl                 Mosquitto ACL: each device confined to its own subtree
+    device_keys.json    device id -> Ed25519 public key (the aggregator's --device-keys)
+    aggregator.json     the aggregator's MQTT account (its --credentials)
+    devices/{id}.json   one device's credentials: username, password, signing key
+    tls/ca.crt, tls/ca.key, tls/server.crt, tls/server.key   (with --tls-host)
+    mosquitto.conf      a ready broker config using the files above
+
+Running it again adds devices and keeps existing ones (their keys and passwords).
+Secrets are written with mode 0600.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from protocol.signing import generate_key, private_key_b64, public_key_b64
+from protocol.topics import check_id
+
+log = logging.getLogger(__name__)
+
+AGGREGATOR_USER = "fedmoe-aggregator"
+ACL_TEXT = """\
+# fedmoe broker ACL (Mosquitto acl_file), written by `fedmoe provision`.
+# Every client (username = device id): publish only into its own up/ subtree
+# (hello, stats, update, ack, status and its Last Will), read only its own down/
+# subtree and the retained expert shards.
+pattern write fl/v1/+/dev/%u/up/#
+pattern read fl/v1/+/dev/%u/down/#
+pattern read fl/v1/+/shards/#
+
+# The aggregator's own account: the whole protocol tree.
+user {aggregator}
+topic readwrite fl/v1/#
+"""
+
+
+def mosquitto_password_line(username: str, password: str, iterations: int = 101) -> str:
+    """One Mosquitto 2.x password-file line: ``user:$7$iterations$salt$hash``.
+
+    PBKDF2-HMAC-SHA512 with a 12-byte salt, the format ``mosquitto_passwd`` writes.
+    """
+    if ":" in username or "\n" in username or "\n" in password:
+        raise ValueError("username must not contain ':' or newlines")
+    salt = secrets.token_bytes(12)
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
+    return f"{username}:$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def _write_secret(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def make_tls(out: Path, hosts: Iterable[str], days: int = 825) -> None:
+    """Write a CA and a server certificate for ``hosts`` (names or IP addresses) to ``out``.
+
+    Files: ``ca.crt``, ``ca.key``, ``server.crt``, ``server.key`` (PEM). An existing CA
+    is reused; the server certificate is rewritten.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    out.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.timezone.utc)
+
+    def pem_key(k) -> str:
+        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                               serialization.NoEncryption()).decode()
+
+    ca_key_path, ca_crt_path = out / "ca.key", out / "ca.crt"
+    if ca_key_path.exists() and ca_crt_path.exists():
+        ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), None)
+        ca_cert = x509.load_pem_x509_certificate(ca_crt_path.read_bytes())
+    else:
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedmoe deployment CA")])
+        ca_cert = (
+            x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+            .sign(ca_key, hashes.SHA256())
+        )
+        _write_secret(ca_key_path, pem_key(ca_key))
+        ca_crt_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    hosts = list(hosts)
+    sans = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_secret(out / "server.key", pem_key(key))
+    (out / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def mosquitto_conf(out: Path, port: int = 8883, host: str = "", tls: bool = True, persistence: bool = True) -> str:
+    """A Mosquitto 2.x config using the provisioned files in ``out`` (absolute paths)."""
+    out = out.resolve()
+    lines = [
+        "# written by `fedmoe provision`; see examples/deploy/mosquitto.conf for the commented version",
+        "per_listener_settings false",
+        "allow_anonymous false",
+        f"password_file {out / 'passwd'}",
+        f"acl_file {out / 'acl'}",
+        "max_queued_messages 100000",
+        "max_inflight_messages 64",
+        f"persistence {'true' if persistence else 'false'}",
+        f"persistence_location {out / 'broker-data'}/",
+        f"listener {port}{' ' + host if host else ''}",
+    ]
+    if tls:
+        lines += [f"certfile {out / 'tls' / 'server.crt'}", f"keyfile {out / 'tls' / 'server.key'}",
+                  "tls_version tlsv1.2"]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Provisioned:
+    """What :func:`provision` wrote."""
+
+    out: Path
+    devices: dict[str, dict]
+    aggregator: dict
+
+    def device_file(self, device_id: str) -> Path:
+        return self.out / "devices" / f"{device_id}.json"
+
+    @property
+    def device_keys_file(self) -> Path:
+        return self.out / "device_keys.json"
+
+    @property
+    def aggregator_file(self) -> Path:
+        return self.out / "aggregator.json"
+
+    @property
+    def ca_file(self) -> Path | None:
+        p = self.out / "tls" / "ca.crt"
+        return p if p.exists() else None
+
+
+def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[str] = (),
+              aggregator_user: str = AGGREGATOR_USER, port: int = 8883) -> Provisioned:
+    """Create (or extend) a deployment directory; see the module docstring.
+
+    Args:
+        out: the directory.
+        device_ids: devices to provision (existing ones are kept unchanged).
+        tls_hosts: host names / IPs for the broker's server certificate (none: no TLS files).
+        aggregator_user: the aggregator's MQTT username.
+        port: listener port written into ``mosquitto.conf``.
+
+    Raises:
+        ValueError: an invalid device id, or a device id equal to the aggregator's username.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = [check_id(d, "device id") for d in device_ids]
+    if aggregator_user in ids:
+        raise ValueError(f"device id {aggregator_user!r} is reserved for the aggregator")
+    devices: dict[str, dict] = {}
+    for f in sorted((out / "devices").glob("*.json")):
+        info = json.loads(f.read_text())
+        devices[info["device_id"]] = info
+    agg_path = out / "aggregator.json"
+    aggregator = json.loads(agg_path.read_text()) if agg_path.exists() else {
+        "username": aggregator_user, "password": secrets.token_urlsafe(24)}
+    for d in ids:
+        if d in devices:
+            continue
+        key = generate_key()
+        devices[d] = {"device_id": d, "username": d, "password": secrets.token_urlsafe(24),
+                      "signing_key": private_key_b64(key), "public_key": public_key_b64(key)}
+    tls_hosts = list(tls_hosts)
+    if tls_hosts:
+        make_tls(out / "tls", tls_hosts)
+    ca = out / "tls" / "ca.crt"
+    if ca.exists():
+        aggregator["tls_ca"] = str(ca.resolve())
+        for info in devices.values():
+            info["tls_ca"] = str(ca.resolve())
+    for d, info in devices.items():
+        _write_secret(out / "devices" / f"{d}.json", json.dumps(info, indent=1))
+    _write_secret(agg_path, json.dumps(aggregator, indent=1))
+    lines = [mosquitto_password_line(aggregator["username"], aggregator["password"])]
+    lines += [mosquitto_password_line(i["username"], i["password"]) for i in devices.values()]
+    _write_secret(out / "passwd", "\n".join(lines) + "\n")
+    (out / "acl").write_text(ACL_TEXT.format(aggregator=aggregator["username"]))
+    (out / "device_keys.json").write_text(
+        json.dumps({d: i["public_key"] for d, i in sorted(devices.items())}, indent=1))
+    (out / "mosquitto.conf").write_text(mosquitto_conf(out, port, tls=ca.exists()))
+    log.info("provisioned %d devices in %s (%d new)", len(devices), out, len(ids))
+    return Provisioned(out, devices, aggregator)
+
+
+def load_credentials(path: str | Path) -> dict:
+    """Read a credentials file written by :func:`provision`. Raises ValueError if malformed."""
+    try:
+        info = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read credentials {path}: {e}") from None
+    if not isinstance(info, dict) or "username" not in info:
+        raise ValueError(f"credentials {path} lack a username")
+    return info
+
+
+def load_device_keys(path: str | Path) -> dict[str, str]:
+    """Read ``device_keys.json`` (device id -> base64 public key). Raises ValueError."""
+    try:
+        keys = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read device keys {path}: {e}") from None
+    if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
+        raise ValueError(f"device keys {path} must map device ids to base64 keys")
+    return keys

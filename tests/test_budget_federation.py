@@ -1,0 +1,50 @@
+"""Format negotiation and over-budget refusal + reassignment in a real federation."""
+
+import pytest
+
+from edge_sdk.budget import estimate
+from tests.federation import Federation
+
+
+@pytest.mark.slow
+def test_formats_negotiated_and_over_budget_assignment_reassigned(mosquitto_url, tmp_path):
+    """dev0 prefers nf4 and gets nf4 shards; dev1 loads only fp16, which the cloud does
+    not serve, so it is never selected; dev2 lowers its budget after joining: it refuses
+    its 4-expert assignment, the cloud reassigns it within the new budget in the same
+    round, and it trains the smaller assignment."""
+    fed = Federation(mosquitto_url, str(tmp_path), rounds=1, experts=(4, 4, 4), min_devices=3,
+                     config_kw={"weight_formats": ["nf4", "fp32"]})
+    spec = fed.aggregator.cfg.model
+    small = estimate(spec, 2, 8, len(fed.labels), runtime_bytes=0).total + 1
+
+    def hook(c):
+        if c.device_id == "dev0":
+            c.weight_formats = ["nf4", "int8"]
+        elif c.device_id == "dev1":
+            c.weight_formats = ["fp16"]
+        elif c.device_id == "dev2":
+            original = c._train_round
+
+            def shrink_then_train(a):
+                c.budget_bytes = small  # the device application took memory after hello
+                return original(a)
+
+            c._train_round = shrink_then_train
+
+    fed.client_hook = hook
+
+    records = fed.run(timeout=240)
+    (rec,) = records
+    assert rec["status"] == "ok"
+    assert set(rec["selected"]) == {"dev0", "dev2"}  # dev1 cannot load any served format
+    assert rec["devices"]["dev0"]["weight_format"] == "nf4"
+    assert rec["devices"]["dev2"]["weight_format"] == "int8"
+    r = rec["reassigned"]["dev2"]
+    assert r["attempt"] == 1 and r["from"] == {"1": [0, 1, 2, 3]} and len(r["to"]["1"]) == 2
+    assert "over budget" in r["reason"]
+    dev2 = rec["devices"]["dev2"]
+    assert dev2["experts"] == r["to"]
+    assert dev2["predicted_peak_bytes"] <= small
+    assert not rec["failures"]
+    # dev2 fetched only the shards of its smaller assignment
+    assert sorted(dev2["shards_fetched"]) == sorted(["backbone"] + [f"L1.E{e}" for e in r["to"]["1"]])

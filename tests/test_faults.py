@@ -1,0 +1,217 @@
+"""Fault survival against a real Mosquitto (own process, free port, persistence on):
+a device SIGKILLed mid-round, the aggregator SIGKILLed and restarted, the broker
+restarted mid-round. Duplicates and stragglers: tests/test_security.py."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cloud.store import Store
+from edge_sdk import EdgeClient
+from edge_sdk.budget import estimate
+from fedmoe.broker import MosquittoBroker
+from fedmoe.datasets import bbc_news
+from protocol.messages import Progress, parse_message
+from protocol.topics import Topics
+from protocol.transport import Transport
+from tests.conftest import tiny_spec
+from tests.federation import Federation
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not MosquittoBroker.available(), reason="no mosquitto binary")]
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = MosquittoBroker(str(tmp_path / "broker")).start()
+    yield b
+    b.stop()
+
+
+class Observer:
+    """Records every message on ``topics`` in a background thread."""
+
+    def __init__(self, url: str, *topics: str):
+        self.tr = Transport(url, protocol="5").connect()
+        for t in topics:
+            self.tr.subscribe(t)
+        self.seen: list[tuple[str, bytes]] = []
+        self._stop = False
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop:
+            m = self.tr.get(0.1)
+            if m is not None:
+                self.seen.append((m.topic, m.payload))
+
+    def progress(self) -> list[Progress]:
+        return [parse_message(p, Progress) for t, p in list(self.seen) if t.endswith("cloud/progress")]
+
+    def wait(self, pred, timeout: float, what: str) -> None:
+        end = time.time() + timeout
+        while time.time() < end:
+            if pred():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def close(self):
+        self._stop = True
+        self._t.join(2)
+        self.tr.close()
+
+
+def reported(obs: Observer, device: str, rnd: int) -> bool:
+    return any(p.event == "report" and p.round == rnd and p.detail.get("device") == device for p in obs.progress())
+
+
+def gate_round1(client: EdgeClient, gate: threading.Event) -> None:
+    """Hold ``client`` before it starts round 1 until ``gate`` is set."""
+    orig = client._train_round
+
+    def gated(a):
+        if a.round == 1:
+            gate.wait(120)
+        orig(a)
+
+    client._train_round = gated
+
+
+def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_url):
+    items, labels = bbc_news()
+    spec = tiny_spec(upcycle_noise=0.01)
+    fed = f"kill-{os.getpid()}-{int(time.time())}"
+    cfg = {"federation": fed, "model": spec.model_dump(mode="json"), "tasks": {"bbc": {"labels": labels}},
+           "rounds": 2, "min_devices": 2, "round_timeout_s": 90, "train": {"max_steps": 3, "batch_size": 8},
+           "store": store_url, "clear_retained_on_exit": True, "threads": 1,
+           "resume_drain_s": 2.0}
+    (tmp_path / "agg.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "fedmoe", "aggregator", "--broker", broker.url(), "--config", str(tmp_path / "agg.yaml")]
+
+    def start(n):
+        log = open(tmp_path / f"agg{n}.log", "w")
+        return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+
+    t = Topics(fed)
+    obs = Observer(broker.url(), t.progress(), f"{t.root}/dev/+/up/stats")
+    agg = start(1)
+    gate = threading.Event()
+    clients, threads, errors = [], [], []
+    for i, k in enumerate((2, 4)):
+        budget = estimate(spec, k, 8, len(labels), runtime_bytes=0).total + 1
+        c = EdgeClient(broker.url(), f"dev{i}", items[i::9][:40], federation=fed, budget_bytes=budget, task="bbc",
+                       cache_dir=str(tmp_path / f"cache{i}"), runtime_bytes=0)
+        clients.append(c)
+    gate_round1(clients[1], gate)
+    for c in clients:
+        th = threading.Thread(target=lambda c=c: c.run(idle_timeout=240) or None, daemon=True)
+        th.start()
+        threads.append(th)
+    try:
+        obs.wait(lambda: reported(obs, "dev0", 1), 120, "dev0's round-1 update to be accepted")
+        agg.send_signal(signal.SIGKILL)
+        agg.wait(10)
+        gate.set()  # dev1 trains and publishes while the aggregator is down
+        obs.wait(lambda: any("/dev/dev1/up/stats" in tp for tp, _ in obs.seen), 60, "dev1's stats")
+        time.sleep(0.5)
+        agg = start(2)
+        assert agg.wait(180) == 0, (tmp_path / "agg2.log").read_text()[-3000:]
+    finally:
+        gate.set()
+        if agg.poll() is None:
+            agg.kill()
+        obs.close()
+    for th in threads:
+        th.join(30)
+    log2 = (tmp_path / "agg2.log").read_text()
+    assert "resumed round 1" in log2 and "1 updates and 1 stats already accepted" in log2
+    store = Store(cfg["store"])
+    rounds = store.rounds()
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all(r["status"] == "ok" and set(r["devices"]) == {"dev0", "dev1"} for r in rounds)
+    # each device's update was applied exactly once per round (the counter is written
+    # in the same transaction as the round's aggregation)
+    assert {d: info["rounds"] for d, info in store.devices().items()} == {"dev0": 2, "dev1": 2}
+    assert store.get_json("current_round") is None and store.blob_keys("inflight/") == []
+    assert [len(c.history) for c in clients] == [2, 2]
+
+
+def test_device_sigkill_will_marks_offline_round_closes_with_quorum_and_device_rejoins(broker, tmp_path):
+    fed = Federation(broker.url(), str(tmp_path), rounds=2, experts=(2, 4), min_devices=3, round_timeout_s=20)
+    data = tmp_path / "dev2.csv"
+    with data.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows(fed.train_items[200:240])
+    budget = "4GiB"  # the process measures its own runtime memory; the tiny model fits easily
+    cmd = [sys.executable, "-m", "fedmoe", "device", "--broker", broker.url(), "--device-id", "dev2", "--budget",
+           str(budget), "--data", str(data), "--task", "bbc", "--federation", fed.federation, "--threads", "1",
+           "--cache-dir", str(tmp_path / "cache2"), "--idle-timeout", "120"]
+    t = Topics(fed.federation)
+    obs = Observer(broker.url(), t.up("dev2", "ack"), t.up("dev2", "status"))
+    procs = []
+    events = {}
+
+    def extra(f: Federation):
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=open(tmp_path / "dev2a.log", "w"),
+                                      stderr=subprocess.STDOUT))
+        obs.wait(lambda: any(tp.endswith("/ack") for tp, _ in obs.seen), 120, "dev2's round-1 ack")
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+        reg = f.aggregator.registry
+        obs.wait(lambda: reg.get("dev2") is not None and not reg.get("dev2").online, 60, "dev2's Last Will")
+        events["offline_in_round"] = f.aggregator.engine.current.number if f.aggregator.engine.current else None
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=open(tmp_path / "dev2b.log", "w"),
+                                      stderr=subprocess.STDOUT))
+
+    try:
+        r1, r2 = fed.run(extra=extra, timeout=240)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        obs.close()
+    statuses = [json.loads(p)["state"] for tp, p in obs.seen if tp.endswith("/status") and p]
+    assert "offline" in statuses                                    # the Last Will
+    assert events["offline_in_round"] == 1
+    assert r1["status"] == "ok" and set(r1["devices"]) == {"dev0", "dev1"}
+    assert r1["failures"] == {"dev2": "no update before the deadline"}
+    assert r2["status"] == "ok" and set(r2["devices"]) == {"dev0", "dev1", "dev2"}   # rejoined
+
+
+def test_broker_restart_mid_round(broker, tmp_path):
+    gate = threading.Event()
+    fed = Federation(broker.url(), str(tmp_path), rounds=2, experts=(2, 4), round_timeout_s=90,
+                     client_hook=lambda c: gate_round1(c, gate) if c.device_id == "dev1" else None)
+
+    def extra(f: Federation):
+        end = time.time() + 120
+        while time.time() < end:
+            rnd = f.aggregator.engine.current
+            if rnd is not None and rnd.reported("dev0"):
+                break
+            time.sleep(0.05)
+        broker.restart()
+        gate.set()
+
+    try:
+        r1, r2 = fed.run(extra=extra, timeout=240)
+    finally:
+        gate.set()
+    assert all(r["status"] == "ok" and set(r["devices"]) == {"dev0", "dev1"} for r in (r1, r2))
+    assert fed.aggregator.transport.reconnects >= 1
+    assert all(c.transport.reconnects >= 1 for c in fed.clients)

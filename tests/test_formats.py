@@ -1,0 +1,178 @@
+"""Weight formats (fp32, bf16, int8, nf4): codec round trips, quantized expert linears,
+the memory-mapped shard cache, the memory plan."""
+
+import json
+import struct
+
+import pytest
+import torch
+from torch import nn
+
+from cloud.global_model import GlobalModel
+from edge_sdk.budget import estimate, max_experts_per_layer, plan
+from edge_sdk.quant import QuantLinear, held_bytes
+from edge_sdk.shards import ShardCache, decode_shard
+from edge_sdk.submoe import SubMoE
+from protocol.codec import (
+    NF4_CODE, NF4_MAX_ERROR, CodecError, decode_tensors, dequantize_nf4, encode_tensors, quantize_nf4, sha256_hex,
+)
+from tests.conftest import tiny_spec
+
+LIMIT = 10 * 2**20
+
+
+def sample(rows=33, cols=7):
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(rows, cols, generator=g) * torch.linspace(0.1, 5, rows)[:, None],
+            "b": torch.randn(cols, generator=g), "i": torch.arange(5)}
+
+
+@pytest.mark.parametrize("shape", [(33, 7), (64, 64), (3, 5, 9), (1, 1)])
+def test_nf4_round_trip_error_bound(shape):
+    w = torch.randn(*shape) * 3
+    out = decode_tensors(encode_tensors({"w": w, "b": torch.ones(4)}, "nf4"), LIMIT)
+    assert out["w"].shape == w.shape and out["w"].dtype == torch.float32
+    flat = w.reshape(-1)
+    pad = torch.zeros(-(-flat.numel() // 64) * 64)
+    pad[: flat.numel()] = flat
+    absmax = pad.view(-1, 64).abs().amax(1).repeat_interleave(64)[: flat.numel()]
+    err = (out["w"].reshape(-1) - flat).abs()
+    assert (err <= NF4_MAX_ERROR * absmax + 1e-6).all()
+    assert torch.equal(out["b"], torch.ones(4))  # 1-D tensors stay fp32
+    # the levels themselves are reproduced exactly
+    levels = torch.tensor(NF4_CODE * 4)
+    p, a = quantize_nf4(levels)
+    assert torch.equal(dequantize_nf4(p, a, levels.shape), levels)
+
+
+def test_nf4_layout_matches_bitsandbytes():
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    w = sample(64, 48)["w"]
+    packed, absmax = quantize_nf4(w)
+    q, state = bnbf.quantize_4bit(w.contiguous(), blocksize=64, quant_type="nf4")
+    assert torch.equal(q.flatten(), packed)
+    assert torch.allclose(state.absmax, absmax)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "nf4"])
+def test_each_format_round_trips_and_sizes_rank(fmt):
+    t = sample()
+    data = encode_tensors(t, fmt)
+    out = decode_tensors(data, LIMIT)
+    assert set(out) == set(t) and torch.equal(out["i"], t["i"])
+    err = (out["w"].float() - t["w"]).abs().max().item()
+    bound = t["w"].abs().max().item() * {"fp32": 0.0, "bf16": 2**-8, "int8": 1 / 254, "nf4": NF4_MAX_ERROR}[fmt]
+    assert err <= bound + 1e-6
+    sizes = {f: len(encode_tensors({"w": torch.randn(256, 256)}, f)) for f in ("fp32", "bf16", "int8", "nf4")}
+    assert sizes["nf4"] < sizes["int8"] < sizes["bf16"] < sizes["fp32"]
+
+
+def _tamper(data: bytes, fn) -> bytes:
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    fn(header)
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data[8 + n:]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: h["__metadata__"].update({"nf4_shape:w": "34,7"}),   # shape disagrees with the packed size
+    lambda h: h["__metadata__"].update({"nf4_shape:w": "x"}),      # malformed shape
+    lambda h: h["__metadata__"].pop("nf4_shape:w"),                # absmax of no nf4 tensor
+    lambda h: h["__metadata__"].update({"format": "nf3"}),          # unknown format
+])
+def test_bad_nf4_payloads_are_rejected(edit):
+    data = _tamper(encode_tensors(sample(), "nf4"), edit)
+    with pytest.raises(CodecError):
+        decode_tensors(data, LIMIT)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "nf4"])
+def test_quant_linear_matches_its_dequantized_linear(fmt):
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 40)
+    q = QuantLinear.from_linear(lin, fmt)
+    ref = nn.Linear(48, 40)
+    with torch.no_grad():
+        ref.weight.copy_(q.dequantized())
+        ref.bias.copy_(lin.bias)
+    x = torch.randn(5, 48, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = q(x), ref(x2)
+    assert torch.allclose(y, y2, atol=1e-5)
+    y.square().sum().backward()
+    y2.square().sum().backward()
+    assert torch.allclose(x.grad, x2.grad, atol=1e-5)
+    assert q.held_bytes() == held_bytes(40, 48, fmt)
+    assert held_bytes(40, 48, fmt) < held_bytes(40, 48, "fp32")
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "nf4"])
+def test_submoe_on_quantized_mmap_shards_equals_dequantized(fmt, tmp_path):
+    """Experts held quantized (memory-mapped from the cache) compute exactly what the
+    dequantized fp32 model computes, forward and backward; unassigned experts are never loaded."""
+    spec = tiny_spec(upcycle_noise=0.01)
+    gm = GlobalModel(spec, {"t": ["a", "b"]}, fmt)
+    cache = ShardCache(tmp_path)
+    experts = {1: [0, 2]}
+    held = {}
+    for sid in ["backbone", "L1.E0", "L1.E2"]:
+        data = gm.shard_bytes[sid]
+        cache.put(sha256_hex(data), data)
+        held[sid] = cache.load(sha256_hex(data), keep_quantized=sid != "backbone")
+    m = SubMoE(spec, experts, "t", 2, held).eval()
+    ref = SubMoE(spec, experts, "t", 2, {k: decode_shard(b) for k, b in gm.shard_bytes.items()}).eval()
+    fc1 = m.model.bert.encoder.layer[1].intermediate.experts["0"].fc1
+    assert type(fc1.base_layer).__name__ == ("Linear" if fmt == "fp32" else "QuantLinear")
+    state = {k: torch.randn_like(v) for k, v in ref.adapter_state().items()}
+    m.load_adapter_state(state)
+    ref.load_adapter_state(state)
+    batch, _ = m.collate([("hello world", 0), ("foo bar baz", 1)])
+    y, y2 = m(batch), ref(batch)
+    assert torch.allclose(y, y2, atol=1e-5)
+    y.sum().backward()
+    y2.sum().backward()
+    for k, p in m.trainable().items():
+        assert torch.allclose(p.grad, ref.trainable()[k].grad, atol=1e-4), k
+    if fmt != "fp32":
+        assert m.num_base_bytes() < ref.num_base_bytes()
+
+
+def test_cache_detects_corruption_and_evicts_lru(tmp_path):
+    cache = ShardCache(tmp_path, max_bytes=None)
+    blobs = [encode_tensors({"w": torch.randn(64, 64)}, "int8") for _ in range(4)]
+    shas = [sha256_hex(b) for b in blobs]
+    for s, b in zip(shas[:3], blobs[:3]):
+        cache.put(s, b)
+    # corrupted file: removed, reported absent
+    p = tmp_path / f"{shas[0]}.safetensors"
+    p.write_bytes(blobs[0][:-1] + b"\0")
+    fresh = ShardCache(tmp_path)
+    assert fresh.load(shas[0]) is None and not p.exists()
+    assert fresh.load(shas[1])["w"].shape == (64, 64)
+    # size limit: room for two files; the pinned one and the newest survive
+    import os
+    import time
+
+    for i, s in enumerate(shas[1:3]):
+        os.utime(tmp_path / f"{s}.safetensors", (time.time() - 100 + i, time.time() - 100 + i))
+    limited = ShardCache(tmp_path, max_bytes=2 * len(blobs[0]) + 10, pinned={shas[1]})
+    limited.put(shas[3], blobs[3])
+    left = {q.stem for q in tmp_path.glob("*.safetensors")}
+    assert left == {shas[1], shas[3]} and limited.evicted == 1
+
+
+def test_memory_plan_components_and_formats():
+    spec = tiny_spec(num_experts=16)
+    plans = {f: plan(spec, 8, f, batch=8, num_labels=5, runtime_bytes=1000) for f in ("fp32", "bf16", "int8", "nf4")}
+    assert plans["nf4"].weights < plans["int8"].weights < plans["bf16"].weights < plans["fp32"].weights
+    p = plans["int8"]
+    assert p.total == sum(p.as_dict()[k] for k in ("runtime", "tokenizer", "weights", "lora", "grads", "optimizer",
+                                                   "activations", "workspace"))
+    assert p.optimizer == 2 * p.grads and p.runtime == 1000 and p.experts == 8
+    assert plan(spec, 8, "int8", lora_rank=16, batch=8, num_labels=5).lora > p.lora
+    assert plan(spec, 8, "int8", batch=8, seq_len=16, num_labels=5).activations < p.activations
+    assert estimate(spec, 8, 8, 5, 1000, "int8") == p
+    budget = plans["fp32"].total
+    assert max_experts_per_layer(spec, budget, 8, 5, 1000, "fp32") == 8
+    assert max_experts_per_layer(spec, budget, 8, 5, 1000, "nf4") > 8

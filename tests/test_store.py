@@ -1,0 +1,54 @@
+"""The aggregator's durable store on SQLite and PostgreSQL (skipped without a server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cloud.store import Store, StoreError
+
+def test_roundtrip_and_persistence(store_url):
+    s = Store(store_url)
+    assert s.is_empty()
+    s.put_json("a", {"x": [1, 2]})
+    s.put_json("a", {"x": [3]})
+    s.put_blob("inflight/1/update/d0", b"\x00\x01binary")
+    s.put_blob("inflight/1/update/d1", b"b")
+    s.put_blob("inflight/10/update/d0", b"c")
+    s.save_device("d0", {"task": "t"})
+    s.save_round({"round": 2, "status": "ok"})
+    s.save_round({"round": 1, "status": "ok"})
+    s.close()
+    s = Store(store_url)
+    assert not s.is_empty()
+    assert s.get_json("a") == {"x": [3]} and s.get_json("missing", 7) == 7
+    assert s.get_blob("inflight/1/update/d0") == b"\x00\x01binary"
+    assert s.blob_keys("inflight/1/") == ["inflight/1/update/d0", "inflight/1/update/d1"]
+    s.delete_prefix("inflight/1/")
+    assert s.blob_keys("inflight/") == ["inflight/10/update/d0"]  # the prefix is literal
+    assert s.devices() == {"d0": {"task": "t"}}
+    assert [r["round"] for r in s.rounds()] == [1, 2]
+    s.close()
+
+
+def test_transaction_is_atomic(store_url):
+    s = Store(store_url)
+    s.put_json("last_round", 1)
+    with pytest.raises(RuntimeError):
+        with s.transaction():
+            s.put_blob("global_state", b"new")
+            with s.transaction():  # nested blocks join the outer one
+                s.put_json("last_round", 2)
+            raise RuntimeError("killed between writes")
+    assert s.get_json("last_round") == 1 and s.get_blob("global_state") is None
+    with s.transaction():
+        s.put_blob("global_state", b"new")
+        s.put_json("last_round", 2)
+    assert s.get_json("last_round") == 2 and s.get_blob("global_state") == b"new"
+    s.close()
+
+
+def test_bad_urls_give_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unsupported store URL"):
+        Store("mysql://x/y")
+    with pytest.raises(StoreError, match="cannot open store"):
+        Store("postgresql://nobody@127.0.0.1:1/none")
