@@ -70,7 +70,8 @@ class Registry:
         self._save(dev)
 
     def update_memory(self, device_id: str, budget_bytes: int | None, runtime_bytes: int | None) -> None:
-        """Record a device's new budget / measured baseline (from a refusal). Unknown ids are ignored."""
+        """Record a device's new budget / measured baseline (from a refusal, or the
+        ``baseline_rss_bytes`` of its stats). Unknown ids are ignored."""
         dev = self.devices.get(device_id)
         if dev is None:
             return

@@ -359,6 +359,8 @@ class RoundEngine:
             self.reject(device_id, rnd.number, f"stats rejected: {problem}")
             return
         rnd.stats[device_id] = stats
+        if stats.baseline_rss_bytes and stats.baseline_rss_bytes != dev.runtime_bytes:
+            self.registry.update_memory(device_id, None, stats.baseline_rss_bytes)  # later plans use it
         self.store.put_json(f"inflight/{rnd.number}/stats/{device_id}", stats.model_dump(mode="json"))
         self._maybe_report(rnd, device_id)
 

@@ -366,6 +366,7 @@ class EdgeClient:
         ref = self.transport.publish_blob(self.topics.up(self.device_id, "update"), update, "update", a.round,
                                           transfer_id=upload_id, user_properties=sig)
         peak = B.peak_rss_bytes()
+        self._recalibrate(a.round, peak, plan.total)
         topic = self.topics.up(self.device_id, "stats")
         sent0, recv0 = self._mark
         down = self.transport.bytes_received - recv0
@@ -397,6 +398,24 @@ class EdgeClient:
             a.round, result.loss, val.accuracy if val else float("nan"), up, down, peak, fetched,
             {k: list(v) for k, v in a.experts.items()}, time.perf_counter() - t0, plan.total, a.weight_format,
         ))
+
+    def _recalibrate(self, rnd: int, peak: int, planned: int) -> None:
+        """Fold a measured peak above the plan into the runtime baseline.
+
+        The plan models the model's memory on top of ``runtime_bytes`` measured at
+        start-up; what the process holds beyond that (allocator fragmentation, library
+        caches) grows by a few MiB per round on glibc. Adding the excess to
+        ``runtime_bytes`` makes later plans, here and in the cloud (the stats carry it as
+        ``baseline_rss_bytes``), account for it: the next assignment is sized to fit, or
+        refused and reassigned. A client made with ``runtime_bytes=0`` plans for the
+        model alone (tests do) and is left as it is.
+        """
+        excess = peak - planned
+        if excess > 0 and self.runtime_bytes > 0:
+            log.warning("%s round %d: peak RSS %.1f MiB exceeded the memory plan's %.1f MiB by %.1f MiB; "
+                        "counting it in the runtime baseline from now on", self.device_id, rnd, peak / 2**20,
+                        planned / 2**20, excess / 2**20)
+            self.runtime_bytes += excess
 
     def _local_data(self, labels: list[str]) -> tuple[list, list]:
         key = tuple(labels)

@@ -48,3 +48,20 @@ def test_formats_negotiated_and_over_budget_assignment_reassigned(mosquitto_url,
     assert not rec["failures"]
     # dev2 fetched only the shards of its smaller assignment
     assert sorted(dev2["shards_fetched"]) == sorted(["backbone"] + [f"L1.E{e}" for e in r["to"]["1"]])
+
+
+def test_peak_above_plan_is_folded_into_the_runtime_baseline():
+    """A measured peak above the plan raises the device's runtime baseline by the excess
+    (later plans and the cloud's sizing include it); below the plan, or for a client that
+    plans for the model alone (runtime_bytes=0), nothing changes."""
+    from edge_sdk import EdgeClient
+
+    mib = 2**20
+    c = EdgeClient("mqtt://127.0.0.1:1", "d0", [("x", "a")], budget_bytes=900 * mib, runtime_bytes=400 * mib)
+    c._recalibrate(1, peak=705 * mib, planned=700 * mib)
+    assert c.runtime_bytes == 405 * mib
+    c._recalibrate(2, peak=690 * mib, planned=705 * mib)
+    assert c.runtime_bytes == 405 * mib
+    z = EdgeClient("mqtt://127.0.0.1:1", "d1", [("x", "a")], budget_bytes=900 * mib, runtime_bytes=0)
+    z._recalibrate(1, peak=705 * mib, planned=300 * mib)
+    assert z.runtime_bytes == 0
