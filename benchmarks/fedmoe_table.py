@@ -183,10 +183,14 @@ def summarise(report: dict[str, Any], out: Path) -> dict[str, Any]:
     }
 
 
+def cell_dir(base: Path, setting: str, name: str) -> Path:
+    """Where one cell's simulation writes its report."""
+    return base / f"{setting}--{name}".replace(" ", "_").replace("/", "").replace("(", "").replace(")", "")
+
+
 def run_cell(profile: str, setting: str, name: str, method: dict[str, Any], base: Path, seed: int, force: bool,
              lock: str | None, collect: bool = False) -> dict[str, Any] | None:
-    slug = f"{setting}--{name}".replace(" ", "_").replace("/", "").replace("(", "").replace(")", "")
-    out = base / slug
+    out = cell_dir(base, setting, name)
     if (out / "report.json").exists() and not force:
         log.info("%s / %s: reusing %s", setting, name, out / "report.json")
         report = json.loads((out / "report.json").read_text())
@@ -203,7 +207,8 @@ def run_cell(profile: str, setting: str, name: str, method: dict[str, Any], base
                 log.error("%s / %s failed: %s", setting, name, e)
                 return None
             log.info("%s / %s: %.0f s", setting, name, time.time() - t0)
-    return {"setting": setting, "method": name, "dir": str(out), **summarise(report, out)}
+    measured = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime((out / "report.json").stat().st_mtime))
+    return {"setting": setting, "method": name, "dir": str(out), "measured": measured, **summarise(report, out)}
 
 
 def _fmt(x, spec=".3f"):
@@ -215,6 +220,10 @@ def markdown(result: dict[str, Any]) -> str:
              f"Measured {result['date']} on {result['machine']}. {result['note']}",
              f"Profile: {json.dumps(result['profile_config'])}; budgets {result['budget_range_bytes'][0] / 2**20:.0f}"
              f"–{result['budget_range_bytes'][1] / 2**20:.0f} MiB.", ""]
+    dates = sorted({c["measured"] for c in result["cells"] if c.get("measured")})
+    if len(dates) > 1:
+        lines += ["Cells were measured at different times (`--keep-previous`): "
+                  + "; ".join(f"{c['setting']} / {c['method']}: {c['measured']}" for c in result["cells"]) + ".", ""]
     if result.get("cells_missing"):
         lines += [f"Not run (no finished report): {', '.join(result['cells_missing'])}.", ""]
     for setting in SETTINGS:
@@ -296,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="rerun cells that already have a report")
     ap.add_argument("--lock", help="flock this file while a cell runs")
     ap.add_argument("--collect", action="store_true", help="only tabulate cells that already finished")
+    ap.add_argument("--keep-previous", action="store_true",
+                    help="cells with no report under --runs are taken from the committed results JSON of the same "
+                         "profile (marked with their measurement date) instead of being run")
     ap.add_argument("--runs", default=str(ROOT / "runs" / "fedmoe_table"))
     ap.add_argument("--results", default=str(ROOT / "results"))
     args = ap.parse_args(argv)
@@ -306,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     profile = "quick" if args.quick else "full"
     base = Path(args.runs) / profile
     wanted = set(args.methods.split(",")) if args.methods else None
+    suffix = "" if profile == "full" else "_quick"
+    previous: dict[tuple[str, str], dict[str, Any]] = {}
+    if args.keep_previous and (Path(args.results) / f"fedmoe_table{suffix}.json").exists():
+        old = json.loads((Path(args.results) / f"fedmoe_table{suffix}.json").read_text())
+        for c in old["cells"]:
+            previous[(c["setting"], c["method"])] = {**c, "measured": c.get("measured", old["date"])}
     t0 = time.time()
     cells, missing = [], []
     for setting in args.settings.split(","):
@@ -314,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
             todo.update(ABLATIONS)
         for name, method in todo.items():
             if wanted and name not in wanted:
+                continue
+            if (setting, name) in previous and not (cell_dir(base, setting, name) / "report.json").exists():
+                cells.append(previous[(setting, name)])
+                log.info("%s / %s: kept from the previous results (%s)", setting, name,
+                         previous[(setting, name)]["measured"])
                 continue
             c = run_cell(profile, setting, name, method, base, args.seed, args.force, args.lock, args.collect)
             if c is None:
@@ -338,7 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)
-    suffix = "" if profile == "full" else "_quick"
     (res / f"fedmoe_table{suffix}.json").write_text(json.dumps(result, indent=1))
     (res / f"fedmoe_table{suffix}.md").write_text(markdown(result))
     if profile == "quick":

@@ -210,11 +210,11 @@ def main(argv=None) -> None:
     ap.add_argument("--fresh", action="store_true", help="ignore stored cells")
     args = ap.parse_args(argv)
     if args.rounds is None:
-        args.rounds = 3 if args.quick else 12
+        args.rounds = 3 if args.quick else 10
     if args.per_client is None:
-        args.per_client = 150 if args.quick else 1000
+        args.per_client = 150 if args.quick else 600
     if args.eval_samples is None:
-        args.eval_samples = 1000 if args.quick else 5000
+        args.eval_samples = 1000 if args.quick else 2000
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("cloud", "edge_sdk", "protocol", "amqtt", "transitions", "fedmoe.broker"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -285,7 +285,9 @@ def _try_apt_install() -> None:
 
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         log.info("installing dataset-fashion-mnist with apt-get")
-        subprocess.run(["apt-get", "install", "-y", "dataset-fashion-mnist"], check=False)
+        if subprocess.run(["apt-get", "install", "-y", "dataset-fashion-mnist"], check=False).returncode != 0:
+            subprocess.run(["apt-get", "update"], check=False)  # a fresh machine may have no package lists yet
+            subprocess.run(["apt-get", "install", "-y", "dataset-fashion-mnist"], check=False)
 
 
 if __name__ == "__main__":
