@@ -38,8 +38,6 @@ only while a cell runs (the machine is shared). Writes ``results/fedmoe_table.js
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import logging
 import sys
@@ -50,6 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import heavy_lock  # noqa: E402
 from edge_sdk.budget import estimate  # noqa: E402
 from fedmoe.simulate import SimulationConfig, simulate  # noqa: E402
 from protocol.messages import ModelSpec  # noqa: E402
@@ -102,19 +101,6 @@ def cell_config(profile: str, setting: str, method: dict[str, Any], out: Path, s
         prox_mu=method.get("prox_mu", 0.0), clients_per_round=p["clients_per_round"],
         max_samples_per_task=p["max_samples_per_task"], quorum=0.5,
     )
-
-
-@contextlib.contextmanager
-def maybe_lock(path: str | None):
-    if not path:
-        yield
-        return
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _expert_counts(out: Path) -> dict[str, Any] | None:
@@ -199,7 +185,7 @@ def run_cell(profile: str, setting: str, name: str, method: dict[str, Any], base
     else:
         cfg = cell_config(profile, setting, method, out, seed)
         log.info("%s / %s: running (%s)", setting, name, out)
-        with maybe_lock(lock):
+        with heavy_lock(lock):
             t0 = time.time()
             try:
                 report = simulate(cfg)

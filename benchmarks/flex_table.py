@@ -27,7 +27,6 @@ Each finished cell is stored under ``--work`` and skipped when the script is run
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import logging
 import random
@@ -35,10 +34,10 @@ import shutil
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+from common import heavy_lock
 
 PARTITIONS = [("IID", "iid"), ("Dir(0.8)", "dirichlet:0.8"), ("4-class", "classes:4"), ("2-class", "classes:2"),
               ("Dir(0.1)", "dirichlet:0.1")]
@@ -46,19 +45,6 @@ ALGOS = [("Random", "random", {}), ("Greedy (acc)", "greedy", {"indicator": "acc
          ("FLEX (acc)", "flex", {"indicator": "acc"}), ("Greedy (loss)", "greedy", {"indicator": "loss"}),
          ("FLEX (loss)", "flex", {"indicator": "loss"})]
 log = logging.getLogger("flex_table")
-
-
-@contextmanager
-def heavy_lock(path: str | None):
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def client_data(train, scheme: str, clients: int, per_client: int | None, seed: int):

@@ -176,3 +176,53 @@ def test_memory_plan_components_and_formats():
     budget = plans["fp32"].total
     assert max_experts_per_layer(spec, budget, 8, 5, 1000, "fp32") == 8
     assert max_experts_per_layer(spec, budget, 8, 5, 1000, "nf4") > 8
+
+
+PLAN_VS_MEASURED = r"""
+import json, sys
+import torch
+torch.set_num_threads(1)
+from edge_sdk import budget as B
+B.tune_allocator()
+from edge_sdk.models import get_adapter
+from edge_sdk.shards import decode_shard, encode_shard, split_base
+from edge_sdk.submoe import SubMoE
+from edge_sdk.train import train_local
+from fedmoe.datasets import bbc_news
+from protocol.messages import ModelSpec, TrainConfig
+spec = ModelSpec(**json.loads(sys.argv[1]))
+fmt, k = sys.argv[2], 6
+experts = {layer: list(range(k)) for layer in get_adapter(spec.family).moe_layers(spec)}
+skeleton = get_adapter(spec.family).build(spec, experts, 2, device="meta")
+blobs = {sid: encode_shard(t, fmt) for sid, t in split_base(get_adapter(spec.family).base_state(spec), skeleton).items()}
+items, labels = bbc_news()
+train = [(x, labels.index(y)) for x, y in items[:16]]
+del skeleton
+B.release_free_memory()
+baseline = B.current_rss_bytes() - sum(map(len, blobs.values()))  # the shard bytes stand in for the cache
+plan = B.plan(spec, k, fmt, batch=8, num_labels=5, runtime_bytes=baseline)
+B.reset_peak_rss()
+model = SubMoE(spec, experts, "bbc", 5, {sid: decode_shard(b) for sid, b in blobs.items()})
+train_local(model, train, TrainConfig(max_steps=2, batch_size=8), seed=0)
+print("RESULT", json.dumps({"predicted": plan.total, "measured": B.peak_rss_bytes(), "baseline": baseline}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_memory_plan_matches_measured_peak_on_a_small_config(fmt):
+    """A fresh process: plan a small MoE (hidden 256, 8 experts, 2 MoE layers), build it
+    from shards, train two steps, and compare the plan with the RSS high-water mark. The
+    benchmark (benchmarks/memory.py) does this on the real model over a grid of budgets."""
+    import json
+    import subprocess
+    import sys
+
+    spec = tiny_spec(config={"vocab_size": 30522, "hidden_size": 256, "num_hidden_layers": 4,
+                             "num_attention_heads": 4, "intermediate_size": 1024}, num_experts=8, max_seq_len=64)
+    out = subprocess.run([sys.executable, "-c", PLAN_VS_MEASURED, spec.model_dump_json(), fmt], capture_output=True,
+                         text=True, timeout=300)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, out.stderr[-3000:]
+    r = json.loads(line[7:])
+    assert abs(r["predicted"] - r["measured"]) <= 0.15 * r["measured"], r
