@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--assignment-params", help="k=v,... strategy parameters")
     s.add_argument("--aggregation", help="aggregation strategy (modular, ...)")
     s.add_argument("--aggregation-params", help="k=v,... strategy parameters")
-    s.add_argument("--budget-range", help="device memory budgets LO:HI, default 0.687GiB:0.72GiB (2 to 8 int8 experts per layer on the default model)")
+    s.add_argument("--budget-range", help="device memory budgets LO:HI, e.g. 0.7GiB:0.75GiB (default: from 2 to all experts per layer by the memory plan, on top of a device process's baseline measured on this machine)")
     s.add_argument("--broker", help="use this broker instead of the embedded one")
     s.add_argument("--seed", type=int)
     s.add_argument("--num-experts", type=int)

@@ -52,7 +52,11 @@ class SimulationConfig:
     assignment_params: dict[str, Any] = field(default_factory=dict)
     aggregation: str = "modular"
     aggregation_params: dict[str, Any] = field(default_factory=dict)
-    budget_range: tuple[str, str] = ("0.687GiB", "0.72GiB")
+    budget_range: tuple[str, str] | None = None
+    """Device memory budgets (LO, HI), drawn uniformly; ``None``: from the memory plan of
+    2 experts per layer to every expert, on top of a device process's baseline measured
+    on this machine (:func:`auto_budget_range`), so devices hold 2..E experts whatever
+    the installed packages weigh. The range used is written back here (report.json)."""
     broker: str | None = None
     seed: int = 0
     num_experts: int = 8
@@ -82,6 +86,43 @@ class SimulationConfig:
     """Further aggregator-config keys (merged last)."""
 
 
+_BASELINE_PROBE = (
+    "import torch; torch.set_num_threads(1)\n"
+    "import fedmoe.cli, edge_sdk.data, protocol.transport\n"
+    "from edge_sdk import EdgeClient, budget as B\n"
+    "B.tune_allocator()\n"
+    "print(B.current_rss_bytes())\n"
+)
+
+
+def device_baseline_bytes() -> int:
+    """RSS (bytes) of a fresh device process after the imports ``fedmoe device`` makes,
+    before any model: what ``EdgeClient`` measures as its runtime baseline (its data adds
+    a little). Raises RuntimeError if the probe process fails."""
+    out = subprocess.run([sys.executable, "-c", _BASELINE_PROBE], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    if out.returncode != 0 or not out.stdout.strip():
+        raise RuntimeError(f"device baseline probe failed: {out.stderr[-2000:]}")
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def auto_budget_range(cfg: SimulationConfig) -> tuple[int, int]:
+    """Budgets (bytes) from the plan of 2 experts per layer (fewer if the model has
+    fewer) to that of every expert, at ``cfg``'s model, batch size and weight format,
+    on top of :func:`device_baseline_bytes` (``edge_sdk.budget.estimate``)."""
+    from edge_sdk.budget import estimate
+    from protocol.messages import ModelSpec
+
+    spec = ModelSpec(**_model_dict(cfg))
+    labels = max(len(load_task(t)[1]) for t in cfg.tasks)
+    base = device_baseline_bytes()
+    lo = estimate(spec, min(2, cfg.num_experts), cfg.batch_size, labels, base, cfg.weight_format).total
+    hi = estimate(spec, cfg.num_experts, cfg.batch_size, labels, base, cfg.weight_format).total
+    log.info("device baseline %.0f MiB here: budgets %.0f-%.0f MiB (2-%d experts per layer)", base / 2**20,
+             lo / 2**20, hi / 2**20, cfg.num_experts)
+    return lo, hi
+
+
 def _prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], dict[str, dict]]:
     """Write per-device train files and per-task test files; return device specs and task configs."""
     parse_partition(cfg.partition)
@@ -91,6 +132,8 @@ def _prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], di
     per_task = [cfg.devices // len(cfg.tasks) + (1 if i < cfg.devices % len(cfg.tasks) else 0)
                 for i in range(len(cfg.tasks))]
     rng = random.Random(cfg.seed)
+    if cfg.budget_range is None:
+        cfg.budget_range = tuple(str(b) for b in auto_budget_range(cfg))
     lo, hi = (parse_bytes(x) for x in cfg.budget_range)
     for t, (task, n_dev) in enumerate(zip(cfg.tasks, per_task)):
         items, labels = load_task(task)
@@ -114,13 +157,19 @@ def _prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], di
     return devices, tasks
 
 
-def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation: str, store: str) -> dict[str, Any]:
-    """The aggregator config (as YAML-able dict) a simulation runs with."""
+def _model_dict(cfg: SimulationConfig) -> dict[str, Any]:
+    """The aggregator config's ``model`` section (a ``ModelSpec``)."""
     model: dict[str, Any] = {"num_experts": cfg.num_experts, "top_k": cfg.top_k, "max_seq_len": cfg.max_seq_len,
                              "base": cfg.base, "config": cfg.model_config, "seed": cfg.seed,
                              "lora": {"rank": cfg.lora_rank, "alpha": 2.0 * cfg.lora_rank}}
     if cfg.full_finetune:
         model["full_finetune"] = True
+    return model
+
+
+def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation: str, store: str) -> dict[str, Any]:
+    """The aggregator config (as YAML-able dict) a simulation runs with."""
+    model = _model_dict(cfg)
     train = {"local_epochs": cfg.local_epochs, "max_steps": cfg.max_steps, "batch_size": cfg.batch_size,
              "lr": cfg.lr, "prox_mu": cfg.prox_mu}
     out = {
