@@ -38,6 +38,7 @@ only while a cell runs (the machine is shared). Writes ``results/fedmoe_table.js
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -73,16 +74,22 @@ PROFILES = {
                  probe_steps=4, patience=1),
 }
 TASKS = ["bbc", "tweets"]
-RUNTIME_GUESS = 440 * 2**20
-"""Device process memory before the model (measured ~432 MiB here); sizes the budgets."""
+@functools.lru_cache(maxsize=1)
+def runtime_baseline() -> int:
+    """Device process memory before the model, measured here (``fedmoe.simulate.device_baseline_bytes``;
+    432-440 MiB when the committed 2026-11-23 cells ran, 467 MiB on a fresh install on 2026-11-24),
+    so the budgets keep the same meaning whatever the installed packages weigh."""
+    from fedmoe.simulate import device_baseline_bytes
+
+    return device_baseline_bytes()
 
 
 def budgets(seq_len: int, batch: int = 8, experts: int = 8) -> tuple[int, int]:
     """A budget range from ~3 experts per layer to above the full MoE (roughly half the
-    devices then hold the full MoE)."""
+    devices then hold the full MoE), over :func:`runtime_baseline`."""
     spec = ModelSpec(max_seq_len=seq_len, num_experts=experts)
-    lo = estimate(spec, 3, batch, 5, RUNTIME_GUESS).total
-    full = estimate(spec, experts, batch, 5, RUNTIME_GUESS).total
+    lo = estimate(spec, 3, batch, 5, runtime_baseline()).total
+    full = estimate(spec, experts, batch, 5, runtime_baseline()).total
     return lo, full + int(0.7 * (full - lo))
 
 
