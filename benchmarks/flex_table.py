@@ -207,7 +207,6 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from edge_sdk.budget import max_experts_per_layer  # noqa: F401  (import check)
     from fedmoe.broker import EmbeddedBroker
     from fedmoe.datasets import FASHION_MNIST_DIR, fashion_mnist
     from protocol.messages import ModelSpec

@@ -67,9 +67,9 @@ from fedmoe.broker import MosquittoBroker  # noqa: E402
 from fedmoe.datasets import bbc_news  # noqa: E402
 from fedmoe.provision import mosquitto_conf, provision  # noqa: E402
 from protocol.chunking import Reassembler, split_blob  # noqa: E402
-from protocol.codec import decode_tensors, encode_tensors, sha256_hex  # noqa: E402
+from protocol.codec import decode_tensors, encode_tensors  # noqa: E402
 from protocol.messages import (  # noqa: E402
-    Ack, Assignment, Command, Hello, ModelSpec, Progress, Stats, encode, parse_message,
+    Ack, Assignment, Command, Hello, ModelSpec, Progress, encode, parse_message,
 )
 from protocol.signing import Signer, generate_key, load_private_key  # noqa: E402
 from protocol.topics import Topics  # noqa: E402

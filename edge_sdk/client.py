@@ -38,7 +38,7 @@ from protocol.transport import Transport, TlsConfig, publish_packet_bytes
 
 from . import budget as B
 from .data import encode_labels, train_val_split
-from .shards import ShardCache, decode_shard
+from .shards import ShardCache
 from .stats import ActivationStats
 from .submoe import SubMoE
 from .train import evaluate, objective_terms, train_local

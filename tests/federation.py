@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -12,6 +13,28 @@ from edge_sdk.budget import estimate
 from fedmoe.datasets import bbc_news
 from protocol.messages import TrainConfig
 from tests.conftest import tiny_spec
+
+
+def drain_downlink(tr, seconds: float, replies: list, assignments: list, until=None, device: str | None = None,
+                   foreign: list | None = None) -> None:
+    """Read a (rogue) client's downlink for up to ``seconds`` or until ``until()``: command
+    reasons go to ``replies``, parsed assignments to ``assignments``; with ``device``,
+    topics outside that device's subtree go to ``foreign`` instead (they must never arrive)."""
+    from protocol.messages import Assignment, Command, parse_message
+
+    end = time.time() + seconds
+    while time.time() < end and not (until and until()):
+        m = tr.get(0.2)
+        if m is None:
+            continue
+        if device is not None and f"/dev/{device}/" not in m.topic:
+            foreign.append(m.topic)
+            continue
+        kind = m.topic.rsplit("/", 1)[1]
+        if kind == "command":
+            replies.append(parse_message(m.payload, Command).reason or "")
+        elif kind == "assignment":
+            assignments.append(parse_message(m.payload, Assignment))
 
 
 @dataclass

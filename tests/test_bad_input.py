@@ -1,18 +1,16 @@
 """Bad input over a real broker: rejected with a reply, never reaching the model."""
 
-import json
 import math
-import time
 
 import pytest
 import torch
 
 from protocol.chunking import split_blob
 from protocol.codec import encode_tensors
-from protocol.messages import Assignment, Command, Hello, encode, parse_message
+from protocol.messages import Hello, encode
 from protocol.topics import Topics
 from protocol.transport import Transport
-from tests.federation import Federation
+from tests.federation import Federation, drain_downlink
 
 
 def rogue(fed: Federation, replies: list, assignments: list):
@@ -21,16 +19,7 @@ def rogue(fed: Federation, replies: list, assignments: list):
     tr.subscribe(t.device_down("evil"))
 
     def drain(seconds):
-        end = time.time() + seconds
-        while time.time() < end:
-            m = tr.get(0.2)
-            if m is None:
-                continue
-            kind = m.topic.rsplit("/", 1)[1]
-            if kind == "command":
-                replies.append(parse_message(m.payload, Command).reason or "")
-            elif kind == "assignment":
-                assignments.append(parse_message(m.payload, Assignment))
+        drain_downlink(tr, seconds, replies, assignments)
 
     up = lambda kind: t.up("evil", kind)  # noqa: E731
     tr.publish(up("stats"), b'{"v":1,"type":"stats"}')                       # unknown device

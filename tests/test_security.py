@@ -13,14 +13,14 @@ from fedmoe.provision import load_credentials, mosquitto_conf, mosquitto_passwor
 from protocol.chunking import split_blob
 from protocol.codec import encode_tensors, sha256_hex
 from protocol.messages import (
-    Ack, Assignment, BlobRef, Command, Hello, LayerStats, Stats, encode, parse_message,
+    Ack, Assignment, BlobRef, Hello, LayerStats, Stats, encode,
 )
 from protocol.signing import (
     ReplayGuard, SignatureError, Signer, Verifier, generate_key, load_private_key, public_key_b64,
 )
 from protocol.topics import Topics
 from protocol.transport import PublishError, TlsConfig, Transport, TransportError
-from tests.federation import Federation
+from tests.federation import Federation, drain_downlink
 
 pytestmark = pytest.mark.skipif(not MosquittoBroker.available(), reason="no mosquitto binary")
 
@@ -171,19 +171,7 @@ def mallory(fed: Federation, p, broker, replies: list, foreign: list) -> None:
     assignments: list[Assignment] = []
 
     def drain(seconds: float, until=None) -> None:
-        end = time.time() + seconds
-        while time.time() < end and not (until and until()):
-            m = tr.get(0.2)
-            if m is None:
-                continue
-            if "/dev/mallory/" not in m.topic:
-                foreign.append(m.topic)
-                continue
-            kind = m.topic.rsplit("/", 1)[1]
-            if kind == "command":
-                replies.append(parse_message(m.payload, Command).reason or "")
-            elif kind == "assignment":
-                assignments.append(parse_message(m.payload, Assignment))
+        drain_downlink(tr, seconds, replies, assignments, until, device="mallory", foreign=foreign)
 
     drain(60, lambda: assignments)
     a1 = assignments[0]
