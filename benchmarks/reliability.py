@@ -138,6 +138,9 @@ class Bench:
         self.rogue_replies = 0
         self.acl_leaks = 0
         self.done = threading.Event()
+        self._restart_lock = threading.Lock()
+        """Serialises aggregator kill/restarts and broker restarts: two fault threads that
+        overlap (a late one under CPU load) must not leave two aggregators running."""
 
     # ------------------------------------------------------------------ processes
     def start_aggregator(self) -> None:
@@ -284,13 +287,15 @@ class Bench:
                 threading.Timer(3.0, self._respawn, args=(d,)).start()
             elif k == "aggregator_kill":
                 time.sleep(self.rng.uniform(0.5, 2.0))
-                self.kill_aggregator()
-                self.faults.append({"kind": k, "round": rnd})
-                time.sleep(2.0)
-                self.start_aggregator()
+                with self._restart_lock:
+                    self.kill_aggregator()
+                    self.faults.append({"kind": k, "round": rnd})
+                    time.sleep(2.0)
+                    self.start_aggregator()
             elif k == "broker_restart":
                 time.sleep(self.rng.uniform(0.5, 2.0))
-                self.broker.restart()
+                with self._restart_lock:
+                    self.broker.restart()
                 self.faults.append({"kind": k, "round": rnd})
 
     def _respawn(self, d: str) -> None:
