@@ -184,7 +184,10 @@ class Bench:
         def publish_blob(topic, data, kind, round, transfer_id=None, retain=False, user_properties=None):
             arm = self.armed[dev]
             if kind == "update" and arm.get("straggle") == round:
-                deadline = self.round_start.get(round, {}).get("deadline", time.time())
+                wait_until = time.time() + 5.0  # the round_start progress message may still be on its way
+                while round not in self.round_start and time.time() < wait_until:
+                    time.sleep(0.05)
+                deadline = self.round_start.get(round, {}).get("deadline", time.time() + self.args.round_timeout)
                 while time.time() < deadline + 1.5 and round not in self.round_end:
                     time.sleep(0.1)
                 time.sleep(0.5)
