@@ -38,6 +38,8 @@ from protocol.transport import Transport, TlsConfig, publish_packet_bytes
 
 from . import budget as B
 from .data import encode_labels, train_val_split
+from .quant_bnb import available as quant_bnb_available
+from .quant_bnb import convert
 from .shards import ShardCache
 from .stats import ActivationStats
 from .submoe import SubMoE
@@ -107,6 +109,9 @@ class EdgeClient:
             needs MQTT 5 for the user properties).
         cache_max: size limit of the shard cache directory (bytes or ``"2GiB"``); least
             recently used shards not needed this round are evicted beyond it.
+        quant_backend: ``"torch"`` (default: dequantize per matmul, plain torch) or
+            ``"bitsandbytes"`` (its int8/nf4 layers on the same shards,
+            :mod:`edge_sdk.quant_bnb`; needs the ``quant`` extra).
 
     The budget may be lowered while the client runs (``client.budget_bytes = ...``, e.g.
     when the device application needs memory): the next assignment that no longer fits
@@ -138,6 +143,7 @@ class EdgeClient:
         low_memory: bool = True,
         signing_key: Any = None,
         cache_max: int | str | None = None,
+        quant_backend: str = "torch",
     ):
         self.device_id = T.check_id(device_id, "device id")
         self.topics = T.Topics(federation)
@@ -147,6 +153,10 @@ class EdgeClient:
         self.raw_items = [dataset[i] for i in range(len(dataset))]
         self.val_fraction = val_fraction
         self.seed = seed
+        convert({}, quant_backend)  # an unknown backend fails here, not in the first round
+        if quant_backend == "bitsandbytes" and not quant_bnb_available():
+            raise ImportError("quant_backend='bitsandbytes' needs bitsandbytes (pip install 'fedmoe[quant]')")
+        self.quant_backend = quant_backend
         if threads:
             torch.set_num_threads(threads)
         if low_memory:
@@ -496,5 +506,6 @@ class EdgeClient:
         if self._held is None or self._held.key != key:
             self._held = None
             shards = {m.shard_id: self._decoded[m.sha256] for m in a.shards}
-            self._held = _Held(key, SubMoE(a.model, a.experts, a.task, num_labels, shards))
+            self._held = _Held(key, SubMoE(a.model, a.experts, a.task, num_labels, shards,
+                                                    quant_backend=self.quant_backend))
         return self._held.model

@@ -182,13 +182,14 @@ def quantized_from_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, t
     return QuantLinear(fmt, tuple(data.shape), data.to(torch.bfloat16), None, bias)
 
 
-def swap_in_quantized(model: nn.Module, layers: dict[str, QuantLinear]) -> None:
+def swap_in_quantized(model: nn.Module, layers: dict[str, nn.Module]) -> None:
     """Replace frozen linears by quantized ones, after peft injected LoRA.
 
     Args:
         model: the model.
         layers: module path of an original ``nn.Linear`` (as before injection, e.g.
-            ``...experts.3.fc1``) -> its :class:`QuantLinear`.
+            ``...experts.3.fc1``) -> its :class:`QuantLinear` (or the bitsandbytes layer
+            ``edge_sdk.quant_bnb`` made of it).
 
     Raises:
         KeyError: a path names no module.

@@ -24,6 +24,7 @@ from protocol.messages import ModelSpec
 
 from .models.base import MoEModel, get_adapter, trains_all_weights
 from .quant import QuantLinear, swap_in_quantized
+from .quant_bnb import convert
 from .shards import block_paths, join_shards
 
 ATTENTION_TARGETS = {"bert-upcycled": ("query", "value")}
@@ -77,13 +78,16 @@ class SubMoE(nn.Module):
             expert linear may instead be a :class:`edge_sdk.quant.QuantLinear` under its
             module path (``fc1``): it stays quantized, LoRA wraps it; ``None`` builds a
             randomly initialised base (tests only).
+        quant_backend: ``torch`` (:class:`QuantLinear`, everywhere) or ``bitsandbytes``
+            (its int8/nf4 layers on the same stored weights, ``edge_sdk.quant_bnb``).
 
     Raises:
         KeyError: a needed shard or tensor is missing from ``base_shards``.
+        ValueError: unknown ``quant_backend``; ImportError: bitsandbytes missing for it.
     """
 
     def __init__(self, spec: ModelSpec, experts: dict[int, list[int]], task: str, num_labels: int,
-                 base_shards: dict[str, dict[str, torch.Tensor]] | None):
+                 base_shards: dict[str, dict[str, torch.Tensor]] | None, quant_backend: str = "torch"):
         super().__init__()
         self.spec = spec
         self.task = task
@@ -114,7 +118,7 @@ class SubMoE(nn.Module):
                              f"{type(next(iter(quantized.values()))).__name__} expert linears")
         if not self.full:
             self._inject_lora()
-        swap_in_quantized(self.model, quantized)
+        swap_in_quantized(self.model, convert(quantized, quant_backend))
         for p in self.model.parameters():
             p.requires_grad_(False)
         self._keys = self._map_keys()

@@ -96,7 +96,8 @@ def _device(args: argparse.Namespace) -> int:
     tls = TlsConfig(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
     common = dict(federation=args.federation, budget_bytes=args.budget, task=args.task, cache_dir=args.cache_dir,
                   val_fraction=args.val_fraction, seed=args.seed, threads=args.threads, protocol=args.protocol,
-                  tls=tls, weight_formats=args.formats.split(","), cache_max=args.cache_max)
+                  tls=tls, weight_formats=args.formats.split(","), cache_max=args.cache_max,
+                  quant_backend=args.quant_backend)
     data = load_text_file(args.data)
     if args.credentials:
         client = EdgeClient.from_credentials(args.broker, args.credentials, data, **common)
@@ -202,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--val-fraction", type=float, default=0.2)
     d.add_argument("--formats", default="int8,fp32", help="weight formats this device loads")
+    d.add_argument("--quant-backend", default="torch", choices=["torch", "bitsandbytes"],
+                   help="kernels for int8/nf4 expert linears (bitsandbytes needs the quant extra)")
     d.add_argument("--max-rounds", type=int)
     d.add_argument("--idle-timeout", type=float)
     d.add_argument("--tls-cert")

@@ -65,3 +65,24 @@ def test_peak_above_plan_is_folded_into_the_runtime_baseline():
     z = EdgeClient("mqtt://127.0.0.1:1", "d1", [("x", "a")], budget_bytes=900 * mib, runtime_bytes=0)
     z._recalibrate(1, peak=705 * mib, planned=300 * mib)
     assert z.runtime_bytes == 0
+
+
+@pytest.mark.slow
+def test_device_on_the_bitsandbytes_backend_trains_in_a_federation(embedded_url, tmp_path):
+    """One device runs its int8 experts on bitsandbytes' Linear8bitLt, the other on the
+    plain-torch backend; both rounds close with both updates accepted."""
+    pytest.importorskip("bitsandbytes")
+    from tests.conftest import TINY_CONFIG
+
+    def hook(c):
+        if c.device_id == "dev0":
+            c.quant_backend = "bitsandbytes"
+
+    fed = Federation(embedded_url, str(tmp_path), protocol="3.1.1", rounds=2, experts=(2, 2), client_hook=hook,
+                     spec_kw={"upcycle_noise": 0.01, "config": {**TINY_CONFIG, "hidden_size": 64,
+                                                                "intermediate_size": 128}})
+    records = fed.run()
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    assert all(set(r["devices"]) == {"dev0", "dev1"} for r in records)
+    fc1 = fed.clients[0]._held.model.model.bert.encoder.layer[1].intermediate.experts
+    assert {type(e.fc1.base_layer).__name__ for e in fc1.values()} == {"Linear8bitLt"}
