@@ -246,7 +246,9 @@ class Aggregator:
 
         Raises:
             protocol.transport.TransportError: the broker cannot be reached.
-            TimeoutError: fewer than ``min_devices`` joined within ``start_timeout_s``.
+            TimeoutError: fewer than ``min_devices`` joined within ``start_timeout_s``, or
+                no online device could be assigned a round (every budget too small for
+                the strategy) for ``start_timeout_s``.
         """
         self.transport.connect()
         up = self.topics.all_up()
@@ -262,10 +264,18 @@ class Aggregator:
                 log.info("initial accuracy: %s", self.initial["accuracy"])
             if not resumed:
                 self._wait_for_devices()
+            idle_since = None
             while not self._stop.is_set() and self.engine.completed < self.cfg.rounds:
                 if self.engine.current is None and not self.engine.start_round():
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since > self.cfg.start_timeout_s:
+                        raise TimeoutError(
+                            f"round {self.engine.completed + 1}: no device could be assigned for "
+                            f"{self.cfg.start_timeout_s:.0f} s (budgets too small for the '{self.cfg.assignment.name}' "
+                            f"assignment, or no eligible device online)")
                     self._pump(1.0)
                     continue
+                idle_since = None
                 while not self._stop.is_set() and not self.engine.should_close():
                     self._pump(0.2)
                 if self.engine.current is not None and not self._stop.is_set():

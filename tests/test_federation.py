@@ -62,3 +62,14 @@ def test_full_moe_baseline_everyone_holds_everything(mosquitto_url, tmp_path):
     fed = Federation(mosquitto_url, str(tmp_path), rounds=1, experts=(4, 4), assignment="full")
     (rec,) = fed.run()
     assert all(v["experts"] == {"1": [0, 1, 2, 3]} for v in rec["devices"].values())
+
+
+def test_no_assignable_device_fails_clearly_instead_of_waiting(mosquitto_url, tmp_path):
+    """`full` needs every expert; devices whose budgets hold 2 of 4 can never be assigned:
+    the aggregator stops after start_timeout_s with a TimeoutError that says so."""
+    fed = Federation(mosquitto_url, str(tmp_path), rounds=1, experts=(2, 2), assignment="full",
+                     config_kw={"start_timeout_s": 3})
+    with pytest.raises(AssertionError) as e:
+        fed.run(timeout=60)
+    assert any(isinstance(x, TimeoutError) and "no device could be assigned" in str(x) for x in fed.errors), e.value
+    assert fed.records == []
