@@ -38,8 +38,7 @@ from protocol.transport import Transport, TlsConfig, publish_packet_bytes
 
 from . import budget as B
 from .data import encode_labels, train_val_split
-from .quant_bnb import available as quant_bnb_available
-from .quant_bnb import convert
+from .quant_bnb import check_backend
 from .shards import ShardCache
 from .stats import ActivationStats
 from .submoe import SubMoE
@@ -153,9 +152,7 @@ class EdgeClient:
         self.raw_items = [dataset[i] for i in range(len(dataset))]
         self.val_fraction = val_fraction
         self.seed = seed
-        convert({}, quant_backend)  # an unknown backend fails here, not in the first round
-        if quant_backend == "bitsandbytes" and not quant_bnb_available():
-            raise ImportError("quant_backend='bitsandbytes' needs bitsandbytes (pip install 'fedmoe[quant]')")
+        check_backend(quant_backend)
         self.quant_backend = quant_backend
         if threads:
             torch.set_num_threads(threads)

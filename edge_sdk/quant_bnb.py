@@ -27,6 +27,8 @@ import logging
 import torch
 from torch import nn
 
+from protocol.codec import NF4_BLOCK
+
 from .quant import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -35,13 +37,20 @@ BACKENDS = ("torch", "bitsandbytes")
 """Quantized-linear backends a device can choose (``EdgeClient(quant_backend=...)``)."""
 
 
-def available() -> bool:
-    """Whether bitsandbytes imports here."""
-    try:
-        import bitsandbytes  # noqa: F401
-    except Exception:  # ImportError, or a broken native library
-        return False
-    return True
+def check_backend(backend: str) -> None:
+    """Fail early (at configuration, not in the first round) when ``backend`` cannot run here.
+
+    Raises:
+        ValueError: unknown backend.
+        ImportError: ``bitsandbytes`` chosen but the package does not import.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown quantization backend {backend!r}; use one of {BACKENDS}")
+    if backend == "bitsandbytes":
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as e:  # ImportError, or a broken native library
+            raise ImportError("quant_backend='bitsandbytes' needs bitsandbytes (pip install 'fedmoe[quant]')") from e
 
 
 def to_bitsandbytes(q: QuantLinear) -> nn.Module:
@@ -61,24 +70,24 @@ def to_bitsandbytes(q: QuantLinear) -> nn.Module:
         w = bnb.nn.Int8Params(q.qweight_data, requires_grad=False, has_fp16_weights=False)
         w.CB, w.SCB = q.qweight_data, (q.qweight_scale * 127.0).float()
         layer.weight = w
-    elif q.fmt == "nf4" and q.in_features % 64 == 0:
+    elif q.fmt == "nf4" and q.in_features % NF4_BLOCK == 0:
         from bitsandbytes.functional import QuantState, get_4bit_type
 
         state = QuantState(absmax=q.qweight_scale.float(), shape=torch.Size((q.out_features, q.in_features)),
-                           code=get_4bit_type("nf4", device="cpu"), blocksize=64, quant_type="nf4",
+                           code=get_4bit_type("nf4", device="cpu"), blocksize=NF4_BLOCK, quant_type="nf4",
                            dtype=torch.float32)
         layer = bnb.nn.Linear4bit(q.in_features, q.out_features, bias=bias, quant_type="nf4",
                                   compute_dtype=torch.float32)
         layer.weight = bnb.nn.Params4bit(q.qweight_data.reshape(-1, 1), requires_grad=False, quant_state=state,
-                                         blocksize=64, quant_type="nf4", bnb_quantized=True)
+                                         blocksize=NF4_BLOCK, quant_type="nf4", bnb_quantized=True)
         # In eval mode on an AVX512-BF16 CPU, bitsandbytes repacks the weight for inference
         # (a second copy) and its repacked path then fails under autograd: a device alternates
         # evaluation and training, so keep the one layout.
         layer.support_avx512bf16_for_cpu = False
     else:
         if q.fmt == "nf4":
-            log.warning("nf4 linear with in_features %d (not a multiple of 64) kept on the torch backend",
-                        q.in_features)
+            log.warning("nf4 linear with in_features %d (not a multiple of %d) kept on the torch backend",
+                        q.in_features, NF4_BLOCK)
         return q
     if bias:
         layer.bias = nn.Parameter(q.bias.detach(), requires_grad=False)
@@ -91,8 +100,7 @@ def convert(layers: dict[str, QuantLinear], backend: str) -> dict[str, nn.Module
     Raises:
         ValueError: unknown backend. ImportError: ``bitsandbytes`` without the package.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown quantization backend {backend!r}; use one of {BACKENDS}")
+    check_backend(backend)
     if backend == "torch":
         return dict(layers)
     return {path: to_bitsandbytes(q) for path, q in layers.items()}
