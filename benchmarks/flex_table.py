@@ -31,7 +31,6 @@ import json
 import logging
 import random
 import shutil
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -67,6 +66,7 @@ def run_cell(args, spec, data, test, labels, ks, algo: str, params: dict, url: s
     from cloud.service import Aggregator, AggregatorConfig, StrategyConfig, TaskConfig
     from edge_sdk import EdgeClient
     from edge_sdk.budget import estimate
+    from fedmoe.inprocess import run_inprocess
     from protocol.messages import TrainConfig
 
     fed = f"flex-{uuid.uuid4().hex[:8]}"
@@ -79,32 +79,15 @@ def run_cell(args, spec, data, test, labels, ks, algo: str, params: dict, url: s
         eval_max_samples=args.eval_samples, seed=args.seed, eval_batch_size=256,
     )
     agg = Aggregator(cfg, url, eval_data={"fmnist": test})
-    errors, records = [], []
-
-    def guard(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # reported below
-                errors.append(e)
-        return run
-
-    at = threading.Thread(target=guard(lambda: records.extend(agg.run())), daemon=True)
-    at.start()
     clients = []
     for i, (items, k) in enumerate(zip(data, ks)):
         budget = estimate(spec, int(k), args.batch_size, len(labels), runtime_bytes=0, weight_format="fp32").total + 1
         clients.append(EdgeClient(url, f"c{i:02d}", items, federation=fed, budget_bytes=budget, task="fmnist",
                                   cache_dir=str(tmp / f"cache{i}"), protocol=protocol, runtime_bytes=0,
                                   seed=args.seed + i, low_memory=False))
-    threads = [threading.Thread(target=guard(c.run), daemon=True) for c in clients]
-    for t in threads:
-        t.start()
-    at.join(args.round_timeout * (args.rounds + 1))
-    for t in threads:
-        t.join(30)
-    if at.is_alive() or errors:
-        raise RuntimeError(f"cell failed: alive={at.is_alive()} errors={errors!r}")
+    records, errors = run_inprocess(agg, clients, args.round_timeout * (args.rounds + 1))
+    if errors:
+        raise RuntimeError(f"cell failed: {errors!r}")
     last = records[-1]
     return {
         "accuracy": last["accuracy"], "mean_local_accuracy": last["mean_local_accuracy"], "cv": last["cv"],

@@ -188,11 +188,14 @@ class Aggregator:
         self.records: list[dict[str, Any]] = self.store.rounds()
         self.initial: dict[str, Any] | None = self.store.get_json("initial_evaluation")
         self._stop = threading.Event()
+        self.ready = threading.Event()
+        """Set once :meth:`run` subscribed to the devices' uplink: a message a device
+        publishes earlier and does not retain (``hello`` is retained) is not seen."""
         self.rejected = 0
         self.duplicates = 0
+        """Exact repeats of signed messages (QoS 1 redeliveries, replays) ignored."""
         self.internal_errors = 0
         """Messages dropped because handling them raised an unexpected error (a bug)."""
-        """Exact repeats of signed messages (QoS 1 redeliveries, replays) ignored."""
 
     def _eval_sets(self, given: dict[str, Sequence[tuple[Any, Any]]]) -> dict[str, list]:
         out = {}
@@ -252,7 +255,10 @@ class Aggregator:
         """
         self.transport.connect()
         up = self.topics.all_up()
-        self.transport.subscribe(f"$share/{self.cfg.shared_group}/{up}" if self.cfg.shared_group else up)
+        if not self.transport.subscribe(f"$share/{self.cfg.shared_group}/{up}" if self.cfg.shared_group else up,
+                                        timeout=30):
+            log.warning("no SUBACK for the devices' uplink within 30 s; going on (paho resubscribes on reconnect)")
+        self.ready.set()
         self._publish_shards()
         try:
             resumed = self.engine.current is not None

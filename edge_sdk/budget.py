@@ -45,6 +45,12 @@ from .models.base import get_adapter, trains_all_weights
 DEFAULT_RUNTIME_BYTES = 445 * 1024**2
 DEFAULT_WEIGHT_FORMAT = "int8"
 """Format assumed when none is given (the aggregator's default ``weight_format``)."""
+DEFAULT_HEADROOM_BYTES = 32 * 1024**2
+"""Reserve a device adds to its measured runtime baseline for what the plan cannot model:
+glibc heap growth from round to round (fragmentation; measured in the demo: up to 13 MiB
+in one round, on a 300 MiB model part) and the plan's own error (up to 1%, ``benchmarks/
+memory.py``). ``EdgeClient`` keeps this much free below its plan every round
+(``headroom_bytes``)."""
 FETCH_WINDOW_BYTES = 8 * 1024**2
 """Shard bytes a device has in flight at once while fetching (then written to its cache)."""
 TOKENIZER_BYTES = {"bert-upcycled": 12 * 1024**2}

@@ -19,6 +19,7 @@ Raw samples never leave the device.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import uuid
@@ -100,6 +101,10 @@ class EdgeClient:
             (:class:`protocol.transport.Transport`).
         runtime_bytes: memory the process uses outside the model (the memory plan's
             fixed part); measured now (resident set size) unless given.
+        headroom_bytes: reserve added to the measured ``runtime_bytes`` and kept free
+            below the plan every round (:data:`edge_sdk.budget.DEFAULT_HEADROOM_BYTES`
+            when ``runtime_bytes`` is measured; 0 when it is given: the caller's number
+            is taken as it is). See :meth:`_recalibrate`.
         low_memory: serve large allocations by mmap so freed activations return to
             the OS (:func:`edge_sdk.budget.tune_allocator`): about half the peak memory
             for about 35% slower steps (measured on MiniLM, see its docstring).
@@ -139,6 +144,7 @@ class EdgeClient:
         tls: TlsConfig | None = None,
         max_payload: int | None = None,
         runtime_bytes: int | None = None,
+        headroom_bytes: int | None = None,
         low_memory: bool = True,
         signing_key: Any = None,
         cache_max: int | str | None = None,
@@ -166,9 +172,16 @@ class EdgeClient:
             broker, f"dev-{device_id}", protocol=protocol, username=username or device_id, password=password,
             tls=tls, will=(self.topics.up(device_id, "status"), status_offline), **kw,
         )
+        if headroom_bytes is None:
+            headroom_bytes = B.DEFAULT_HEADROOM_BYTES if runtime_bytes is None else 0
+        if headroom_bytes < 0:
+            raise ValueError(f"headroom_bytes must be >= 0, got {headroom_bytes}")
         if runtime_bytes is None:
             runtime_bytes = B.current_rss_bytes() or B.DEFAULT_RUNTIME_BYTES
-        self.runtime_bytes = runtime_bytes
+        self.headroom_bytes = int(headroom_bytes)
+        self.runtime_bytes = runtime_bytes + self.headroom_bytes
+        """The plan's fixed part as reported in ``hello`` and ``stats``: the measured
+        baseline, the headroom, and every later recalibration."""
         self.signer = None
         if signing_key is not None:
             from protocol.signing import Signer, load_private_key
@@ -263,6 +276,11 @@ class EdgeClient:
         finally:
             self.close()
         return self.history
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return within about a second (after the round it is training,
+        if any); safe to call from another thread, and before or after ``run()``."""
+        self._stop = True
 
     def close(self) -> None:
         """Publish ``offline`` and disconnect."""
@@ -407,21 +425,24 @@ class EdgeClient:
         ))
 
     def _recalibrate(self, rnd: int, peak: int, planned: int) -> None:
-        """Fold a measured peak above the plan into the runtime baseline.
+        """Keep ``headroom_bytes`` free below the plan: fold a measured peak that ate into
+        it into the runtime baseline.
 
-        The plan models the model's memory on top of ``runtime_bytes`` measured at
-        start-up; what the process holds beyond that (allocator fragmentation, library
-        caches) grows by a few MiB per round on glibc. Adding the excess to
-        ``runtime_bytes`` makes later plans, here and in the cloud (the stats carry it as
-        ``baseline_rss_bytes``), account for it: the next assignment is sized to fit, or
-        refused and reassigned. A client made with ``runtime_bytes=0`` plans for the
-        model alone (tests do) and is left as it is.
+        The plan models the model's memory on top of ``runtime_bytes`` (the baseline
+        measured at start-up plus the headroom); what the process holds beyond that
+        (allocator fragmentation, library caches) grows by a few MiB per round on glibc.
+        When the peak rises above ``planned - headroom_bytes``, the difference is added to
+        ``runtime_bytes``, so later plans, here and in the cloud (the stats carry it as
+        ``baseline_rss_bytes``), again leave the whole headroom free: the next assignment
+        is sized to fit, or refused and reassigned. The budget is exceeded only if the
+        peak grows by more than the headroom within one round. A client made with
+        ``runtime_bytes=0`` plans for the model alone (tests do) and is left as it is.
         """
-        excess = peak - planned
+        excess = peak - (planned - self.headroom_bytes)
         if excess > 0 and self.runtime_bytes > 0:
-            log.warning("%s round %d: peak RSS %.1f MiB exceeded the memory plan's %.1f MiB by %.1f MiB; "
-                        "counting it in the runtime baseline from now on", self.device_id, rnd, peak / 2**20,
-                        planned / 2**20, excess / 2**20)
+            log.warning("%s round %d: peak RSS %.1f MiB left less than the %.0f MiB headroom below the memory "
+                        "plan's %.1f MiB; counting %.1f MiB more in the runtime baseline from now on", self.device_id,
+                        rnd, peak / 2**20, self.headroom_bytes / 2**20, planned / 2**20, excess / 2**20)
             self.runtime_bytes += excess
 
     def _local_data(self, labels: list[str]) -> tuple[list, list]:
@@ -502,6 +523,8 @@ class EdgeClient:
                tuple(m.sha256 for m in a.shards), a.task, num_labels)
         if self._held is None or self._held.key != key:
             self._held = None
+            gc.collect()  # the last sub-model's autograd/peft reference cycles, before the next one is built
+            B.release_free_memory()
             shards = {m.shard_id: self._decoded[m.sha256] for m in a.shards}
             self._held = _Held(key, SubMoE(a.model, a.experts, a.task, num_labels, shards,
                                                     quant_backend=self.quant_backend))

@@ -90,6 +90,7 @@ def _aggregator(args: argparse.Namespace) -> int:
 
 def _device(args: argparse.Namespace) -> int:
     from edge_sdk import EdgeClient
+    from edge_sdk.budget import parse_bytes
     from edge_sdk.data import load_text_file
     from protocol.transport import TlsConfig
 
@@ -97,7 +98,8 @@ def _device(args: argparse.Namespace) -> int:
     common = dict(federation=args.federation, budget_bytes=args.budget, task=args.task, cache_dir=args.cache_dir,
                   val_fraction=args.val_fraction, seed=args.seed, threads=args.threads, protocol=args.protocol,
                   tls=tls, weight_formats=args.formats.split(","), cache_max=args.cache_max,
-                  quant_backend=args.quant_backend)
+                  quant_backend=args.quant_backend,
+                  headroom_bytes=parse_bytes(args.headroom) if args.headroom is not None else None)
     data = load_text_file(args.data)
     if args.credentials:
         client = EdgeClient.from_credentials(args.broker, args.credentials, data, **common)
@@ -203,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--val-fraction", type=float, default=0.2)
     d.add_argument("--formats", default="int8,fp32", help="weight formats this device loads")
+    d.add_argument("--headroom", help="memory kept free below the plan for allocator growth, e.g. 32MiB "
+                                      "(default: edge_sdk.budget.DEFAULT_HEADROOM_BYTES)")
     d.add_argument("--quant-backend", default="torch", choices=["torch", "bitsandbytes"],
                    help="kernels for int8/nf4 expert linears (bitsandbytes needs the quant extra)")
     d.add_argument("--max-rounds", type=int)

@@ -97,13 +97,16 @@ _BASELINE_PROBE = (
 
 def device_baseline_bytes() -> int:
     """RSS (bytes) of a fresh device process after the imports ``fedmoe device`` makes,
-    before any model: what ``EdgeClient`` measures as its runtime baseline (its data adds
-    a little). Raises RuntimeError if the probe process fails."""
+    before any model, plus :data:`edge_sdk.budget.DEFAULT_HEADROOM_BYTES`: the runtime
+    baseline ``EdgeClient`` reports (its data adds a little). Raises RuntimeError if the
+    probe process fails."""
     out = subprocess.run([sys.executable, "-c", _BASELINE_PROBE], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
     if out.returncode != 0 or not out.stdout.strip():
         raise RuntimeError(f"device baseline probe failed: {out.stderr[-2000:]}")
-    return int(out.stdout.strip().splitlines()[-1])
+    from edge_sdk.budget import DEFAULT_HEADROOM_BYTES
+
+    return int(out.stdout.strip().splitlines()[-1]) + DEFAULT_HEADROOM_BYTES
 
 
 def auto_budget_range(cfg: SimulationConfig) -> tuple[int, int]:

@@ -181,6 +181,8 @@ class Transport:
         self._subs: dict[str, int] = {}
         self._client: mqtt.Client | None = None
         self._connected = threading.Event()
+        self._suback = threading.Condition()
+        self._subacked: set[int] = set()
         self._connack: object = None
         self._results: dict[int, object] = {}
         self._lock = threading.Lock()
@@ -252,6 +254,7 @@ class Transport:
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
         c.on_publish = self._on_publish
+        c.on_subscribe = self._on_subscribe
         self._client = c
         kwargs = {}
         if v5:
@@ -345,10 +348,36 @@ class Transport:
             self._connected.clear()
 
     # ------------------------------------------------------------------ subscriptions
-    def subscribe(self, topic: str, qos: int = 1) -> None:
+    def subscribe(self, topic: str, qos: int = 1, timeout: float | None = None) -> bool:
+        """Subscribe now (if connected) and again on every reconnect.
+
+        Args:
+            topic: topic filter.
+            qos: maximum QoS.
+            timeout: wait up to this many seconds for the broker's SUBACK (None: don't).
+
+        Returns:
+            True once acknowledged (or not waited for); False if ``timeout`` passed first
+            or the client is not connected (it subscribes when it connects).
+        """
         self._subs[topic] = qos
-        if self._client is not None and self.connected:
-            self._client.subscribe(topic, qos=qos)
+        if self._client is None or not self.connected:
+            return timeout is None
+        _, mid = self._client.subscribe(topic, qos=qos)
+        if timeout is None:
+            return True
+        with self._suback:
+            ok = self._suback.wait_for(lambda: mid in self._subacked, timeout)
+            self._subacked.discard(mid)
+        return ok
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        with self._suback:
+            self._subacked.add(mid)
+            if len(self._subacked) > 4096:  # acks nobody waits for
+                self._subacked.clear()
+                self._subacked.add(mid)
+            self._suback.notify_all()
 
     def unsubscribe(self, topic: str) -> None:
         self._subs.pop(topic, None)

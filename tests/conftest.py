@@ -113,3 +113,23 @@ def store_url(request, tmp_path):
     yield f"{PG_URL}?options=-csearch_path%3D{schema}"
     with psycopg.connect(PG_URL, autocommit=True) as c:
         c.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def pytest_unconfigure(config):
+    """A test that leaves a non-daemon thread running (a client that never got its stop
+    command) would keep the interpreter alive after the summary and CI would time out:
+    name the threads, with their stacks, and exit with a failure instead."""
+    import sys
+    import threading
+    import traceback
+
+    time.sleep(0.5)
+    left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if not left:
+        return
+    frames = sys._current_frames()
+    for t in left:
+        sys.stderr.write(f"\nnon-daemon thread still running after the tests: {t.name}\n")
+        sys.stderr.write("".join(traceback.format_stack(frames.get(t.ident))) if t.ident in frames else "")
+    sys.stderr.flush()
+    os._exit(3)

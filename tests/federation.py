@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from cloud.service import Aggregator, AggregatorConfig, TaskConfig
 from edge_sdk import EdgeClient
 from edge_sdk.budget import estimate
 from fedmoe.datasets import bbc_news
+from fedmoe.inprocess import run_inprocess
 from protocol.messages import TrainConfig
 from tests.conftest import tiny_spec
 
@@ -87,29 +87,16 @@ class Federation:
             return EdgeClient.from_credentials(self.url, self.secure.device_file(f"dev{i}"), data, **kw)
         return EdgeClient(self.url, f"dev{i}", data, **kw)
 
-    def _guard(self, fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # surfaced by the test
-                self.errors.append(e)
-        return run
-
     def run(self, extra=None, timeout: float = 180):
-        agg = threading.Thread(target=self._guard(lambda: self.records.extend(self.aggregator.run())))
-        agg.start()
+        """Run the aggregator and every client, call ``extra(self)`` once they started, and
+        assert that the aggregator finished and no thread raised."""
         self.clients = [self.client(i, k) for i, k in enumerate(self.experts)]
         if self.client_hook is not None:
             for c in self.clients:
                 self.client_hook(c)
-        threads = [threading.Thread(target=self._guard(c.run)) for c in self.clients]
-        for t in threads:
-            t.start()
-        if extra is not None:
-            extra(self)
-        agg.join(timeout)
-        for t in threads:
-            t.join(30)
-        assert not agg.is_alive(), "aggregator did not finish"
+        records, errors = run_inprocess(self.aggregator, self.clients, timeout,
+                                        during=(lambda: extra(self)) if extra is not None else None)
+        self.records.extend(records)
+        self.errors.extend(errors)
         assert not self.errors, self.errors
         return self.records

@@ -16,7 +16,7 @@ from tests.federation import Federation, drain_downlink
 def rogue(fed: Federation, replies: list, assignments: list):
     t = Topics(fed.federation)
     tr = Transport(fed.url, "rogue-evil", protocol=fed.protocol).connect()
-    tr.subscribe(t.device_down("evil"))
+    tr.subscribe(t.device_down("evil"), timeout=10)
 
     def drain(seconds):
         drain_downlink(tr, seconds, replies, assignments)

@@ -67,6 +67,28 @@ def test_peak_above_plan_is_folded_into_the_runtime_baseline():
     assert z.runtime_bytes == 0
 
 
+def test_headroom_is_reserved_and_kept_free_below_the_plan():
+    """A measured baseline gets the default headroom on top; a peak that eats into the
+    headroom (but stays below the plan) raises the baseline so the whole headroom is free
+    again next round; a peak further below changes nothing."""
+    from edge_sdk import EdgeClient
+    from edge_sdk.budget import DEFAULT_HEADROOM_BYTES, current_rss_bytes
+
+    mib = 2**20
+    c = EdgeClient("mqtt://127.0.0.1:1", "d0", [("x", "a")], budget_bytes=900 * mib, runtime_bytes=400 * mib,
+                   headroom_bytes=32 * mib)
+    assert c.runtime_bytes == 432 * mib
+    c._recalibrate(1, peak=690 * mib, planned=700 * mib)  # 22 MiB of the 32 used
+    assert c.runtime_bytes == 454 * mib
+    c._recalibrate(2, peak=700 * mib, planned=722 * mib + 10 * mib)  # 32 MiB free: nothing to do
+    assert c.runtime_bytes == 454 * mib
+    m = EdgeClient("mqtt://127.0.0.1:1", "d1", [("x", "a")], budget_bytes=900 * mib)
+    assert m.headroom_bytes == DEFAULT_HEADROOM_BYTES
+    assert DEFAULT_HEADROOM_BYTES < m.runtime_bytes - DEFAULT_HEADROOM_BYTES <= current_rss_bytes()
+    with pytest.raises(ValueError, match="headroom"):
+        EdgeClient("mqtt://127.0.0.1:1", "d2", [("x", "a")], budget_bytes=900 * mib, headroom_bytes=-1)
+
+
 @pytest.mark.slow
 def test_device_on_the_bitsandbytes_backend_trains_in_a_federation(embedded_url, tmp_path):
     """One device runs its int8 experts on bitsandbytes' Linear8bitLt, the other on the

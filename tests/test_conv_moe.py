@@ -3,7 +3,6 @@ small conv-moe federation over the embedded broker."""
 
 import gzip
 import os
-import threading
 import uuid
 
 import numpy as np
@@ -14,6 +13,7 @@ from edge_sdk.budget import estimate, max_experts_per_layer
 from edge_sdk.submoe import SubMoE
 from edge_sdk.train import train_local
 from fedmoe.datasets import FASHION_MNIST_DIR, read_idx
+from fedmoe.inprocess import run_inprocess
 from protocol.messages import ModelSpec, TrainConfig
 
 SPEC = ModelSpec(family="conv-moe", base=None, tokenizer=None, num_experts=4, top_k=2, seed=0,
@@ -83,20 +83,12 @@ def test_conv_moe_flex_federation(embedded_url, tmp_path):
         assignment=StrategyConfig(name="flex", params={"solver": "fast"}),
         aggregation=StrategyConfig(name="usage_weighted"))
     agg = Aggregator(cfg, embedded_url, eval_data={"img": test})
-    records, errors = [], []
-    at = threading.Thread(target=lambda: records.extend(agg.run()))
-    at.start()
     clients = [EdgeClient(embedded_url, f"c{i}", train[i * 120:(i + 1) * 120], federation=fed, task="img",
                           budget_bytes=estimate(SPEC, k, 16, 3, runtime_bytes=0, weight_format="fp32").total + 1, protocol="3.1.1",
                           cache_dir=str(tmp_path / f"cache{i}"), runtime_bytes=0, low_memory=False)
                for i, k in enumerate((1, 2, 3))]
-    threads = [threading.Thread(target=lambda c=c: errors.append(None) if c.run() is None else None) for c in clients]
-    for t in threads:
-        t.start()
-    at.join(240)
-    for t in threads:
-        t.join(30)
-    assert not at.is_alive() and len(records) == 3
+    records, errors = run_inprocess(agg, clients, 240)
+    assert not errors and len(records) == 3, errors
     assert all(r["status"] == "ok" for r in records)
     for r in records:
         assert [len(r["devices"][f"c{i}"]["experts"]["0"]) for i in range(3)] == [1, 2, 3]  # k_c from budgets

@@ -110,7 +110,7 @@ def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_ur
     obs = Observer(broker.url(), t.progress(), f"{t.root}/dev/+/up/stats")
     agg = start(1)
     gate = threading.Event()
-    clients, threads, errors = [], [], []
+    clients, threads = [], []
     for i, k in enumerate((2, 4)):
         budget = estimate(spec, k, 8, len(labels), runtime_bytes=0).total + 1
         c = EdgeClient(broker.url(), f"dev{i}", items[i::9][:40], federation=fed, budget_bytes=budget, task="bbc",
@@ -135,6 +135,8 @@ def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_ur
         if agg.poll() is None:
             agg.kill()
         obs.close()
+        for c in clients:
+            c.stop()
     for th in threads:
         th.join(30)
     log2 = (tmp_path / "agg2.log").read_text()

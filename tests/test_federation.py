@@ -5,7 +5,6 @@ import time
 import pytest
 
 from edge_sdk.shards import shards_for
-from protocol.topics import Topics
 from protocol.transport import Transport
 from tests.federation import Federation
 
@@ -66,10 +65,35 @@ def test_full_moe_baseline_everyone_holds_everything(mosquitto_url, tmp_path):
 
 def test_no_assignable_device_fails_clearly_instead_of_waiting(mosquitto_url, tmp_path):
     """`full` needs every expert; devices whose budgets hold 2 of 4 can never be assigned:
-    the aggregator stops after start_timeout_s with a TimeoutError that says so."""
+    the aggregator stops after start_timeout_s with a TimeoutError that says so, and the
+    devices, which never got a stop command, are stopped and disconnected (a client left
+    running kept pytest from exiting on CI)."""
     fed = Federation(mosquitto_url, str(tmp_path), rounds=1, experts=(2, 2), assignment="full",
                      config_kw={"start_timeout_s": 3})
     with pytest.raises(AssertionError) as e:
         fed.run(timeout=60)
     assert any(isinstance(x, TimeoutError) and "no device could be assigned" in str(x) for x in fed.errors), e.value
     assert fed.records == []
+    assert fed.clients and not any(c.transport.connected for c in fed.clients)
+
+
+@pytest.mark.parametrize("broker", ["mosquitto", "embedded"])
+def test_subscribe_can_wait_for_the_suback(broker, request):
+    """With a timeout, subscribe() returns once the broker acknowledged it, so a message
+    published right after is delivered; unconnected, it reports False (and subscribes on
+    connect)."""
+    import uuid
+
+    url = request.getfixturevalue(f"{broker}_url")
+    proto = "3.1.1" if broker == "embedded" else "auto"
+    topic = f"test/{uuid.uuid4().hex[:8]}/x"
+    assert Transport(url, protocol=proto).subscribe(topic, timeout=0.5) is False
+    sub, pub = Transport(url, protocol=proto).connect(), Transport(url, protocol=proto).connect()
+    try:
+        assert sub.subscribe(topic, timeout=10) is True
+        pub.publish(topic, b"hi")
+        m = sub.get(10)
+        assert m is not None and m.payload == b"hi"
+    finally:
+        sub.close()
+        pub.close()

@@ -1,7 +1,6 @@
 """FedMoE end to end on a tiny model: two tasks (BBC topics, tweet sentiment) on one MoE,
 stage one (probe / estimate / search) and stage two through a real (embedded) broker."""
 
-import threading
 import uuid
 
 import pytest
@@ -11,6 +10,7 @@ from cloud.store import Store
 from edge_sdk import EdgeClient
 from edge_sdk.budget import estimate
 from fedmoe.datasets import bbc_news, tweets
+from fedmoe.inprocess import run_inprocess
 from protocol.messages import TrainConfig
 from tests.conftest import tiny_spec
 
@@ -41,24 +41,8 @@ def test_fedmoe_two_tasks_probe_estimate_search(embedded_url, tmp_path):
     clients = [EdgeClient(embedded_url, d, data, federation=fed, budget_bytes=b, task=task,
                           cache_dir=f"{tmp_path}/cache-{d}", protocol="3.1.1", runtime_bytes=0)
                for d, data, task, b in devices]
-    errors, records = [], []
-
-    def guard(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # surfaced below
-                errors.append(e)
-        return run
-
-    threads = [threading.Thread(target=guard(lambda: records.extend(agg.run())))]
-    threads += [threading.Thread(target=guard(c.run)) for c in clients]
-    for t in threads:
-        t.start()
-    threads[0].join(240)
-    for t in threads[1:]:
-        t.join(30)
-    assert not threads[0].is_alive() and not errors, errors
+    records, errors = run_inprocess(agg, clients, 240)
+    assert not errors, errors
     assert [r["status"] for r in records] == ["ok"] * 3
     r1, r2 = records[0], records[1]
     assert sorted(r1["assignment"]["probing"]) == ["b0", "t0"]

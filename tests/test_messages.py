@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from protocol.messages import MAX_CONTROL_BYTES, Assignment, BlobRef, Hello, LayerStats, MessageError, Stats, \
+from protocol.messages import MAX_CONTROL_BYTES, Assignment, BlobRef, Hello, MessageError, Stats, \
     encode, parse_message
 
 SHA = "a" * 64

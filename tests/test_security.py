@@ -159,7 +159,7 @@ def mallory(fed: Federation, p, broker, replies: list, foreign: list) -> None:
     stale (straggler) messages, then it refuses round 2."""
     t = Topics(fed.federation)
     tr = _tr(p, broker, "mallory").connect(10)
-    tr.subscribe(t.device_down("mallory"))
+    tr.subscribe(t.device_down("mallory"), timeout=10)
     tr.subscribe(t.device_down("dev0"))                   # denied by the ACL: nothing may arrive
     up = lambda kind: t.up("mallory", kind)  # noqa: E731
     with pytest.raises(PublishError):
