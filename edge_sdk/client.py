@@ -440,9 +440,10 @@ class EdgeClient:
         """
         excess = peak - (planned - self.headroom_bytes)
         if excess > 0 and self.runtime_bytes > 0:
-            log.warning("%s round %d: peak RSS %.1f MiB left less than the %.0f MiB headroom below the memory "
-                        "plan's %.1f MiB; counting %.1f MiB more in the runtime baseline from now on", self.device_id,
-                        rnd, peak / 2**20, self.headroom_bytes / 2**20, planned / 2**20, excess / 2**20)
+            level = logging.WARNING if peak > planned else logging.INFO
+            log.log(level, "%s round %d: peak RSS %.1f MiB left less than the %.0f MiB headroom below the memory "
+                    "plan's %.1f MiB; counting %.1f MiB more in the runtime baseline from now on", self.device_id,
+                    rnd, peak / 2**20, self.headroom_bytes / 2**20, planned / 2**20, excess / 2**20)
             self.runtime_bytes += excess
 
     def _local_data(self, labels: list[str]) -> tuple[list, list]:
