@@ -16,8 +16,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def run_inprocess(aggregator: Any, clients: Sequence[Any], timeout_s: float,
-                  client_join_s: float = 30.0, during: Callable[[], None] | None = None) -> tuple[list[dict], list[BaseException]]:
+def run_inprocess(aggregator: Any, clients: Sequence[Any], timeout_s: float, client_join_s: float = 30.0,
+                  during: Callable[[], None] | None = None) -> tuple[list[dict], list[BaseException]]:
     """Run ``aggregator.run()`` and every ``client.run()`` in daemon threads.
 
     Args:
@@ -28,8 +28,8 @@ def run_inprocess(aggregator: Any, clients: Sequence[Any], timeout_s: float,
             (or timed out) and every client was asked to stop.
         during: called in the calling thread once every thread started and the
             aggregator subscribed (``aggregator.ready``; fault injection, a rogue client);
-            ``timeout_s`` counts from its return. What it raises is
-            re-raised after every client was stopped.
+            ``timeout_s`` counts from its return. What it raises is re-raised after the
+            aggregator and every client were asked to stop.
 
     Returns:
         ``(records, errors)``: the aggregator's round records (possibly partial) and every
