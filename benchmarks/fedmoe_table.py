@@ -41,6 +41,7 @@ import argparse
 import functools
 import json
 import logging
+import random
 import sys
 import time
 from pathlib import Path
@@ -86,25 +87,31 @@ def runtime_baseline() -> int:
 
 
 GROWTH_MARGIN_BYTES = 32 * 2**20
-"""How far above the full MoE's plan the budget range reaches beyond 0.7 x (full - lo):
-devices recalibrate their baseline by the heap growth they measure (up to ~15 MiB over
+"""How far above the full MoE's plan the budgets of the devices that hold it start:
+devices recalibrate their baseline by the heap growth they measure (up to ~25 MiB over
 10 rounds here, ``EdgeClient._recalibrate``), and a device whose budget held the full
 MoE only at start-up would drop out of the full-MoE baselines after a few rounds."""
 
 
-def budgets(seq_len: int, batch: int = 8, experts: int = 8) -> tuple[int, int]:
-    """A budget range from ~3 experts per layer to above the full MoE (about 70% of the
-    devices hold the full MoE at start-up, about half after their baselines grew), over
-    :func:`runtime_baseline` (which includes the devices' headroom)."""
-    spec = ModelSpec(max_seq_len=seq_len, num_experts=experts)
-    lo = estimate(spec, 3, batch, 5, runtime_baseline()).total
-    full = estimate(spec, experts, batch, 5, runtime_baseline()).total
-    return lo, full + int(0.7 * (full - lo)) + GROWTH_MARGIN_BYTES
+def device_budgets(profile: str, seed: int, batch: int = 8) -> list[int]:
+    """Per-device budgets (bytes), over :func:`runtime_baseline` (which includes the
+    devices' headroom). Within each task, devices alternate between one that cannot hold
+    the full MoE (drawn between the memory plans of 2 and E-1 experts per layer) and one
+    that holds it with :data:`GROWTH_MARGIN_BYTES` to spare (drawn from full +
+    margin to full + margin + (full - plan(2))), so half the devices of each task can
+    train the full MoE (the full-MoE baselines and FedMoE's stage-one probes use them)."""
+    p = PROFILES[profile]
+    spec = ModelSpec(max_seq_len=p["max_seq_len"], num_experts=8)
+    plan = lambda k: estimate(spec, k, batch, 5, runtime_baseline()).total  # noqa: E731
+    lo, below_full, full = plan(2), plan(spec.num_experts - 1), plan(spec.num_experts)
+    rng = random.Random(seed)
+    return [rng.randint(lo, below_full) if i % 2 == 0 else
+            rng.randint(full + GROWTH_MARGIN_BYTES, full + GROWTH_MARGIN_BYTES + full - lo)
+            for i in range(p["devices"])]
 
 
 def cell_config(profile: str, setting: str, method: dict[str, Any], out: Path, seed: int) -> SimulationConfig:
     p = PROFILES[profile]
-    lo, hi = budgets(p["max_seq_len"])
     params = dict(method.get("params", {}))
     if method["assignment"] in ("fedmoe", "randommoe"):
         params = {"probe_steps": p["probe_steps"], "patience": p["patience"], **params}
@@ -113,7 +120,8 @@ def cell_config(profile: str, setting: str, method: dict[str, Any], out: Path, s
     return SimulationConfig(
         out=str(out), devices=p["devices"], rounds=p["rounds"], tasks=TASKS, partition=SETTINGS[setting],
         assignment=method["assignment"], assignment_params=params, aggregation=method["aggregation"],
-        budget_range=(str(lo), str(hi)), seed=seed, max_seq_len=p["max_seq_len"], max_steps=p["max_steps"],
+        budgets=[str(b) for b in device_budgets(profile, seed)], seed=seed, max_seq_len=p["max_seq_len"],
+        max_steps=p["max_steps"],
         prox_mu=method.get("prox_mu", 0.0), clients_per_round=p["clients_per_round"],
         max_samples_per_task=p["max_samples_per_task"], quorum=0.5,
     )
@@ -220,11 +228,11 @@ def _fmt(x, spec=".3f"):
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# FedMoE table ({result['profile']} profile)", "",
              f"Measured {result['date']} on {result['machine']}. {result['note']}",
-             f"Profile: {json.dumps(result['profile_config'])}; budgets {result['budget_range_bytes'][0] / 2**20:.0f}"
-             f"–{result['budget_range_bytes'][1] / 2**20:.0f} MiB.", ""]
+             f"Profile: {json.dumps(result['profile_config'])}; budgets (MiB, per device, tasks in turn): "
+             f"{', '.join(f'{b / 2**20:.0f}' for b in result['budgets_bytes'])}.", ""]
     dates = sorted({c["measured"] for c in result["cells"] if c.get("measured")})
     if len(dates) > 1:
-        lines += ["Cells were measured at different times (`--keep-previous`): "
+        lines += ["Cells measured at: "
                   + "; ".join(f"{c['setting']} / {c['method']}: {c['measured']}" for c in result["cells"]) + ".", ""]
     if result.get("cells_missing"):
         lines += [f"Not run (no finished report): {', '.join(result['cells_missing'])}.", ""]
@@ -304,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", help="comma-separated methods/ablations (default: all)")
     ap.add_argument("--no-ablations", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default="", help="a line for the table's header (e.g. what else ran on the machine)")
     ap.add_argument("--force", action="store_true", help="rerun cells that already have a report")
     ap.add_argument("--lock", help="flock this file while a cell runs")
     ap.add_argument("--collect", action="store_true", help="only tabulate cells that already finished")
@@ -354,11 +363,10 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "profile": profile, "profile_config": PROFILES[profile], "settings": SETTINGS, "tasks": TASKS,
-        "budget_range_bytes": budgets(PROFILES[profile]["max_seq_len"]),
+        "budgets_bytes": device_budgets(profile, args.seed),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
-        "note": "The machine was shared with other work while this ran (CPU-contended); wall times are not "
-                "comparable across cells.",
+        "note": args.note,
         "cells": cells, "cells_missing": missing, "wall_seconds_this_invocation": time.time() - t0,
     }
     res = Path(args.results)

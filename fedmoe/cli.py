@@ -51,6 +51,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.budget_range:
         lo, _, hi = args.budget_range.partition(":")
         cfg.budget_range = (lo, hi or lo)
+    cfg.budgets = args.budgets.split(",") if args.budgets else None
     if args.assignment_params:
         cfg.assignment_params = _kv(args.assignment_params)
     if args.aggregation_params:
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--assignment-params", help="k=v,... strategy parameters")
     s.add_argument("--aggregation", help="aggregation strategy (modular, ...)")
     s.add_argument("--aggregation-params", help="k=v,... strategy parameters")
+    s.add_argument("--budgets", help="per-device memory budgets, e.g. 700MiB,1GiB (device i gets the i-th, "
+                                     "cycling; devices numbered task by task); overrides --budget-range")
     s.add_argument("--budget-range", help="device memory budgets LO:HI, e.g. 0.7GiB:0.75GiB (default: from 2 to all experts per layer by the memory plan, on top of a device process's baseline measured on this machine)")
     s.add_argument("--broker", help="use this broker instead of the embedded one")
     s.add_argument("--seed", type=int)

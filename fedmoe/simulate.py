@@ -57,6 +57,9 @@ class SimulationConfig:
     2 experts per layer to every expert, on top of a device process's baseline measured
     on this machine (:func:`auto_budget_range`), so devices hold 2..E experts whatever
     the installed packages weigh. The range used is written back here (report.json)."""
+    budgets: list[str] | None = None
+    """Per-device memory budgets (device i gets ``budgets[i % len(budgets)]``; devices
+    are numbered task by task); overrides ``budget_range``."""
     broker: str | None = None
     seed: int = 0
     num_experts: int = 8
@@ -135,9 +138,14 @@ def _prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], di
     per_task = [cfg.devices // len(cfg.tasks) + (1 if i < cfg.devices % len(cfg.tasks) else 0)
                 for i in range(len(cfg.tasks))]
     rng = random.Random(cfg.seed)
-    if cfg.budget_range is None:
-        cfg.budget_range = tuple(str(b) for b in auto_budget_range(cfg))
-    lo, hi = (parse_bytes(x) for x in cfg.budget_range)
+    if cfg.budgets:
+        fixed = [parse_bytes(b) for b in cfg.budgets]
+        draw = lambda i: fixed[i % len(fixed)]  # noqa: E731
+    else:
+        if cfg.budget_range is None:
+            cfg.budget_range = tuple(str(b) for b in auto_budget_range(cfg))
+        lo, hi = (parse_bytes(x) for x in cfg.budget_range)
+        draw = lambda i: rng.randint(lo, hi)  # noqa: E731
     for t, (task, n_dev) in enumerate(zip(cfg.tasks, per_task)):
         items, labels = load_task(task)
         if cfg.max_samples_per_task and len(items) > cfg.max_samples_per_task:
@@ -156,7 +164,7 @@ def _prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], di
             path = data_dir / f"{device_id}.jsonl"
             write_jsonl(path, [items[train_idx[j]] for j in part])
             devices.append({"device_id": device_id, "task": task, "data": str(path), "samples": len(part),
-                            "budget_bytes": rng.randint(lo, hi)})
+                            "budget_bytes": draw(len(devices))})
     return devices, tasks
 
 
