@@ -12,13 +12,14 @@ def test_simulate_tiny_writes_report_and_plots(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "fedmoe", "simulate", "--tiny", "--out", str(out), "--devices", "3", "--rounds", "2",
-         "--max-steps", "4", "--partition", "classes:2", "--eval-max-samples", "64"],
+         "--max-steps", "4", "--partition", "classes:2", "--eval-max-samples", "64", "--budgets", "700MiB,720MiB"],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["initial_accuracy"] is not None and len(report["rounds"]) == 2
     assert report["config"]["simulation"]["partition"] == "classes:2"
+    assert [d["budget_bytes"] for d in report["config"]["devices"]] == [700 * 2**20, 720 * 2**20, 700 * 2**20]
     r = report["rounds"][-1]
     for key in ("round", "accuracy", "mean_local_accuracy", "loss", "seconds", "bytes_up", "bytes_down",
                 "expert_load", "cv", "max_min_gap", "devices"):
