@@ -276,7 +276,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
+def plot(result: dict[str, Any], out_dir: Path, suffix: str = "") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,7 +298,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[str]:
         axes[0].set_ylabel("global test accuracy")
         axes[-1].legend(fontsize=7)
         fig.tight_layout()
-        path = out_dir / f"fedmoe_table_{setting}.png"
+        path = out_dir / f"fedmoe_table_{setting}{suffix}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(str(path))
@@ -373,11 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     res.mkdir(parents=True, exist_ok=True)
     (res / f"fedmoe_table{suffix}.json").write_text(json.dumps(result, indent=1))
     (res / f"fedmoe_table{suffix}.md").write_text(markdown(result))
-    if profile == "quick":
-        for p in plot(result, res):
-            Path(p).rename(Path(p).with_name(Path(p).stem + "_quick.png"))
-    else:
-        plot(result, res)
+    plot(result, res, suffix)  # the quick profile must not overwrite the full profile's plots
     print(markdown(result))
     return 0
 
