@@ -21,9 +21,10 @@ after the last round, the per-task mean of each device's latest local validation
 down, all rounds), peak device memory (GB, the largest per-process peak RSS over devices
 and rounds; also the mean of per-device peaks), expert counts of the client-expert map.
 
-Devices' memory budgets are heterogeneous and drawn so that roughly half hold the full
-MoE once their baselines grew (:data:`GROWTH_MARGIN_BYTES`): the full-MoE baselines cannot use the others (``full`` leaves them out), FedMoE
-probes the former and estimates p for the latter.
+Devices' memory budgets are heterogeneous (:func:`device_budgets`): within each task,
+half the devices hold the full MoE with a margin for their baselines' growth, half cannot.
+The full-MoE baselines cannot use the latter (``full`` leaves them out); FedMoE probes
+the former and estimates p for the latter.
 
 Cells are resumable: each writes ``runs/fedmoe_table/<profile>/<cell>/report.json`` and is
 skipped when that exists (``--force`` reruns). ``--lock FILE`` holds an exclusive flock

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from edge_sdk.budget import parse_bytes
+from edge_sdk.budget import DEFAULT_HEADROOM_BYTES, parse_bytes
 from edge_sdk.data import write_jsonl
 from protocol.messages import Progress, parse_message
 from protocol.topics import Topics
@@ -107,8 +107,6 @@ def device_baseline_bytes() -> int:
                          env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
     if out.returncode != 0 or not out.stdout.strip():
         raise RuntimeError(f"device baseline probe failed: {out.stderr[-2000:]}")
-    from edge_sdk.budget import DEFAULT_HEADROOM_BYTES
-
     return int(out.stdout.strip().splitlines()[-1]) + DEFAULT_HEADROOM_BYTES
 
 
