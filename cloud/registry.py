@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 
-from protocol.messages import Hello, Stats
+from protocol.messages import PROTOCOL_MINOR, PROTOCOL_VERSION, Hello, Stats
 
 from .store import Store
 
@@ -27,6 +27,8 @@ class Device:
     last_seen: float = field(default_factory=time.time)
     rounds: int = 0
     """Rounds whose update was accepted."""
+    protocol_minor: int = PROTOCOL_MINOR
+    """The protocol minor version its ``hello`` announced (same major, or it was refused)."""
 
 
 class Registry:
@@ -44,7 +46,13 @@ class Registry:
             device_id=hello.device_id, task=hello.task, budget_bytes=hello.budget_bytes,
             num_samples=hello.num_samples, weight_formats=list(hello.weight_formats),
             runtime_bytes=hello.runtime_bytes, online=True, rounds=prev.rounds if prev else 0,
+            protocol_minor=hello.protocol_minor,
         )
+        if dev.protocol_minor != PROTOCOL_MINOR and (prev is None or prev.protocol_minor != dev.protocol_minor):
+            log.info("device %s speaks protocol %d.%d (this aggregator %d.%d): %s", dev.device_id, PROTOCOL_VERSION,
+                     dev.protocol_minor, PROTOCOL_VERSION, PROTOCOL_MINOR,
+                     "what it adds is ignored" if dev.protocol_minor > PROTOCOL_MINOR
+                     else "it ignores what this version adds")
         if prev is None:
             log.info("registered %s (task %s, budget %.2f GiB, %d samples)", dev.device_id, dev.task,
                      dev.budget_bytes / 1024**3, dev.num_samples)

@@ -5,6 +5,15 @@ Every control message is a JSON object with ``v`` (protocol version) and ``type`
 and raises :class:`MessageError` with a readable reason otherwise; nothing that
 fails validation is ever handed to the model.
 
+Versions: ``v`` is the MAJOR version (:data:`PROTOCOL_VERSION`); a message of another
+major version is refused (:class:`VersionError`). Within one major version the protocol
+only grows (MINOR, :data:`PROTOCOL_MINOR`, announced in :class:`Hello`): new optional
+fields and new ``Command`` kinds. So :func:`parse_message` ignores fields it does not
+know (they are dropped, not kept) but checks types strictly (``"round": "1"`` or
+``"accepted": 1`` are errors, a JSON integer is accepted where a float is due).
+Built from Python (configuration files, code), the same schemas still reject unknown
+keys and coerce leniently (``lr: "1e-3"`` from YAML).
+
 Tensors never travel in these messages: they travel as chunked safetensors blobs
 (``protocol.chunking``) referenced here by a :class:`BlobRef` (bytes, sha256).
 """
@@ -15,9 +24,19 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, \
+    model_validator
 
 PROTOCOL_VERSION = 1
+"""The protocol's MAJOR version, the ``v`` of every message: peers of different major
+versions cannot talk."""
+PROTOCOL_MINOR = 1
+"""The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
+kinds ``excluded`` and ``round_failed`` and optional fields; a peer ignores unknown fields
+and unknown commands of a newer minor version."""
+WIRE_CONTEXT = {"unknown_fields": "ignore"}
+"""Validation context :func:`parse_message` uses: unknown fields are dropped at every
+nesting level instead of being errors."""
 MAX_CONTROL_BYTES = 4 * 1024 * 1024
 """Largest control (JSON) message accepted, in bytes; larger ones are rejected unparsed."""
 
@@ -33,8 +52,30 @@ class MessageError(ValueError):
     """A message failed validation; ``str(err)`` is the reason sent back to its sender."""
 
 
+class VersionError(MessageError):
+    """A message of a protocol major version this peer does not speak (or with no valid
+    ``v``); ``version`` is what it carried."""
+
+    def __init__(self, reason: str, version: Any):
+        super().__init__(reason)
+        self.version = version
+
+
 class _Strict(BaseModel):
+    """Base of every schema: frozen, unknown keys rejected, except when validated with
+    :data:`WIRE_CONTEXT` (as :func:`parse_message` does): then they are dropped."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unknown_on_wire(cls, data: Any, info: ValidationInfo) -> Any:
+        ctx = info.context
+        if isinstance(data, dict) and isinstance(ctx, dict) and ctx.get("unknown_fields") == "ignore":
+            known = cls.model_fields
+            if any(k not in known for k in data):
+                data = {k: x for k, x in data.items() if k in known}
+        return data
 
 
 class _Message(_Strict):
@@ -155,6 +196,9 @@ class Hello(_Message):
     device_id: DeviceId
     sdk_version: str = Field(max_length=32)
     protocol_version: int = PROTOCOL_VERSION
+    protocol_minor: int = Field(PROTOCOL_MINOR, ge=0, le=10_000)
+    """The minor version the device speaks (:data:`PROTOCOL_MINOR`); a hello of minor 0
+    has no such field and reads as this peer's own minor."""
     budget_bytes: int = Field(gt=0, le=2**50)
     weight_formats: list[WeightFormat] = Field(min_length=1, max_length=5)
     num_samples: NonNegInt
@@ -299,6 +343,15 @@ class Assignment(_Message):
     deadline: float
     """Unix time (seconds) by which the update must have arrived."""
 
+    @field_validator("experts", mode="before")
+    @classmethod
+    def _layer_keys(cls, v: Any) -> Any:
+        """JSON object keys are strings: read ``"1"`` as layer 1 (strict parsing would not)."""
+        if isinstance(v, dict):
+            return {int(k) if isinstance(k, str) and 0 < len(k) <= 9 and k.isascii() and k.isdigit() else k: x
+                    for k, x in v.items()}
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> "Assignment":
         for layer, ids in self.experts.items():
@@ -309,13 +362,32 @@ class Assignment(_Message):
         return self
 
 
+COMMANDS = ("stop", "reject", "excluded", "round_failed")
+"""Commands of this protocol version (:class:`Command`). A device ignores (logs) a
+command it does not know: a newer minor version may add some."""
+
+
 class Command(_Message):
-    """Cloud -> device: ``stop`` the federation, or ``reject`` a message it sent."""
+    """Cloud -> device, on ``down/command``.
+
+    - ``stop``: the federation is over; leave.
+    - ``reject``: a message this device sent was refused (``reason``; ``round`` where
+      known).
+    - ``excluded``: the cloud cannot use this device in ``round`` (``reason`` says why,
+      e.g. its budget is below the memory plan of one expert per layer; ``budget_bytes``,
+      ``needed_bytes`` and ``runtime_bytes`` give the figures where memory is the cause).
+      Sent when the device's state changes, not every time the cloud looks.
+    - ``round_failed``: ``round`` closed without a new global model (aggregation or
+      evaluation failed on the cloud, ``reason``); the device waits for the next round.
+    """
 
     type: Literal["command"] = "command"
-    command: Literal["stop", "reject"]
+    command: Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
     round: int | None = None
     reason: str | None = Field(None, max_length=2000)
+    budget_bytes: int | None = Field(None, gt=0, le=2**50)
+    needed_bytes: int | None = Field(None, ge=0, le=2**62)
+    runtime_bytes: int | None = Field(None, ge=0, le=2**50)
 
 
 class Progress(_Message):
@@ -346,8 +418,11 @@ def parse_message(payload: bytes, expected: type[_Message] | None = None) -> _Me
         payload: the MQTT payload, at most :data:`MAX_CONTROL_BYTES` bytes.
         expected: the message class the topic implies; ``None`` accepts any type.
 
+    Unknown fields (of a newer minor version) are dropped; types are checked strictly.
+
     Raises:
-        MessageError: oversized, not UTF-8 JSON, wrong version/type, or schema violation.
+        VersionError: ``v`` is missing, not an integer, or another major version.
+        MessageError: oversized, not UTF-8 JSON, wrong type, or schema violation.
     """
     if len(payload) > MAX_CONTROL_BYTES:
         raise MessageError(f"control message of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
@@ -357,15 +432,23 @@ def parse_message(payload: bytes, expected: type[_Message] | None = None) -> _Me
         raise MessageError(f"not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise MessageError("message must be a JSON object")
-    if obj.get("v") != PROTOCOL_VERSION:
-        raise MessageError(f"unsupported protocol version {obj.get('v')!r}")
+    v = obj.get("v")
+    if isinstance(v, bool) or not isinstance(v, int):
+        shown = repr(v)[:40]
+        raise VersionError(f"protocol version 'v' must be an integer major version, got {shown} "
+                           f"(this peer speaks {PROTOCOL_VERSION}.{PROTOCOL_MINOR})", shown)
+    if v != PROTOCOL_VERSION:
+        shown = str(v)[:40]
+        raise VersionError(f"protocol major version {shown} is not supported (this peer speaks "
+                           f"{PROTOCOL_VERSION}.{PROTOCOL_MINOR}; same-major messages with unknown fields "
+                           f"are accepted)", shown)
     cls = _TYPES.get(obj.get("type")) if isinstance(obj.get("type"), str) else None
     if cls is None:
         raise MessageError(f"unknown message type {obj.get('type')!r}")
     if expected is not None and cls is not expected:
         raise MessageError(f"expected a {expected.__name__} message, got {cls.__name__}")
     try:
-        return cls.model_validate(obj)
+        return cls.model_validate(obj, strict=True, context=WIRE_CONTEXT)
     except ValidationError as e:
         errs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:5])
         raise MessageError(f"invalid {cls.__name__}: {errs}") from None

@@ -42,7 +42,10 @@ def test_round_trip():
     (b"not json", "not valid JSON"),
     (b"\xff\xfe", "not valid JSON"),
     (b"[1,2]", "JSON object"),
-    (b'{"v": 2, "type": "hello"}', "protocol version"),
+    (b'{"v": 2, "type": "hello"}', "protocol major version 2 is not supported"),
+    (b'{"v": true, "type": "hello"}', "must be an integer"),
+    (b'{"v": "1", "type": "hello"}', "must be an integer"),
+    (b'{"type": "hello"}', "must be an integer"),
     (b'{"v": 1, "type": "nope"}', "unknown message type"),
     (b'{"v": 1, "type": "hello"}', "invalid Hello"),
 ])
@@ -71,9 +74,20 @@ def test_schema_violations():
         with pytest.raises(MessageError):
             parse_message(json.dumps(d).encode(), Hello)
     d = json.loads(encode(hello()))
-    d["surprise"] = 1
-    with pytest.raises(MessageError, match="Extra inputs"):
-        parse_message(json.dumps(d).encode(), Hello)
+    d["surprise"] = 1                  # same major version: an unknown (newer minor) field is ignored, not kept
+    assert parse_message(json.dumps(d).encode(), Hello) == hello()
+    with pytest.raises(ValueError, match="Extra inputs"):  # built from Python, a typo is still an error
+        Hello(**d)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("round", "1"), ("round", 1.5), ("round", True), ("num_samples", "10"), ("train_loss", "1.0"),
+    ("device_id", 5), ("layers", {"0": {}}),
+])
+def test_strict_types_on_the_wire(field, value):
+    with pytest.raises(MessageError, match=f"invalid Stats: {field}"):
+        parse_message(json.dumps(stats_dict(**{field: value})).encode(), Stats)
+    assert parse_message(json.dumps(stats_dict(train_loss=1, train_seconds=2)).encode(), Stats).train_loss == 1.0
 
 
 def test_nan_and_inconsistent_stats_rejected():
