@@ -38,6 +38,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from .chunking import DEFAULT_CHUNK_BYTES, split_blob
+from .logsafe import LogLimiter, clip
 from .messages import BlobRef
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,10 @@ class Transport:
         self._subacked: set[int] = set()
         self._connack: object = None
         self._results: dict[int, object] = {}
+        self._nowait: set[int] = set()
+        self.nowait_failed = 0
+        """Fire-and-forget publishes (:meth:`publish_nowait`) that failed or the broker refused."""
+        self._drop_log = LogLimiter(log, "inbox-full drops", per_key=1, total=1, summary_level=logging.ERROR)
         self._lock = threading.Lock()
         self._closing = False
         self.birth: tuple[str, bytes] | None = None
@@ -314,11 +319,15 @@ class Transport:
                                            self._generation))
         except queue.Full:
             self.dropped += 1
-            log.error("inbox full: dropped a message on %s", msg.topic)
+            self._drop_log.log("inbox full", logging.ERROR, "inbox full: dropped a message on %s", clip(msg.topic))
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
         with self._lock:
-            self._results[mid] = reason_code
+            if mid in self._nowait:  # nobody waits for it: only count a refusal
+                self._nowait.discard(mid)
+                self.nowait_failed += bool(getattr(reason_code, "is_failure", False))
+            else:
+                self._results[mid] = reason_code
 
     @property
     def connected(self) -> bool:
@@ -429,6 +438,35 @@ class Transport:
                 or a failure reason code from the broker.
         """
         self.publish_many([(topic, payload, retain)], qos=qos, timeout=timeout, user_properties=user_properties)
+
+    def publish_nowait(self, topic: str, payload: bytes, qos: int = 1) -> bool:
+        """Fire and forget: hand one message to paho and return at once, without waiting
+        for the broker's PUBACK (for best-effort replies, such as rejections, that must not
+        hold up the caller for a round trip). Never raises: a failure or a refusal by the
+        broker is counted in :attr:`nowait_failed`.
+
+        Returns:
+            Whether paho accepted the message (sent, or queued while disconnected).
+        """
+        if self._client is None:
+            self.nowait_failed += 1
+            return False
+        try:
+            info = self._client.publish(topic, payload, qos=qos)
+        except (ValueError, OSError) as e:
+            log.debug("publish_nowait to %s failed: %s", clip(topic), e)
+            self.nowait_failed += 1
+            return False
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            self.nowait_failed += 1
+            return False
+        self.bytes_sent += publish_packet_bytes(topic, len(payload), qos, self.v5)
+        with self._lock:  # on_publish may already have run (then its result is here)
+            if self._results.pop(info.mid, None) is None:
+                if len(self._nowait) > 4096:  # mids of a lost connection, never acknowledged
+                    self._nowait.clear()
+                self._nowait.add(info.mid)
+        return True
 
     def publish_many(
         self,
