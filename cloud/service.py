@@ -4,7 +4,10 @@
 :class:`Aggregator`. Every incoming message is validated before it reaches the round
 engine (schema, topic/device-id agreement, known device, chunk checksums, size
 limits); a message that fails is logged with its reason and, where a device can be
-named, answered on that device's ``down/command`` topic with a ``reject``.
+named, answered on that device's ``down/command`` topic with a ``reject``. Floods of
+junk stay cheap: junk is refused by cheap checks before its payload is parsed, rejections
+are logged rate-limited (a few lines, then a summary a minute), and replies are capped
+per device and never wait for a PUBACK (:meth:`Aggregator._handle`, :meth:`Aggregator._reject`).
 
 Security (``device_keys`` set, see ``fedmoe provision``): only provisioned devices may
 register, and every update chunk and stats message must carry a valid Ed25519
@@ -22,6 +25,7 @@ re-sends assignments to devices that have not reported, and closes the round as 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -31,14 +35,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from edge_sdk.data import encode_labels, load_text_file
-from protocol.chunking import DEFAULT_CHUNK_BYTES, ChunkError, Reassembler, parse_chunk
+from protocol.chunking import DEFAULT_CHUNK_BYTES, MAX_HEADER, ChunkError, Reassembler, parse_chunk
 from protocol.codec import sha256_hex
-from protocol.signing import SignatureError
+from protocol.logsafe import LogLimiter, RateLimiter, clip
+from protocol.signing import P_ROUND, P_SHA, P_SIG, P_UPLOAD, SIGNED_KINDS, SignatureError
 from protocol.messages import (
-    Ack, Command, Hello, MessageError, ModelSpec, Progress, Stats, Status, TrainConfig, WeightFormat, encode,
-    parse_message,
+    MAX_CONTROL_BYTES, Ack, Command, Hello, MessageError, ModelSpec, Progress, Stats, Status,
+    TrainConfig, WeightFormat, encode, parse_message,
 )
-from protocol.topics import Topics
+from protocol.topics import UP_KINDS, Topics
 from protocol.transport import Transport, TlsConfig
 
 from .aggregation import get_aggregation
@@ -128,6 +133,44 @@ class AggregatorConfig(BaseModel):
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
 
+    def check_paths(self, eval_given: Any = ()) -> "AggregatorConfig":
+        """Check what the config names outside itself, before anything is built (the
+        model takes seconds to set up): each task's ``eval_data`` file exists, unless the
+        task is in ``eval_given`` (tasks whose items the caller passes as
+        ``Aggregator(eval_data=...)``); ``eval_data: builtin:NAME`` (a built-in data set)
+        must be among those, as only the ``fedmoe`` command can load it; the
+        ``credentials``, ``device_keys``, ``tls_ca``, ``tls_cert`` and ``tls_key`` files
+        exist; the store URL has a supported scheme. Relative paths are relative to the
+        working directory. Returns ``self``.
+
+        Raises:
+            ValueError: every problem found, in one line.
+        """
+        from urllib.parse import urlparse
+
+        bad, given = [], set(eval_given)
+        for name, task in self.tasks.items():
+            ref = task.eval_data
+            if not ref or name in given:
+                continue
+            if ref.startswith("builtin:"):
+                bad.append(f"tasks.{name}.eval_data {ref!r} names a built-in data set, which only the fedmoe "
+                           f"command resolves (`fedmoe aggregator --config ...`); elsewhere pass the items as "
+                           f"Aggregator(eval_data={{{name!r}: [(text, label), ...]}})")
+            elif not Path(ref).is_file():
+                bad.append(f"tasks.{name}.eval_data: no such file {ref!r} (in {Path.cwd()})")
+        for key in ("credentials", "device_keys", "tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, key)
+            if path and not Path(path).is_file():
+                bad.append(f"{key}: no such file {path!r}")
+        scheme = urlparse(self.store).scheme
+        if self.store not in (":memory:", "sqlite://") and scheme not in ("sqlite", "postgresql", "postgres",
+                                                                           "file", ""):
+            bad.append(f"store: unsupported URL scheme {scheme!r} (use sqlite:///path.db or postgresql://...)")
+        if bad:
+            raise ValueError("; ".join(bad))
+        return self
+
 
 class Aggregator:
     """The cloud side of one federation.
@@ -140,6 +183,7 @@ class Aggregator:
 
     def __init__(self, config: AggregatorConfig, broker: str,
                  eval_data: dict[str, Sequence[tuple[Any, Any]]] | None = None):
+        config.check_paths(eval_given=eval_data or ())  # ValueError before the model is set up
         self.cfg = config
         if config.threads:
             import torch
@@ -196,6 +240,21 @@ class Aggregator:
         """Exact repeats of signed messages (QoS 1 redeliveries, replays) ignored."""
         self.internal_errors = 0
         """Messages dropped because handling them raised an unexpected error (a bug)."""
+        self.dropped = 0
+        """Rejected messages (also counted in ``rejected``) refused by the cheap early checks,
+        before their payload was parsed: malformed topics (no reply), oversize payloads
+        and, with signatures, devices that are not provisioned (no reply) and unsigned
+        update/stats messages."""
+        self._max_topic = len(f"{self.topics.root}/dev/") + 64 + len("/up/") + max(map(len, UP_KINDS))
+        self._reject_log = LogLimiter(log, "rejections", per_key=3, total=20, interval_s=60.0)
+        """Rejections are logged rate-limited: a flood of junk yields a few lines and a summary a minute."""
+        self._replies = RateLimiter(rate=0.5, burst=10)
+        """Reject replies per registered device: 10 at once, then one per 2 s; the rest are dropped."""
+        self._stranger_replies = RateLimiter(rate=0.5, burst=5, max_keys=1)
+        """One budget shared by every device id that never said hello (made-up ids are free)."""
+        self._reply_repeats = RateLimiter(rate=0.1, burst=1)
+        """One reply per (device, kind of rejection) per 10 s: a device is told once about 50
+        unsigned chunks, and a burst of one kind of junk does not use up its budget."""
 
     def _eval_sets(self, given: dict[str, Sequence[tuple[Any, Any]]]) -> dict[str, list]:
         out = {}
@@ -221,13 +280,31 @@ class Aggregator:
 
     # ------------------------------------------------------------------ replies / progress
     def _reject(self, device_id: str, round_: int | None, reason: str) -> None:
+        """Count and log (rate-limited) a rejected message, and answer ``device_id`` with a
+        ``reject`` command if its reply budget allows: one reply per kind of rejection per
+        10 s, and per registered device 10 at once, then one per 2 s; ids that never said
+        hello share one budget of 5, then one per 2 s. The reply is fire-and-forget, so a
+        flood never waits on PUBACK round trips."""
         self.rejected += 1
-        log.warning("rejected message from %s (round %s): %s", device_id, round_, reason)
+        known = self.registry.get(device_id) is not None
+        key = _reason_key(reason, known)
+        self._reject_log.log(key, logging.WARNING, "rejected message from %s (round %s): %s", clip(device_id), round_,
+                             clip(reason, 300))
+        if not self._reply_repeats.allow(f"{device_id}|{key}") or \
+                not (self._replies.allow(device_id) if known else self._stranger_replies.allow("")):
+            return
         try:
             msg = Command(command="reject", round=round_, reason=reason[:2000])
-            self.transport.publish(self.topics.down(device_id, "command"), encode(msg))
+            self.transport.publish_nowait(self.topics.down(device_id, "command"), encode(msg))
         except Exception as e:  # the reply is best effort; the rejection stands
-            log.debug("could not send reject to %s: %s", device_id, e)
+            log.debug("could not send reject to %s: %s", clip(device_id), e)
+
+    def _drop(self, key: str, msg: str, *args: Any) -> None:
+        """Refuse junk without a reply: counted in ``rejected`` and ``dropped``, logged
+        rate-limited under ``key`` (a reason class, never an id or topic)."""
+        self.rejected += 1
+        self.dropped += 1
+        self._reject_log.log(key, logging.WARNING, msg, *args)
 
     def _progress(self, event: str, round_: int, detail: dict) -> None:
         try:
@@ -275,10 +352,11 @@ class Aggregator:
                 if self.engine.current is None and not self.engine.start_round():
                     idle_since = idle_since or time.monotonic()
                     if time.monotonic() - idle_since > self.cfg.start_timeout_s:
+                        why = "; ".join(f"{d}: {r}" for d, r in sorted(self.engine.excluded.items())[:10])
                         raise TimeoutError(
                             f"round {self.engine.completed + 1}: no device could be assigned for "
                             f"{self.cfg.start_timeout_s:.0f} s (budgets too small for the '{self.cfg.assignment.name}' "
-                            f"assignment, or no eligible device online)")
+                            f"assignment, or no eligible device online)" + (f": {why}" if why else ""))
                     self._pump(1.0)
                     continue
                 idle_since = None
@@ -295,6 +373,7 @@ class Aggregator:
                 for dev in self.registry.devices.values():
                     self.transport.publish(self.topics.down(dev.device_id, "command"), encode(Command(command="stop")))
         finally:
+            self._reject_log.flush(force=True)
             finished = self.engine.completed >= self.cfg.rounds
             if self.cfg.clear_retained_on_exit:
                 self._clear_retained()
@@ -381,18 +460,42 @@ class Aggregator:
             self._handle(m.topic, m.payload, m.properties)
             self.transport.ack(m)  # only now: a crash before this makes the broker redeliver it
             m = self.transport.get(0)
+        self._reject_log.flush()  # the summary of suppressed rejection lines, once a minute
 
     def _handle(self, topic: str, payload: bytes, props: dict[str, str] | None = None) -> None:
         """Validate one incoming message and hand it to the registry or the round engine.
 
         Never raises for bad input: it is rejected with a reply (see the module docstring).
+        Junk is refused cheaply, in this order, before its payload is parsed: malformed
+        topics (no reply); with signatures, devices that are not provisioned (no reply) and
+        update/stats messages without signature properties; oversize payloads. Replies
+        and log lines are rate-limited (:meth:`_reject`).
         """
+        if len(topic) > self._max_topic:
+            self._drop("topic too long", "ignored message on a topic of %d characters: %s", len(topic), clip(topic))
+            return
         try:
             device_id, direction, kind = self.topics.parse_device_topic(topic)
         except ValueError as e:
-            log.warning("ignored message on %s: %s", topic, e)
+            self._drop("malformed topic", "ignored message on %s: %s", clip(topic), clip(str(e), 200))
             return
         if direction != "up":
+            return
+        if self.verifier is not None:
+            if not self.verifier.knows(device_id):
+                self._drop(f"{kind} from a device that is not provisioned",
+                           "ignored %s from %s: not a provisioned device", kind, device_id)
+                return
+            missing = [p for p in (P_ROUND, P_UPLOAD, P_SHA, P_SIG) if p not in (props or {})] \
+                if kind in SIGNED_KINDS else None
+            if missing:  # the capped reply tells a misconfigured device why
+                self.dropped += 1
+                self._reject(device_id, None, f"{kind} rejected: unsigned {kind} message (missing {', '.join(missing)})")
+                return
+        limit = self.cfg.max_update_bytes + 8 + MAX_HEADER if kind == "update" else MAX_CONTROL_BYTES
+        if len(payload) > limit:
+            self.dropped += 1
+            self._reject(device_id, None, f"{kind} rejected: payload of {len(payload)} bytes exceeds {limit}")
             return
         try:
             if kind == "status":
@@ -436,7 +539,8 @@ class Aggregator:
             self._reject(device_id, None, f"{kind} rejected: {e}")
         except Exception as e:  # a bug must not take the service down; the message is dropped
             self.internal_errors += 1
-            log.exception("internal error handling %s from %s", kind, device_id)
+            self._reject_log.log(f"internal error on {kind}", logging.ERROR, "internal error handling %s from %s",
+                                 kind, device_id, exc_info=True)
             self._reject(device_id, None, f"{kind} rejected: internal error ({type(e).__name__})")
 
     # Chunks of an incomplete update are acknowledged to the broker, so they are kept in
@@ -488,7 +592,8 @@ class Aggregator:
             raise SignatureError("stats message does not match its signature (payload, round or upload id)")
         if not self.replays.check(device_id, "stats", signed):
             self.duplicates += 1
-            log.info("ignored a repeated stats message from %s (round %d)", device_id, msg.round)
+            self._reject_log.log("repeated stats", logging.INFO, "ignored a repeated stats message from %s (round %d)",
+                                 device_id, msg.round)
             return False
         return True
 
@@ -496,3 +601,16 @@ class Aggregator:
     def _same_device(topic_id: str, msg_id: str) -> None:
         if topic_id != msg_id:
             raise MessageError(f"device id {msg_id!r} in the message does not match the topic's {topic_id!r}")
+
+
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+_NUMBER = re.compile(r"\d+")
+
+
+def _reason_key(reason: str, known: bool) -> str:
+    """A rejection's class for rate-limited logging: the reason's first two clauses with
+    quoted values and numbers blanked, and whether the device is registered; e.g.
+    ``stats rejected: not valid JSON (unknown device)``."""
+    head = ": ".join(reason[:200].split(": ", 2)[:2])
+    head = _NUMBER.sub("N", _QUOTED.sub("'...'", head))[:80]
+    return f"{head} ({'registered' if known else 'unknown'} device)"

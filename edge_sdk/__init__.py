@@ -4,6 +4,10 @@
 >>> EdgeClient("mqtt://broker:1883", "dev-7", dataset, budget_bytes="1.5GiB", task="bbc").run()
 """
 
-from .client import SDK_VERSION, EdgeClient, RoundSummary
+from .quant_bnb import quiet_kernels_notice
+
+quiet_kernels_notice()  # before peft (edge_sdk.submoe) imports bitsandbytes
+
+from .client import SDK_VERSION, EdgeClient, RoundSummary  # noqa: E402
 
 __all__ = ["EdgeClient", "RoundSummary", "SDK_VERSION"]

@@ -11,6 +11,22 @@ from dataclasses import fields
 log = logging.getLogger("fedmoe")
 
 
+class UsageError(ValueError):
+    """A bad option or config, found before any work starts: ``main`` prints
+    ``fedmoe: error: ...`` (one line, no traceback) and returns 2, as argparse does."""
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line (pydantic's ValidationError: ``field: message; ...``)."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(f"{'.'.join(map(str, x['loc'])) or type(e).__name__}: {x['msg']}" for x in errors())
+        except Exception:
+            pass
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def _setup_logging(verbose: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -40,7 +56,7 @@ def _kv(text: str) -> dict:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .simulate import SimulationConfig, simulate
+    from .simulate import SimulationConfig, SimulationConfigError, simulate
 
     cfg = SimulationConfig()
     names = {f.name for f in fields(SimulationConfig)}
@@ -61,16 +77,59 @@ def _simulate(args: argparse.Namespace) -> int:
         cfg.model_config = {"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2,
                             "num_attention_heads": 2, "intermediate_size": 128}
         cfg.budget_range = ("700MiB", "700MiB") if not args.budget_range else cfg.budget_range
-    simulate(cfg)
+    try:
+        cfg.validate()  # within a second; simulate() then checks strategies and budgets before any process
+        simulate(cfg)
+    except SimulationConfigError as e:
+        raise UsageError(str(e)) from None
     return 0
 
 
+def _builtin_eval_data(cfg) -> dict[str, list[tuple[str, str]]]:
+    """Items of each task whose ``eval_data`` is ``builtin:NAME``: the held-out test split
+    of built-in data set NAME that ``fedmoe simulate`` evaluates on (80/20, seed 0;
+    ``fedmoe.simulate.builtin_test_set``). The cloud layer cannot resolve these names.
+
+    Raises:
+        ValueError: an unknown data set, or labels the task does not list.
+    """
+    from .datasets import TASKS
+    from .simulate import builtin_test_set
+
+    out, bad = {}, []
+    for name, task in cfg.tasks.items():
+        ref = task.eval_data or ""
+        if not ref.startswith("builtin:"):
+            continue
+        data = ref[len("builtin:"):]
+        if data not in TASKS:
+            bad.append(f"tasks.{name}.eval_data {ref!r}: unknown built-in data set {data!r} "
+                       f"(built-in: {', '.join('builtin:' + t for t in sorted(TASKS))})")
+            continue
+        items, _ = builtin_test_set(data)
+        missing = sorted({y for _, y in items} - set(task.labels))
+        if missing:
+            bad.append(f"tasks.{name}.eval_data {ref!r} has labels {missing} that tasks.{name}.labels lacks")
+            continue
+        out[name] = items
+    if bad:
+        raise ValueError("; ".join(bad))
+    return out
+
+
 def _aggregator(args: argparse.Namespace) -> int:
+    import yaml
+
     from cloud.service import Aggregator, AggregatorConfig
 
-    cfg = AggregatorConfig.load(args.config, store=args.store, rounds=args.rounds, protocol=args.protocol,
-                                username=args.username, password=args.password, tls_ca=args.tls_ca,
-                                credentials=args.credentials, device_keys=args.device_keys)
+    try:  # every problem of the config and the files it names, before the model is set up
+        cfg = AggregatorConfig.load(args.config, store=args.store, rounds=args.rounds, protocol=args.protocol,
+                                    username=args.username, password=args.password, tls_ca=args.tls_ca,
+                                    credentials=args.credentials, device_keys=args.device_keys)
+        eval_data = _builtin_eval_data(cfg)
+        cfg.check_paths(eval_given=eval_data)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise UsageError(f"{args.config}: {_one_line(e)}") from None
     broker = None
     url = args.broker
     if url is None:
@@ -82,7 +141,7 @@ def _aggregator(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"protocol": "3.1.1"})
         log.info("no --broker given: devices connect to %s", url)
     try:
-        Aggregator(cfg, url).run()
+        Aggregator(cfg, url, eval_data=eval_data).run()
     finally:
         if broker is not None:
             broker.stop()
@@ -246,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except UsageError as e:
+        print(f"fedmoe: error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # report cleanly; details in the log at debug level
         log.error("%s: %s", type(e).__name__, e)
         log.debug("traceback", exc_info=True)
