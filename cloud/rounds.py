@@ -40,10 +40,12 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from edge_sdk.budget import DEFAULT_RUNTIME_BYTES, estimate, max_experts_per_layer
+from edge_sdk.budget import (
+    DEFAULT_RUNTIME_BYTES, current_rss_bytes, estimate, max_experts_per_layer, release_free_memory,
+)
 from protocol.chunking import Blob
 from protocol.codec import CodecError, decode_tensors, encode_tensors, sha256_hex
-from protocol.messages import Ack, Assignment, BlobRef, Stats, TrainConfig, encode
+from protocol.messages import Ack, Assignment, BlobRef, Command, Stats, TrainConfig, encode
 from protocol.topics import Topics
 
 from .aggregation.base import AggregationStrategy
@@ -98,6 +100,8 @@ class _Round:
     rejected: dict[str, str] = field(default_factory=dict)
     attempts: dict[str, int] = field(default_factory=dict)
     reassigned: dict[str, dict[str, Any]] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Online devices the round could not use, and why (each was told)."""
 
     def reported(self, device_id: str) -> bool:
         up, st = self.updates.get(device_id), self.stats.get(device_id)
@@ -144,6 +148,11 @@ class RoundEngine:
         }
         self._rng = random.Random(settings.seed + self.completed)
         self._idle_round = -1
+        self.excluded: dict[str, str] = {}
+        """The last round's (or the waiting round's) excluded devices and why."""
+        self._told: dict[str, tuple[int, str]] = {}
+        """device -> (round, reason) it was last told it is excluded (one message a round,
+        one log line per change of reason)."""
         self.ensure_shards: Callable[[str], None] | None = None
         """Called with a weight format before an assignment in it goes out (the service
         publishes that format's shards on first use)."""
@@ -192,13 +201,14 @@ class RoundEngine:
             False if no eligible device got an assignment (nothing was published).
         """
         number = self.completed + 1
-        eligible = []
+        eligible, excluded = [], {}
         for dev in self.registry.online():
             if dev.task not in self.model.tasks:
-                log.warning("%s declares unknown task %r; not selected", dev.device_id, dev.task)
+                excluded[dev.device_id] = (f"unknown task {dev.task!r}; this federation trains "
+                                           f"{sorted(self.model.tasks)}", {})
             elif self.model.format_for(dev.weight_formats) is None:
-                log.warning("%s loads only %s shards, the cloud serves %s; not selected", dev.device_id,
-                            dev.weight_formats, self.model.formats)
+                excluded[dev.device_id] = (f"loads only {dev.weight_formats} shards; the cloud serves "
+                                           f"{self.model.formats}", {})
             else:
                 eligible.append(dev)
         eligible.sort(key=lambda d: d.device_id)
@@ -211,9 +221,17 @@ class RoundEngine:
                        extra={"runtime_bytes": self._runtime(d), "weight_format": self.format_for(d)})
             for d in chosen
         ]
+        for v in views:
+            if v.capacity < 1:
+                excluded[v.device_id] = self._too_small(self.registry.get(v.device_id))
         t0 = time.perf_counter()
         plan = self.assignment.configure(number, views)
         seconds = time.perf_counter() - t0
+        for v in views:
+            if v.device_id not in plan.assignments and v.device_id not in excluded:
+                excluded[v.device_id] = (plan.excluded.get(v.device_id) or f"the '{self.assignment.name}' assignment "
+                                         f"gave it no experts this round (its budget holds {v.capacity} per layer)", {})
+        self._tell_excluded(number, excluded)
         for d, experts in plan.assignments.items():
             view = next(v for v in views if v.device_id == d)
             # Per-layer counts may differ (FedMoE): beyond the uniform capacity, the memory estimate decides.
@@ -230,19 +248,44 @@ class RoundEngine:
         now = time.time()
         rnd = _Round(number, now, now + self.settings.round_timeout_s,
                      {d: {k: sorted(v) for k, v in e.items()} for d, e in plan.assignments.items()},
-                     plan.info, seconds)
+                     plan.info, seconds, excluded=dict(self.excluded))
         rnd.train = dict(plan.train)
         self.current = rnd
         self.store.put_json("current_round", {
             "number": number, "started": rnd.started, "deadline": rnd.deadline, "plan_info": _jsonable(plan.info),
-            "assignment_seconds": seconds, "train": rnd.train,
+            "assignment_seconds": seconds, "train": rnd.train, "excluded": rnd.excluded,
             "selected": {d: {str(k): v for k, v in e.items()} for d, e in rnd.selected.items()},
         })
         for device_id, experts in rnd.selected.items():
             self._send_assignment(rnd, device_id, experts, plan.train.get(device_id))
         log.info("round %d: %d devices assigned (%s, %.3f s)", number, len(rnd.selected), self.assignment.name, seconds)
-        self.progress("round_start", number, {"devices": sorted(rnd.selected), "assignment_seconds": seconds})
+        self.progress("round_start", number, {"devices": sorted(rnd.selected), "assignment_seconds": seconds,
+                                              "excluded": rnd.excluded})
         return True
+
+    def _too_small(self, dev) -> tuple[str, dict[str, int]]:
+        """Why ``dev``'s budget holds no expert per layer, with the figures."""
+        one = {layer: [0] for layer in self.model.layers}
+        need, runtime = self.memory_fn(dev)(one), self._runtime(dev)
+        return (f"budget {dev.budget_bytes / 2**20:.0f} MiB is below the {need / 2**20:.0f} MiB memory plan for one "
+                f"expert per layer ({self.format_for(dev)}; runtime baseline {runtime / 2**20:.0f} MiB)",
+                {"budget_bytes": dev.budget_bytes, "needed_bytes": need, "runtime_bytes": runtime})
+
+    def _tell_excluded(self, number: int, excluded: dict[str, tuple[str, dict[str, int]]]) -> None:
+        """Send each excluded device a ``Command(excluded)`` once for round ``number``, and
+        log once per device and change of reason (nobody is left out in silence)."""
+        self.excluded = {d: why for d, (why, _) in excluded.items()}
+        for d, (why, figures) in sorted(excluded.items()):
+            told = self._told.get(d)
+            if told is not None and told[0] == number and told[1] == why:
+                continue
+            if told is None or told[1] != why:
+                log.warning("round %d: %s cannot be used: %s", number, d, why)
+            self._told[d] = (number, why)
+            self.wire.publish(self.topics.down(d, "command"),
+                              encode(Command(command="excluded", round=number, reason=why[:2000], **figures)))
+        for d in [d for d in self._told if d not in excluded]:
+            del self._told[d]  # usable again: a later exclusion is a change worth logging
 
     def _send_assignment(self, rnd: _Round, device_id: str, experts: Experts,
                          train: dict[str, Any] | None = None) -> None:
@@ -413,21 +456,37 @@ class RoundEngine:
                 failures.append(Failure(d, reason or "no update before the deadline"))
         need = max(1, math.ceil(self.settings.quorum * len(rnd.selected)))
         status = "ok" if len(results) >= need else "no_quorum"
-        if status == "ok":
-            agg = results
-            if self.settings.train.router == "private":  # client-private gating: router rows stay on the devices
-                agg = [replace(r, state={k: v for k, v in r.state.items() if not k.startswith("router.")})
-                       for r in results]
-            self.model.set_state(self.aggregation.aggregate(rnd.number, self.model.state, agg, failures))
-        else:
-            log.warning("round %d: %d/%d updates, quorum %d not met; global model unchanged", rnd.number,
-                        len(results), len(rnd.selected), need)
-        self.assignment.observe(rnd.number, results, failures)
-        ev = self.evaluate()
+        before, error = self.model.state, None
+        try:
+            if status == "ok":
+                agg = results
+                if self.settings.train.router == "private":  # client-private gating: router rows stay on the devices
+                    agg = [replace(r, state={k: v for k, v in r.state.items() if not k.startswith("router.")})
+                           for r in results]
+                self.model.set_state(self.aggregation.aggregate(rnd.number, self.model.state, agg, failures))
+            else:
+                log.warning("round %d: %d/%d updates, quorum %d not met; global model unchanged", rnd.number,
+                            len(results), len(rnd.selected), need)
+            self.assignment.observe(rnd.number, results, failures)
+            ev = self.evaluate()
+        except Exception as e:  # a strategy or evaluation bug must not stop the service
+            log.exception("round %d: aggregation or evaluation failed; global model unchanged", rnd.number)
+            error = f"{type(e).__name__}: {e}"[:500]
+            status = "failed"
+            self.model.set_state(before)
+            ev = {"accuracy": None, "loss": None, "per_task": {}}
+            for d in rnd.selected:
+                self.wire.publish(self.topics.down(d, "command"), encode(Command(
+                    command="round_failed", round=rnd.number,
+                    reason=f"the cloud could not aggregate or evaluate round {rnd.number} ({error}); the global "
+                           "model is unchanged")))
         load = round_load(({ls.layer: ls.usage for ls in r.stats.layers} for r in results), self.model.layers,
                           self.model.spec.num_experts)
         self.window.add(load)
+        release_free_memory()  # what aggregation and evaluation freed goes back to the OS before RSS is recorded
         record = self._record(rnd, results, failures, status, ev, load)
+        if error is not None:
+            record["error"] = error
         for r in results:
             self.previous[r.device_id] = r.experts
         with self.store.transaction():
@@ -477,6 +536,8 @@ class RoundEngine:
             "selected": sorted(rnd.selected),
             "failures": {f.device_id: f.reason for f in failures},
             "reassigned": rnd.reassigned,
+            "excluded": rnd.excluded,
+            "aggregator_rss_bytes": current_rss_bytes(),
             "devices": devices,
         }
 
@@ -518,7 +579,8 @@ class RoundEngine:
         rnd = _Round(cur["number"], cur["started"], cur["deadline"],
                      {d: {int(k): v for k, v in e.items()} for d, e in cur["selected"].items()},
                      cur.get("plan_info", {}), cur.get("assignment_seconds", 0.0), train=cur.get("train", {}),
-                     attempts={d: int(a) for d, a in cur.get("attempts", {}).items()})
+                     attempts={d: int(a) for d, a in cur.get("attempts", {}).items()},
+                     excluded=cur.get("excluded", {}))
         prefix = f"inflight/{rnd.number}/"
         for d in rnd.selected:
             ack = self.store.get_json(f"{prefix}ack/{d}")

@@ -80,11 +80,15 @@ class Plan:
             the record's ``assignment_status`` (e.g. solver status, fallbacks).
         train: device -> overrides of the round's ``TrainConfig`` fields for that device
             (e.g. a short probe: ``{"max_steps": 5}``).
+        excluded: device -> why the strategy left it out (sent to the device and kept
+            in the round record; the engine words a default for devices left out
+            without one).
     """
 
     assignments: dict[str, Experts]
     info: dict[str, Any] = field(default_factory=dict)
     train: dict[str, dict[str, Any]] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
 
 
 class Registered:

@@ -32,8 +32,9 @@ import torch
 from protocol import topics as T
 from protocol.chunking import ChunkError, Reassembler
 from protocol.codec import CodecError, decode_tensors, encode_tensors, sha256_hex
+from protocol.logsafe import LogLimiter, clip
 from protocol.messages import (
-    Ack, Assignment, Command, Hello, MessageError, Stats, Status, encode, parse_message,
+    Ack, Assignment, Command, Hello, MessageError, Stats, Status, VersionError, encode, parse_message,
 )
 from protocol.transport import Transport, TlsConfig, publish_packet_bytes
 
@@ -66,6 +67,28 @@ class RoundSummary:
     predicted_peak_bytes: int = 0
     """The memory plan's total for the round (compare with ``peak_rss_bytes``)."""
     weight_format: str = ""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """What the cloud told this device outside a round's work (``Command`` messages).
+
+    ``kind`` is ``excluded`` (the cloud cannot use the device in ``round``: ``reason``,
+    and for memory ``budget_bytes`` / ``needed_bytes`` / ``runtime_bytes``),
+    ``reject`` (a message of the device was refused) or ``round_failed`` (the round
+    closed without a new global model on the cloud).
+    """
+
+    kind: str
+    round: int | None
+    reason: str
+    budget_bytes: int | None = None
+    needed_bytes: int | None = None
+    runtime_bytes: int | None = None
+
+
+MAX_NOTICES = 100
+"""Notices :attr:`EdgeClient.notices` keeps (the newest)."""
 
 
 @dataclass
@@ -162,6 +185,7 @@ class EdgeClient:
         self.quant_backend = quant_backend
         if threads:
             torch.set_num_threads(threads)
+        B.bound_native_caches()
         if low_memory:
             B.tune_allocator()
         self.cache = ShardCache(Path(cache_dir) if cache_dir else Path.home() / ".cache" / "fedmoe" / device_id,
@@ -191,9 +215,16 @@ class EdgeClient:
         self.transport.birth = (self.topics.up(device_id, "status"),
                                 encode(Status(device_id=device_id, state="online")))
         self.history: list[RoundSummary] = []
+        self.notices: list[Notice] = []
+        """What the cloud said besides assignments, newest last (:class:`Notice`): why the
+        device was left out of a round, rejected messages, failed rounds."""
         self._inbox = _Inbox()
         self._shard_rx = Reassembler(2 * 1024**3)
         self._state_rx = Reassembler(MAX_STATE_BYTES)
+        self._reject_log = LogLimiter(log, "rejected messages", per_key=3, total=10, interval_s=60.0)
+        self._version_log = LogLimiter(log, "messages of another protocol version", per_key=1, total=5,
+                                       interval_s=3600.0, summary_level=logging.DEBUG)
+        """Bad messages on the downlink are logged rate-limited (a stranger may flood them)."""
         self._decoded: dict[str, dict[str, torch.Tensor]] = {}
         self._held: _Held | None = None
         self._private_router: dict[str, torch.Tensor] = {}
@@ -265,17 +296,30 @@ class EdgeClient:
                     continue
                 last_activity = time.monotonic()
                 if isinstance(msg, Command):
-                    if msg.command == "stop":
-                        log.info("%s: stop command received", self.device_id)
-                        self._stop = True
-                    else:
-                        log.warning("%s: the cloud rejected a message of round %s: %s", self.device_id, msg.round,
-                                    msg.reason)
+                    self._on_command(msg)
                 elif isinstance(msg, Assignment):
                     self._serve(msg)
         finally:
             self.close()
         return self.history
+
+    def _on_command(self, msg: Command) -> None:
+        """``stop`` ends :meth:`run`; ``reject``, ``excluded`` and ``round_failed`` are
+        logged and kept in :attr:`notices`; commands of a newer minor version are ignored."""
+        if msg.command == "stop":
+            log.info("%s: stop command received", self.device_id)
+            self._stop = True
+            return
+        if msg.command not in ("reject", "excluded", "round_failed"):
+            log.debug("%s: ignoring unknown command %r (newer protocol minor version)", self.device_id, msg.command)
+            return
+        what = {"reject": "the cloud rejected a message of round %s: %s",
+                "excluded": "the cloud cannot use this device in round %s: %s",
+                "round_failed": "round %s closed without a new global model: %s"}[msg.command]
+        log.warning("%s: " + what, self.device_id, msg.round, msg.reason)
+        self.notices.append(Notice(msg.command, msg.round, msg.reason or "", msg.budget_bytes, msg.needed_bytes,
+                                   msg.runtime_bytes))
+        del self.notices[:-MAX_NOTICES]
 
     def stop(self) -> None:
         """Ask ``run()`` to return within about a second (after the round it is training,
@@ -295,6 +339,7 @@ class EdgeClient:
     # ------------------------------------------------------------------ message pump
     def _pump(self, timeout: float) -> bool:
         """Handle one incoming message; False if none arrived within ``timeout``."""
+        self._reject_log.flush()  # the summary of suppressed lines, once a minute
         m = self.transport.get(timeout)
         if m is None:
             return False
@@ -314,8 +359,14 @@ class EdgeClient:
                     self._blob_bytes_received += len(blob.data)
             elif kind in ("assignment", "command"):
                 self._inbox.controls.append(parse_message(m.payload, Assignment if kind == "assignment" else Command))
+        except VersionError as e:  # another major version: say so once per (kind, version) and minute
+            self._version_log.log(f"{kind} of protocol version {e.version}", logging.ERROR,
+                                 "%s: cannot read the cloud's %s messages: %s; device SDK and cloud must share the "
+                                 "major version", self.device_id, kind, e)
         except (ChunkError, MessageError, ValueError) as e:
-            log.warning("%s: rejected message on %s: %s", self.device_id, m.topic, e)
+            where = "shard" if m.topic.startswith(shard_root) else "device"
+            self._reject_log.log(f"{type(e).__name__} on a {where} topic", logging.WARNING,
+                                 "%s: rejected message on %s: %s", self.device_id, clip(m.topic), clip(str(e), 300))
         return True
 
     def _next_control(self, timeout: float) -> Any:
@@ -425,26 +476,29 @@ class EdgeClient:
         ))
 
     def _recalibrate(self, rnd: int, peak: int, planned: int) -> None:
-        """Keep ``headroom_bytes`` free below the plan: fold a measured peak that ate into
-        it into the runtime baseline.
+        """Keep the plan honest when a round's measured peak exceeded it.
 
         The plan models the model's memory on top of ``runtime_bytes`` (the baseline
-        measured at start-up plus the headroom); what the process holds beyond that
-        (allocator fragmentation, library caches) grows by a few MiB per round on glibc.
-        When the peak rises above ``planned - headroom_bytes``, the difference is added to
-        ``runtime_bytes``, so later plans, here and in the cloud (the stats carry it as
-        ``baseline_rss_bytes``), again leave the whole headroom free: the next assignment
-        is sized to fit, or refused and reassigned. The budget is exceeded only if the
-        peak grows by more than the headroom within one round. A client made with
-        ``runtime_bytes=0`` plans for the model alone (tests do) and is left as it is.
+        measured at start-up plus ``headroom_bytes``). The headroom is a safety margin:
+        a peak that stays within the plan, even one that eats into the headroom, changes
+        nothing, so a device's assignment does not shrink while its budget and the plan
+        stay the same. Only a peak *above* the plan (the headroom used up) raises
+        ``runtime_bytes`` by the excess plus the headroom, so the next plans, here and in
+        the cloud (the stats carry it as ``baseline_rss_bytes``), again keep the whole
+        headroom free above what was measured. A client made with ``runtime_bytes=0``
+        plans for the model alone (tests do) and is left as it is.
         """
-        excess = peak - (planned - self.headroom_bytes)
-        if excess > 0 and self.runtime_bytes > 0:
-            level = logging.WARNING if peak > planned else logging.INFO
-            log.log(level, "%s round %d: peak RSS %.1f MiB left less than the %.0f MiB headroom below the memory "
-                    "plan's %.1f MiB; counting %.1f MiB more in the runtime baseline from now on", self.device_id,
-                    rnd, peak / 2**20, self.headroom_bytes / 2**20, planned / 2**20, excess / 2**20)
-            self.runtime_bytes += excess
+        if peak <= planned or self.runtime_bytes <= 0:
+            if peak > planned - self.headroom_bytes:
+                log.info("%s round %d: peak RSS %.1f MiB is within the memory plan's %.1f MiB but used %.1f of "
+                         "its %.0f MiB headroom", self.device_id, rnd, peak / 2**20, planned / 2**20,
+                         (peak - planned + self.headroom_bytes) / 2**20, self.headroom_bytes / 2**20)
+            return
+        raise_by = peak - planned + self.headroom_bytes
+        log.warning("%s round %d: peak RSS %.1f MiB exceeded the memory plan's %.1f MiB; counting %.1f MiB more in "
+                    "the runtime baseline from now on", self.device_id, rnd, peak / 2**20, planned / 2**20,
+                    raise_by / 2**20)
+        self.runtime_bytes += raise_by
 
     def _local_data(self, labels: list[str]) -> tuple[list, list]:
         key = tuple(labels)

@@ -91,7 +91,7 @@ def plot_expert_load(report: dict[str, Any], path: Path) -> Path:
 def table(report: dict[str, Any]) -> str:
     """A fixed-width per-round table."""
     head = f"{'round':>5} {'acc':>6} {'local':>6} {'loss':>6} {'sec':>6} {'MiB up':>8} {'MiB down':>9} " \
-           f"{'CV':>6} {'gap':>9} {'devs':>5}"
+           f"{'CV':>6} {'gap':>9} {'devs':>5} {'experts':>8} {'out':>4}"
     lines = [head, "-" * len(head)]
     ia = report.get("initial_accuracy")
     lines.append(f"{0:>5} {ia if ia is not None else float('nan'):>6.3f} {'':>6} {'':>6} {'':>6} {'':>8} {'':>9}")
@@ -100,6 +100,21 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"{r['round']:>5} {f(r['accuracy'], '6.3f')} {f(r['mean_local_accuracy'], '6.3f')} "
             f"{f(r['loss'], '6.3f')} {r['seconds']:>6.1f} {r['bytes_up'] / 2**20:>8.2f} "
-            f"{r['bytes_down'] / 2**20:>9.2f} {r['cv']:>6.3f} {r['max_min_gap']:>9.0f} {len(r['devices']):>5}"
+            f"{r['bytes_down'] / 2**20:>9.2f} {r['cv']:>6.3f} {r['max_min_gap']:>9.0f} {len(r['devices']):>5} "
+            f"{_held_range(r):>8} {len(r.get('excluded') or {}) + len(r.get('failures') or {}):>4}"
         )
+    notes = [f"round {r['round']}: {d} {'excluded' if d in (r.get('excluded') or {}) else 'failed'}: {why}"
+             for r in report["rounds"] for d, why in sorted({**(r.get("failures") or {}),
+                                                             **(r.get("excluded") or {})}.items())]
+    if notes:
+        lines += ["", "devices left out (experts = held per device, of all layers; out = excluded + failed):",
+                  *notes]
     return "\n".join(lines)
+
+
+def _held_range(record: dict[str, Any]) -> str:
+    """``min-max`` experts held (all layers) over the round's reporting devices."""
+    held = [sum(len(v) for v in d["experts"].values()) for d in record["devices"].values()]
+    if not held:
+        return "-"
+    return f"{min(held)}-{max(held)}" if min(held) != max(held) else str(held[0])

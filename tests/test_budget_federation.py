@@ -52,25 +52,27 @@ def test_formats_negotiated_and_over_budget_assignment_reassigned(mosquitto_url,
 
 def test_peak_above_plan_is_folded_into_the_runtime_baseline():
     """A measured peak above the plan raises the device's runtime baseline by the excess
-    (later plans and the cloud's sizing include it); below the plan, or for a client that
-    plans for the model alone (runtime_bytes=0), nothing changes."""
+    plus the headroom (later plans keep the whole headroom free above what was
+    measured); below the plan, or for a client that plans for the model alone
+    (runtime_bytes=0), nothing changes."""
     from edge_sdk import EdgeClient
 
     mib = 2**20
-    c = EdgeClient("mqtt://127.0.0.1:1", "d0", [("x", "a")], budget_bytes=900 * mib, runtime_bytes=400 * mib)
+    c = EdgeClient("mqtt://127.0.0.1:1", "d0", [("x", "a")], budget_bytes=900 * mib, runtime_bytes=400 * mib,
+                   headroom_bytes=32 * mib)
     c._recalibrate(1, peak=705 * mib, planned=700 * mib)
-    assert c.runtime_bytes == 405 * mib
+    assert c.runtime_bytes == (432 + 5 + 32) * mib
     c._recalibrate(2, peak=690 * mib, planned=705 * mib)
-    assert c.runtime_bytes == 405 * mib
+    assert c.runtime_bytes == 469 * mib
     z = EdgeClient("mqtt://127.0.0.1:1", "d1", [("x", "a")], budget_bytes=900 * mib, runtime_bytes=0)
     z._recalibrate(1, peak=705 * mib, planned=300 * mib)
     assert z.runtime_bytes == 0
 
 
-def test_headroom_is_reserved_and_kept_free_below_the_plan():
+def test_headroom_is_a_margin_not_a_ratchet():
     """A measured baseline gets the default headroom on top; a peak that eats into the
-    headroom (but stays below the plan) raises the baseline so the whole headroom is free
-    again next round; a peak further below changes nothing."""
+    headroom but stays within the plan changes nothing (the assignment must not shrink
+    while budget and plan are unchanged), round after round."""
     from edge_sdk import EdgeClient
     from edge_sdk.budget import DEFAULT_HEADROOM_BYTES, current_rss_bytes
 
@@ -78,10 +80,9 @@ def test_headroom_is_reserved_and_kept_free_below_the_plan():
     c = EdgeClient("mqtt://127.0.0.1:1", "d0", [("x", "a")], budget_bytes=900 * mib, runtime_bytes=400 * mib,
                    headroom_bytes=32 * mib)
     assert c.runtime_bytes == 432 * mib
-    c._recalibrate(1, peak=690 * mib, planned=700 * mib)  # 22 MiB of the 32 used
-    assert c.runtime_bytes == 454 * mib
-    c._recalibrate(2, peak=700 * mib, planned=722 * mib + 10 * mib)  # 32 MiB free: nothing to do
-    assert c.runtime_bytes == 454 * mib
+    for rnd, peak in enumerate((690, 695, 699, 700), 1):  # up to all 32 MiB of the headroom used
+        c._recalibrate(rnd, peak=peak * mib, planned=700 * mib)
+        assert c.runtime_bytes == 432 * mib
     m = EdgeClient("mqtt://127.0.0.1:1", "d1", [("x", "a")], budget_bytes=900 * mib)
     assert m.headroom_bytes == DEFAULT_HEADROOM_BYTES
     assert DEFAULT_HEADROOM_BYTES < m.runtime_bytes - DEFAULT_HEADROOM_BYTES <= current_rss_bytes()
