@@ -8,6 +8,6 @@ from .quant_bnb import quiet_kernels_notice
 
 quiet_kernels_notice()  # before peft (edge_sdk.submoe) imports bitsandbytes
 
-from .client import SDK_VERSION, EdgeClient, RoundSummary  # noqa: E402
+from .client import SDK_VERSION, EdgeClient, Notice, RoundSummary  # noqa: E402
 
-__all__ = ["EdgeClient", "RoundSummary", "SDK_VERSION"]
+__all__ = ["EdgeClient", "Notice", "RoundSummary", "SDK_VERSION"]
