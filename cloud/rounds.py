@@ -8,7 +8,9 @@ One round (DESIGN.md data flow):
    ``assignment`` (shard manifests, training config, deadline).
 4. Updates (chunked safetensors) and statistics arrive; each is validated (round,
    device, names/shapes/dtypes against *that device's* assignment, finiteness,
-   checksum) and accepted once; anything else is rejected with a reply.
+   checksum; a statistics message's ``num_samples`` against the device's hello and
+   ``max_samples_per_device``, its token and usage counts against what that many samples
+   can produce) and accepted once; anything else is rejected with a reply.
    A device that refuses its assignment because its memory plan exceeds its budget
    (the ack carries its budget and baseline now) is reassigned within the same round:
    its expert sets shrink (largest layer first, keeping at least one expert per layer)
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+from pydantic import ValidationError
 
 from edge_sdk.budget import (
     DEFAULT_RUNTIME_BYTES, current_rss_bytes, estimate, max_experts_per_layer, release_free_memory,
@@ -83,6 +86,8 @@ class RoundSettings:
     max_update_bytes: int = 256 * 1024**2
     eval_batch_size: int = 32
     seed: int = 0
+    max_samples_per_device: int = 1_000_000
+    """Largest ``num_samples`` a device's statistics may claim (its aggregation weight)."""
 
 
 @dataclass
@@ -396,7 +401,8 @@ class RoundEngine:
         if device_id in rnd.stats:
             return
         dev = self.registry.get(device_id)
-        problem = self._stats_problem(stats, rnd.selected[device_id], dev.task)
+        problem = self._stats_problem(stats, rnd.selected[device_id], dev.task, dev.num_samples,
+                                      self._train_for(rnd, device_id))
         if problem:
             rnd.rejected[device_id] = problem
             self.reject(device_id, rnd.number, f"stats rejected: {problem}")
@@ -407,7 +413,28 @@ class RoundEngine:
         self.store.put_json(f"inflight/{rnd.number}/stats/{device_id}", stats.model_dump(mode="json"))
         self._maybe_report(rnd, device_id)
 
-    def _stats_problem(self, stats: Stats, experts: Experts, task: str) -> str | None:
+    def _train_for(self, rnd: _Round, device_id: str) -> TrainConfig:
+        """The training configuration ``device_id``'s assignment carries this round."""
+        train = rnd.train.get(device_id)
+        return TrainConfig.model_validate({**self.settings.train.model_dump(), **train}) if train else \
+            self.settings.train
+
+    def _stats_problem(self, stats: Stats, experts: Experts, task: str, declared: int | None = None,
+                       train: TrainConfig | None = None) -> str | None:
+        """Why ``stats`` cannot be accepted, or None.
+
+        A signing device may still lie, so what it claims is bounded: ``num_samples`` (its
+        aggregation weight) by ``declared`` (the device's hello) and by
+        ``max_samples_per_device``; each layer's ``tokens`` by what that many samples can
+        produce in the round's training (``train``: steps x batch size x ``max_seq_len``),
+        its usage counts by ``tokens x top_k`` and its per-expert sample counts by the
+        samples trained on.
+        """
+        n, cap = stats.num_samples, self.settings.max_samples_per_device
+        if declared is not None and n > declared:
+            return f"num_samples {n} exceeds the {declared} samples its hello declared"
+        if n > cap:
+            return f"num_samples {n} exceeds the aggregator's max_samples_per_device {cap}"
         if stats.task != task:
             return f"task {stats.task!r} differs from the registered {task!r}"
         E = self.model.spec.num_experts
@@ -419,6 +446,18 @@ class RoundEngine:
             held = set(experts[ls.layer])
             if any(u > 0 and e not in held for e, u in enumerate(ls.usage)):
                 return f"layer {ls.layer}: usage reported for experts it does not hold"
+        train = train or self.settings.train
+        steps = math.ceil(train.local_epochs * n / train.batch_size)
+        seen = min(steps, train.max_steps or steps) * train.batch_size  # samples local training can visit
+        max_tokens, top_k = seen * self.model.spec.max_seq_len, self.model.spec.top_k
+        for ls in stats.layers:
+            if ls.tokens > max_tokens:
+                return (f"layer {ls.layer}: {ls.tokens} tokens exceed the {max_tokens} that {n} samples can give "
+                        f"({seen} sample visits x max_seq_len {self.model.spec.max_seq_len})")
+            if sum(ls.usage) > ls.tokens * top_k:
+                return f"layer {ls.layer}: usage {sum(ls.usage)} exceeds tokens x top_k = {ls.tokens} x {top_k}"
+            if sum(ls.expert_samples) > seen:
+                return f"layer {ls.layer}: expert_samples {sum(ls.expert_samples)} exceed the {seen} sample visits"
         return None
 
     def _maybe_report(self, rnd: _Round, device_id: str) -> None:
@@ -587,10 +626,23 @@ class RoundEngine:
             if ack is not None:
                 rnd.acks[d] = Ack.model_validate(ack)
             st = self.store.get_json(f"{prefix}stats/{d}")
-            if st is not None:
-                rnd.stats[d] = Stats.model_validate(st)
-            data = self.store.get_blob(f"{prefix}update/{d}")
             dev = self.registry.get(d)
+            if st is not None:
+                # Accepted before a restart, possibly by an older version with looser bounds: checked again, so
+                # statistics that could not be accepted now are dropped rather than crash every restart.
+                try:
+                    stats = Stats.model_validate(st)
+                    problem = None if dev is None else self._stats_problem(
+                        stats, rnd.selected[d], dev.task, dev.num_samples, self._train_for(rnd, d))
+                except ValidationError as e:
+                    problem = f"invalid: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}"
+                if problem:
+                    log.warning("round %d: dropped the stored stats of %s: %s", rnd.number, d, problem)
+                    rnd.rejected[d] = problem
+                    self.store.delete(f"{prefix}stats/{d}")
+                else:
+                    rnd.stats[d] = stats
+            data = self.store.get_blob(f"{prefix}update/{d}")
             if data is not None and dev is not None:
                 expected = self.model.expected_for(rnd.selected[d], dev.task)
                 rnd.updates[d] = (sha256_hex(data), decode_tensors(data, self.settings.max_update_bytes, expected))

@@ -41,7 +41,7 @@ from protocol.codec import sha256_hex
 from protocol.logsafe import LogLimiter, RateLimiter, clip
 from protocol.signing import P_ROUND, P_SHA, P_SIG, P_UPLOAD, SIGNED_KINDS, SignatureError
 from protocol.messages import (
-    MAX_CONTROL_BYTES, Ack, Command, Hello, MessageError, ModelSpec, Progress, Stats, Status,
+    MAX_CONTROL_BYTES, MAX_SAMPLES, Ack, Command, Hello, MessageError, ModelSpec, Progress, Stats, Status,
     TrainConfig, WeightFormat, encode, parse_message,
 )
 from protocol.topics import UP_KINDS, Topics
@@ -112,6 +112,10 @@ class AggregatorConfig(BaseModel):
     eval_batch_size: int = Field(32, ge=1)
     eval_max_samples: int | None = Field(None, ge=1)
     seed: int = 0
+    max_samples_per_device: int = Field(1_000_000, ge=1, le=MAX_SAMPLES)
+    """Largest ``num_samples`` a device's statistics may claim, whatever its hello said:
+    its weight in |D_c|-weighted aggregation. Statistics claiming more (or more than the
+    device's hello declared) are refused."""
     threads: int | None = None
     stop_devices_when_done: bool = True
     clear_retained_on_exit: bool = False
@@ -233,7 +237,8 @@ class Aggregator:
             self.model.layers, config.model.num_experts, seed=config.seed, **config.assignment.params)
         aggregation = get_aggregation(config.aggregation.name)(**config.aggregation.params)
         settings = RoundSettings(config.clients_per_round, config.quorum, config.round_timeout_s, config.train,
-                                 config.max_update_bytes, config.eval_batch_size, config.seed)
+                                 config.max_update_bytes, config.eval_batch_size, config.seed,
+                                 max_samples_per_device=config.max_samples_per_device)
         self.engine = RoundEngine(self.model, self.registry, self.store, assignment, aggregation, self, self.topics,
                                   settings, self.eval_data, self._reject, self._progress)
         self.engine.ensure_shards = self._ensure_shards

