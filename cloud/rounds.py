@@ -262,7 +262,7 @@ class RoundEngine:
             "selected": {d: {str(k): v for k, v in e.items()} for d, e in rnd.selected.items()},
         })
         for device_id, experts in rnd.selected.items():
-            self._send_assignment(rnd, device_id, experts, plan.train.get(device_id))
+            self._send_assignment(rnd, device_id, experts)
         log.info("round %d: %d devices assigned (%s, %.3f s)", number, len(rnd.selected), self.assignment.name, seconds)
         self.progress("round_start", number, {"devices": sorted(rnd.selected), "assignment_seconds": seconds,
                                               "excluded": rnd.excluded})
@@ -292,8 +292,7 @@ class RoundEngine:
         for d in [d for d in self._told if d not in excluded]:
             del self._told[d]  # usable again: a later exclusion is a change worth logging
 
-    def _send_assignment(self, rnd: _Round, device_id: str, experts: Experts,
-                         train: dict[str, Any] | None = None) -> None:
+    def _send_assignment(self, rnd: _Round, device_id: str, experts: Experts) -> None:
         dev = self.registry.get(device_id)
         fmt = self.format_for(dev)
         if self.ensure_shards is not None:
@@ -306,7 +305,7 @@ class RoundEngine:
             labels=self.model.tasks[dev.task], experts=experts,
             shards=self.model.manifests(experts, self.topics, self.wire.chunk_payload_bytes, fmt),
             weight_format=fmt, state=ref, attempt=rnd.attempts.get(device_id, 0),
-            train=TrainConfig.model_validate({**self.settings.train.model_dump(), **train}) if train else self.settings.train, deadline=rnd.deadline,
+            train=self._train_for(rnd, device_id), deadline=rnd.deadline,
         )
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
 
@@ -372,7 +371,7 @@ class RoundEngine:
             self.store.put_json("current_round", cur)
         log.info("round %d: %s reassigned within its budget (%s -> %s experts per layer, attempt %d)", rnd.number,
                  device_id, [len(v) for v in before.values()], [len(v) for v in experts.values()], attempt)
-        self._send_assignment(rnd, device_id, experts, rnd.train.get(device_id))
+        self._send_assignment(rnd, device_id, experts)
 
     def on_update(self, device_id: str, blob: Blob) -> None:
         rnd = self._check_current(device_id, blob.header.round, "update")
@@ -663,7 +662,7 @@ class RoundEngine:
         n = 0
         for d, experts in rnd.selected.items():
             if not rnd.finished(d) and self.registry.get(d) is not None:
-                self._send_assignment(rnd, d, experts, rnd.train.get(d))
+                self._send_assignment(rnd, d, experts)
                 n += 1
         return n
 

@@ -422,7 +422,8 @@ class Command(_Message):
     - ``excluded``: the cloud cannot use this device in ``round`` (``reason`` says why,
       e.g. its budget is below the memory plan of one expert per layer; ``budget_bytes``,
       ``needed_bytes`` and ``runtime_bytes`` give the figures where memory is the cause).
-      Sent when the device's state changes, not every time the cloud looks.
+      Sent once for each round the device cannot take part in (the cloud logs it once
+      per change of reason).
     - ``round_failed``: ``round`` closed without a new global model (aggregation or
       evaluation failed on the cloud, ``reason``); the device waits for the next round.
     """
