@@ -122,6 +122,11 @@ def summarise(devices: dict, agg_rss: list[int]) -> dict:
                       "aggregator_mib_per_round": AGGREGATOR_GOAL_MIB_PER_ROUND, "warmup_rounds": WARMUP_ROUNDS}}
 
 
+def _f(value: float | None, spec: str) -> str:
+    """``value`` formatted by ``spec``, or ``n/a`` for None (a device that never reported)."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def write(result: dict, out: Path, name: str) -> None:
     """``{name}.json``, ``{name}.md`` and ``{name}.png`` under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -135,14 +140,15 @@ def write(result: dict, out: Path, name: str) -> None:
         v = result["devices"][d]
         p2 = next((p for p in v["peak_rss_bytes"][1:] if p is not None), None)
         budget = next((b for b in v["budget_bytes"] if b is not None), None)
-        lines.append(f"| {d} | {budget / MIB if budget else float('nan'):.0f} | {x['experts_first_last']} | "
-                     f"{p2 / MIB if p2 else float('nan'):.1f} | {x['growth_after_round2_mib']:+.2f} | "
-                     f"{x['max_above_round2_mib']:+.2f} | {x['rounds_excluded']} |")
+        lines.append(f"| {d} | {_f(budget and budget / MIB, '.0f')} | {x['experts_first_last']} | "
+                     f"{_f(p2 and p2 / MIB, '.1f')} | {_f(x['growth_after_round2_mib'], '+.2f')} | "
+                     f"{_f(x['max_above_round2_mib'], '+.2f')} | {x['rounds_excluded']} |")
     a = s["aggregator"]
     lines += ["", "| aggregator | rounds | RSS first / last MiB | slope after warm-up MiB/round (goal <= 0.05) | "
               "growth after warm-up MiB |", "|---|---|---|---|---|",
-              f"| tiny model | {a['rounds']} | {a['first_mib']:.1f} / {a['last_mib']:.1f} | "
-              f"{a['slope_mib_per_round_after_warmup']:+.4f} | {a['growth_after_warmup_mib']:+.2f} |", "",
+              f"| tiny model | {a['rounds']} | {_f(a['first_mib'], '.1f')} / {_f(a['last_mib'], '.1f')} | "
+              f"{_f(a['slope_mib_per_round_after_warmup'], '+.4f')} | {_f(a['growth_after_warmup_mib'], '+.2f')} |",
+              "",
               f"Device goal met: {s['device_goal_met']}; aggregator goal met: {s['aggregator_goal_met']}."]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -27,7 +27,7 @@ class Device:
     last_seen: float = field(default_factory=time.time)
     rounds: int = 0
     """Rounds whose update was accepted."""
-    protocol_minor: int = PROTOCOL_MINOR
+    protocol_minor: int = 0
     """The protocol minor version its ``hello`` announced (same major, or it was refused)."""
 
 

@@ -46,6 +46,7 @@ from pydantic import ValidationError
 from edge_sdk.budget import (
     DEFAULT_RUNTIME_BYTES, current_rss_bytes, estimate, max_experts_per_layer, release_free_memory,
 )
+from edge_sdk.train import num_steps
 from protocol.chunking import Blob
 from protocol.codec import CodecError, decode_tensors, encode_tensors, sha256_hex
 from protocol.messages import Ack, Assignment, BlobRef, Command, Stats, TrainConfig, encode
@@ -287,10 +288,17 @@ class RoundEngine:
             if told is None or told[1] != why:
                 log.warning("round %d: %s cannot be used: %s", number, d, why)
             self._told[d] = (number, why)
-            self.wire.publish(self.topics.down(d, "command"),
-                              encode(Command(command="excluded", round=number, reason=why[:2000], **figures)))
+            self._notify(d, Command(command="excluded", round=number, reason=why[:2000], **figures))
         for d in [d for d in self._told if d not in excluded]:
             del self._told[d]  # usable again: a later exclusion is a change worth logging
+
+    def _notify(self, device_id: str, cmd: Command) -> None:
+        """Send ``cmd`` to ``device_id`` best effort: a failed publish is logged, never raised
+        (a notice must not stop the round engine)."""
+        try:
+            self.wire.publish(self.topics.down(device_id, "command"), encode(cmd))
+        except Exception as e:
+            log.debug("could not send %s to %s: %s", cmd.command, device_id, e)
 
     def _send_assignment(self, rnd: _Round, device_id: str, experts: Experts) -> None:
         dev = self.registry.get(device_id)
@@ -446,8 +454,7 @@ class RoundEngine:
             if any(u > 0 and e not in held for e, u in enumerate(ls.usage)):
                 return f"layer {ls.layer}: usage reported for experts it does not hold"
         train = train or self.settings.train
-        steps = math.ceil(train.local_epochs * n / train.batch_size)
-        seen = min(steps, train.max_steps or steps) * train.batch_size  # samples local training can visit
+        seen = num_steps(train, n) * train.batch_size  # samples local training can visit
         max_tokens, top_k = seen * self.model.spec.max_seq_len, self.model.spec.top_k
         for ls in stats.layers:
             if ls.tokens > max_tokens:
@@ -514,10 +521,9 @@ class RoundEngine:
             self.model.set_state(before)
             ev = {"accuracy": None, "loss": None, "per_task": {}}
             for d in rnd.selected:
-                self.wire.publish(self.topics.down(d, "command"), encode(Command(
-                    command="round_failed", round=rnd.number,
-                    reason=f"the cloud could not aggregate or evaluate round {rnd.number} ({error}); the global "
-                           "model is unchanged")))
+                self._notify(d, Command(command="round_failed", round=rnd.number,
+                                        reason=f"the cloud could not aggregate or evaluate round {rnd.number} "
+                                               f"({error}); the global model is unchanged"))
         load = round_load(({ls.layer: ls.usage for ls in r.stats.layers} for r in results), self.model.layers,
                           self.model.spec.num_experts)
         self.window.add(load)

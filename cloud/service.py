@@ -39,7 +39,7 @@ from edge_sdk.data import encode_labels, load_text_file
 from protocol.chunking import DEFAULT_CHUNK_BYTES, MAX_HEADER, ChunkError, Reassembler, parse_chunk
 from protocol.codec import sha256_hex
 from protocol.logsafe import LogLimiter, RateLimiter, clip
-from protocol.signing import P_ROUND, P_SHA, P_SIG, P_UPLOAD, SIGNED_KINDS, SignatureError
+from protocol.signing import SIGNED_KINDS, SignatureError, unsigned_reason
 from protocol.messages import (
     MAX_CONTROL_BYTES, MAX_SAMPLES, Ack, Command, Hello, MessageError, ModelSpec, Progress, Stats, Status,
     TrainConfig, WeightFormat, encode, parse_message,
@@ -502,11 +502,10 @@ class Aggregator:
                 self._drop(f"{kind} from a device that is not provisioned",
                            "ignored %s from %s: not a provisioned device", kind, device_id)
                 return
-            missing = [p for p in (P_ROUND, P_UPLOAD, P_SHA, P_SIG) if p not in (props or {})] \
-                if kind in SIGNED_KINDS else None
-            if missing:  # the capped reply tells a misconfigured device why
+            unsigned = unsigned_reason(kind, props) if kind in SIGNED_KINDS else None
+            if unsigned:  # the capped reply tells a misconfigured device why
                 self.dropped += 1
-                self._reject(device_id, None, f"{kind} rejected: unsigned {kind} message (missing {', '.join(missing)})")
+                self._reject(device_id, None, f"{kind} rejected: {unsigned}")
                 return
         limit = self.cfg.max_update_bytes + 8 + MAX_HEADER if kind == "update" else MAX_CONTROL_BYTES
         if len(payload) > limit:
@@ -526,8 +525,6 @@ class Aggregator:
                     return
                 msg = parse_message(payload, Hello)
                 self._same_device(device_id, msg.device_id)
-                if self.verifier is not None and not self.verifier.knows(device_id):
-                    raise MessageError(f"unknown device {device_id!r}: not provisioned")
                 self.registry.register(msg)
                 return
             if self.registry.get(device_id) is None:

@@ -34,7 +34,8 @@ from protocol.chunking import ChunkError, Reassembler
 from protocol.codec import CodecError, decode_tensors, encode_tensors, sha256_hex
 from protocol.logsafe import LogLimiter, clip
 from protocol.messages import (
-    Ack, Assignment, Command, Hello, MessageError, Stats, Status, VersionError, encode, parse_message,
+    COMMANDS, PROTOCOL_MINOR, Ack, Assignment, Command, Hello, MessageError, Stats, Status, VersionError, encode,
+    parse_message,
 )
 from protocol.transport import Transport, TlsConfig, publish_packet_bytes
 
@@ -279,7 +280,7 @@ class EdgeClient:
         hello = Hello(
             device_id=self.device_id, sdk_version=SDK_VERSION, budget_bytes=self.budget_bytes,
             weight_formats=self.weight_formats, num_samples=len(self.raw_items), task=self.task,
-            runtime_bytes=self.runtime_bytes,
+            runtime_bytes=self.runtime_bytes, protocol_minor=PROTOCOL_MINOR,
         )
         self.transport.publish(self.topics.up(self.device_id, "hello"), encode(hello), retain=True)
         log.info("%s joined %s (budget %.2f GiB, %d samples, task %s)", self.device_id, self.topics.federation,
@@ -310,7 +311,7 @@ class EdgeClient:
             log.info("%s: stop command received", self.device_id)
             self._stop = True
             return
-        if msg.command not in ("reject", "excluded", "round_failed"):
+        if msg.command not in COMMANDS:
             log.debug("%s: ignoring unknown command %r (newer protocol minor version)", self.device_id, msg.command)
             return
         what = {"reject": "the cloud rejected a message of round %s: %s",

@@ -68,6 +68,14 @@ class EvalResult:
     samples: int
 
 
+def num_steps(cfg: TrainConfig, samples: int) -> int:
+    """Optimizer steps of one round of local training on ``samples`` samples:
+    ``ceil(local_epochs * samples / batch_size)``, capped by ``max_steps`` (the cloud
+    bounds the statistics a device may report with the same count)."""
+    steps = math.ceil(cfg.local_epochs * samples / cfg.batch_size)
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
 def _batches(items: Sequence, batch_size: int, order: list[int]):
     for i in range(0, len(order), batch_size):
         yield [items[j] for j in order[i : i + batch_size]]
@@ -94,9 +102,7 @@ def train_local(
         raise ValueError("no local training samples")
     params = [p for p in model.trainable().values()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps = math.ceil(cfg.local_epochs * len(items) / cfg.batch_size)
-    if cfg.max_steps:
-        steps = min(steps, cfg.max_steps)
+    steps = num_steps(cfg, len(items))
     rng = random.Random(seed)
     model.train()
     t0, done, seen, loss_sum = time.perf_counter(), 0, 0, 0.0

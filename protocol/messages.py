@@ -238,9 +238,9 @@ class Hello(_Message):
     device_id: DeviceId
     sdk_version: str = Field(max_length=32)
     protocol_version: int = Field(PROTOCOL_VERSION, ge=0, le=10_000)
-    protocol_minor: int = Field(PROTOCOL_MINOR, ge=0, le=10_000)
-    """The minor version the device speaks (:data:`PROTOCOL_MINOR`); a hello of minor 0
-    has no such field and reads as this peer's own minor."""
+    protocol_minor: int = Field(0, ge=0, le=10_000)
+    """The minor version the device speaks (``EdgeClient`` sends :data:`PROTOCOL_MINOR`);
+    absent in a 1.0 device's hello, which therefore reads as minor 0."""
     budget_bytes: int = Field(gt=0, le=2**50)
     weight_formats: list[WeightFormat] = Field(min_length=1, max_length=5)
     num_samples: Samples

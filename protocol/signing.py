@@ -39,6 +39,14 @@ P_ROUND, P_UPLOAD, P_SHA, P_SIG = "fm-round", "fm-upload", "fm-sha", "fm-sig"
 SIGNED_KINDS = ("update", "stats")
 
 
+def unsigned_reason(kind: str, props: Mapping[str, str] | None) -> str | None:
+    """Why a ``kind`` message (one of :data:`SIGNED_KINDS`) with MQTT user properties
+    ``props`` is unsigned (the signature properties it lacks), or None if it carries all
+    of them."""
+    missing = [p for p in (P_ROUND, P_UPLOAD, P_SHA, P_SIG) if p not in (props or {})]
+    return f"unsigned {kind} message (missing {', '.join(missing)})" if missing else None
+
+
 class SignatureError(ValueError):
     """A message is unsigned, its signature is forged or stale, or it is a replay."""
 
@@ -145,9 +153,9 @@ class Verifier:
         pub = self.keys.get(device_id)
         if pub is None:
             raise SignatureError(f"no signing key provisioned for device {device_id!r}")
-        missing = [p for p in (P_ROUND, P_UPLOAD, P_SHA, P_SIG) if p not in props]
-        if missing:
-            raise SignatureError(f"unsigned {kind} message (missing {', '.join(missing)})")
+        unsigned = unsigned_reason(kind, props)
+        if unsigned:
+            raise SignatureError(unsigned)
         try:
             rnd = int(props[P_ROUND])
             sig = base64.b64decode(props[P_SIG], validate=True)

@@ -16,7 +16,7 @@ class FullMoE(AssignmentStrategy):
     def configure(self, round: int, devices: list[DeviceView]) -> Plan:
         everything = {layer: list(range(self.num_experts)) for layer in self.layers}
         fits = [d.device_id for d in devices if d.capacity >= self.num_experts]
-        left_out = sorted(d.device_id for d in devices if d.capacity < self.num_experts)
         why = {d.device_id: f"the 'full' assignment needs all {self.num_experts} experts per layer; its budget holds "
                             f"{d.capacity}" for d in devices if d.capacity < self.num_experts}
+        left_out = sorted(why)
         return Plan({d: everything for d in fits}, {"left_out_budget": left_out} if left_out else {}, excluded=why)
