@@ -89,9 +89,10 @@ def runtime_baseline() -> int:
 
 GROWTH_MARGIN_BYTES = 32 * 2**20
 """How far above the full MoE's plan the budgets of the devices that hold it start:
-devices recalibrate their baseline by the heap growth they measure (up to ~25 MiB over
-10 rounds here, ``EdgeClient._recalibrate``), and a device whose budget held the full
-MoE only at start-up would drop out of the full-MoE baselines after a few rounds."""
+when the committed table was measured, devices folded their per-round heap growth into
+their baseline (up to ~25 MiB over 10 rounds, oneDNN's primitive cache, since bounded),
+and a device whose budget held the full MoE only at start-up dropped out of the full-MoE
+baselines after a few rounds. Kept so reruns stay comparable with that table."""
 
 
 def device_budgets(profile: str, seed: int, batch: int = 8) -> list[int]:

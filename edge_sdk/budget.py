@@ -47,11 +47,11 @@ DEFAULT_RUNTIME_BYTES = 445 * 1024**2
 DEFAULT_WEIGHT_FORMAT = "int8"
 """Format assumed when none is given (the aggregator's default ``weight_format``)."""
 DEFAULT_HEADROOM_BYTES = 32 * 1024**2
-"""Reserve a device adds to its measured runtime baseline for what the plan cannot model:
-glibc heap growth from round to round (fragmentation; measured in the demo: up to 13 MiB
-in one round, on a 300 MiB model part) and the plan's own error (up to 1%, ``benchmarks/
-memory.py``). ``EdgeClient`` keeps this much free below its plan every round
-(``headroom_bytes``)."""
+"""Reserve a device adds to its measured runtime baseline for what the plan cannot model
+(the plan's own error, page-cache effects on RSS, a first round's one-off growth): a
+safety margin, not a ratchet (``EdgeClient._recalibrate`` raises the baseline only when a
+peak exceeds the whole plan). The per-round growth it once had to absorb (up to 13 MiB in
+one round) was oneDNN's primitive cache, now bounded (:func:`bound_native_caches`)."""
 FETCH_WINDOW_BYTES = 8 * 1024**2
 """Shard bytes a device has in flight at once while fetching (then written to its cache)."""
 TOKENIZER_BYTES = {"bert-upcycled": 12 * 1024**2}
