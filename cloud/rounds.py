@@ -508,7 +508,11 @@ class RoundEngine:
                 if self.settings.train.router == "private":  # client-private gating: router rows stay on the devices
                     agg = [replace(r, state={k: v for k, v in r.state.items() if not k.startswith("router.")})
                            for r in results]
-                self.model.set_state(self.aggregation.aggregate(rnd.number, self.model.state, agg, failures))
+                new = self.aggregation.aggregate(rnd.number, self.model.state, agg, failures)
+                bad = [k for k, v in new.items() if not torch.isfinite(v).all()]
+                if bad:  # pre-commit guard: never commit a non-finite global state
+                    raise ValueError(f"the aggregated global state is not finite ({len(bad)} tensors, e.g. {bad[0]})")
+                self.model.set_state(new)
             else:
                 log.warning("round %d: %d/%d updates, quorum %d not met; global model unchanged", rnd.number,
                             len(results), len(rnd.selected), need)
@@ -529,6 +533,8 @@ class RoundEngine:
         self.window.add(load)
         release_free_memory()  # what aggregation and evaluation freed goes back to the OS before RSS is recorded
         record = self._record(rnd, results, failures, status, ev, load)
+        record["global_state_norm"] = _norm(self.model.state.values())
+        record["global_step_norm"] = _norm(self.model.state[k] - before[k] for k in before)
         if error is not None:
             record["error"] = error
         for r in results:
@@ -671,6 +677,11 @@ class RoundEngine:
                 self._send_assignment(rnd, d, experts)
                 n += 1
         return n
+
+
+def _norm(tensors) -> float:
+    """L2 norm over all elements of ``tensors`` (float64 accumulation)."""
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
 
 
 def _jsonable(value: Any) -> Any:

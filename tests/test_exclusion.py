@@ -60,3 +60,30 @@ def test_failed_aggregation_is_told_to_devices_and_the_service_goes_on(mosquitto
         assert [h.round for h in c.history] == [1, 2]
     assert all((after[0][k] == before[k]).all() for k in before)  # round 1 left the global model as it was
     assert any(not (after[1][k] == before[k]).all() for k in before)  # round 2 moved it
+
+
+@pytest.mark.slow
+def test_non_finite_aggregate_is_not_committed(mosquitto_url, tmp_path):
+    """Pre-commit guard: an aggregation that yields NaN (e.g. an overflow) fails the round
+    with the reason, keeps the previous global state (step norm 0), tells the devices,
+    and the next round commits normally; every record carries the state and step norms."""
+    fed = Federation(mosquitto_url, str(tmp_path), rounds=2, experts=(2, 2))
+    engine = fed.aggregator.engine
+    real, calls = engine.aggregation.aggregate, []
+
+    def overflow(*a, **k):
+        out = real(*a, **k)
+        calls.append(1)
+        if len(calls) == 1:
+            key = next(iter(out))
+            out = {**out, key: out[key] * float("nan")}
+        return out
+
+    engine.aggregation.aggregate = overflow
+    records = fed.run()
+    assert [r["status"] for r in records] == ["failed", "ok"]
+    assert "not finite" in records[0]["error"]
+    assert records[0]["global_step_norm"] == 0.0 and records[1]["global_step_norm"] > 0
+    assert all(r["global_state_norm"] > 0 for r in records)
+    for c in fed.clients:
+        assert [n.round for n in c.notices if n.kind == "round_failed"] == [1]
