@@ -229,7 +229,7 @@ class RoundEngine:
         ]
         for v in views:
             if v.capacity < 1:
-                excluded[v.device_id] = self._too_small(self.registry.get(v.device_id))
+                excluded[v.device_id] = self._too_small(v)
         t0 = time.perf_counter()
         plan = self.assignment.configure(number, views)
         seconds = time.perf_counter() - t0
@@ -269,13 +269,13 @@ class RoundEngine:
                                               "excluded": rnd.excluded})
         return True
 
-    def _too_small(self, dev) -> tuple[str, dict[str, int]]:
-        """Why ``dev``'s budget holds no expert per layer, with the figures."""
-        one = {layer: [0] for layer in self.model.layers}
-        need, runtime = self.memory_fn(dev)(one), self._runtime(dev)
-        return (f"budget {dev.budget_bytes / 2**20:.0f} MiB is below the {need / 2**20:.0f} MiB memory plan for one "
-                f"expert per layer ({self.format_for(dev)}; runtime baseline {runtime / 2**20:.0f} MiB)",
-                {"budget_bytes": dev.budget_bytes, "needed_bytes": need, "runtime_bytes": runtime})
+    def _too_small(self, view: DeviceView) -> tuple[str, dict[str, int]]:
+        """Why ``view``'s budget holds no expert per layer, with the figures."""
+        need = view.memory({layer: [0] for layer in self.model.layers})
+        runtime, fmt = view.extra["runtime_bytes"], view.extra["weight_format"]
+        return (f"budget {view.budget_bytes / 2**20:.0f} MiB is below the {need / 2**20:.0f} MiB memory plan for one "
+                f"expert per layer ({fmt}; runtime baseline {runtime / 2**20:.0f} MiB)",
+                {"budget_bytes": view.budget_bytes, "needed_bytes": need, "runtime_bytes": runtime})
 
     def _tell_excluded(self, number: int, excluded: dict[str, tuple[str, dict[str, int]]]) -> None:
         """Send each excluded device a ``Command(excluded)`` once for round ``number``, and

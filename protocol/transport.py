@@ -448,17 +448,15 @@ class Transport:
         Returns:
             Whether paho accepted the message (sent, or queued while disconnected).
         """
-        if self._client is None:
-            self.nowait_failed += 1
-            return False
-        try:
-            info = self._client.publish(topic, payload, qos=qos)
-        except (ValueError, OSError) as e:
-            log.debug("publish_nowait to %s failed: %s", clip(topic), e)
-            self.nowait_failed += 1
-            return False
-        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
-            self.nowait_failed += 1
+        info = None
+        if self._client is not None:
+            try:
+                info = self._client.publish(topic, payload, qos=qos)
+            except (ValueError, OSError) as e:
+                log.debug("publish_nowait to %s failed: %s", clip(topic), e)
+        if info is None or info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            with self._lock:  # paho's callback thread counts refusals under the same lock
+                self.nowait_failed += 1
             return False
         self.bytes_sent += publish_packet_bytes(topic, len(payload), qos, self.v5)
         with self._lock:  # on_publish may already have run (then its result is here)
