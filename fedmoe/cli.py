@@ -16,17 +16,6 @@ class UsageError(ValueError):
     ``fedmoe: error: ...`` (one line, no traceback) and returns 2, as argparse does."""
 
 
-def _one_line(e: BaseException) -> str:
-    """An exception as one line (pydantic's ValidationError: ``field: message; ...``)."""
-    errors = getattr(e, "errors", None)
-    if callable(errors):
-        try:
-            return "; ".join(f"{'.'.join(map(str, x['loc'])) or type(e).__name__}: {x['msg']}" for x in errors())
-        except Exception:
-            pass
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 def _setup_logging(verbose: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -129,7 +118,9 @@ def _aggregator(args: argparse.Namespace) -> int:
         eval_data = _builtin_eval_data(cfg)
         cfg.check_paths(eval_given=eval_data)
     except (OSError, ValueError, yaml.YAMLError) as e:
-        raise UsageError(f"{args.config}: {_one_line(e)}") from None
+        from protocol.messages import error_summary
+
+        raise UsageError(f"{args.config}: {error_summary(e, root=type(e).__name__)}") from None
     broker = None
     url = args.broker
     if url is None:

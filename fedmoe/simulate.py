@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import yaml
 
-from protocol.messages import Progress, WeightFormat, parse_message
+from protocol.messages import Progress, WeightFormat, error_summary, parse_message
 from protocol.topics import Topics
 
 from .broker import EmbeddedBroker
@@ -168,8 +168,7 @@ class SimulationConfig:
                 TrainConfig(local_epochs=self.local_epochs, max_steps=self.max_steps, batch_size=self.batch_size,
                             lr=self.lr, prox_mu=self.prox_mu)
             except ValueError as e:  # pydantic's ValidationError: one line per field
-                errors = getattr(e, "errors", lambda: [])()
-                bad += [f"{'.'.join(map(str, x['loc'])) or 'model'}: {x['msg']}" for x in errors] or [str(e)]
+                bad.append(error_summary(e, root="model"))
         if not bad:  # budgets last: parsing them imports edge_sdk (seconds)
             option = "--budgets" if self.budgets else "--budget-range"
             try:

@@ -505,8 +505,17 @@ def parse_message(payload: bytes, expected: type[_Message] | None = None) -> _Me
     try:
         return cls.model_validate(obj, strict=True, context=WIRE_CONTEXT)
     except ValidationError as e:
-        errs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:5])
-        raise MessageError(f"invalid {cls.__name__}: {errs}") from None
+        raise MessageError(f"invalid {cls.__name__}: {error_summary(e, limit=5)}") from None
+
+
+def error_summary(e: BaseException, limit: int | None = None, root: str = "") -> str:
+    """An exception as one line: for pydantic's ValidationError ``field.path: message``
+    per error (at most ``limit``; ``root`` names errors of the whole model), joined by
+    ``; ``; for anything else its text with whitespace collapsed."""
+    errors = e.errors() if isinstance(e, ValidationError) else []
+    if errors:
+        return "; ".join(f"{'.'.join(map(str, x['loc'])) or root}: {x['msg']}" for x in errors[:limit])
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _reject_constant(name: str) -> float:
