@@ -52,7 +52,7 @@ from .assignment import get_assignment
 from .global_model import GlobalModel
 from .registry import Registry
 from .rounds import RoundEngine, RoundSettings
-from .store import Store
+from .store import Store, url_problem
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +161,6 @@ class AggregatorConfig(BaseModel):
         Raises:
             ValueError: every problem found, in one line.
         """
-        from urllib.parse import urlparse
-
         bad, given = [], set(eval_given)
         for name, task in self.tasks.items():
             ref = task.eval_data
@@ -178,10 +176,9 @@ class AggregatorConfig(BaseModel):
             path = getattr(self, key)
             if path and not Path(path).is_file():
                 bad.append(f"{key}: no such file {path!r}")
-        scheme = urlparse(self.store).scheme
-        if self.store not in (":memory:", "sqlite://") and scheme not in ("sqlite", "postgresql", "postgres",
-                                                                           "file", ""):
-            bad.append(f"store: unsupported URL scheme {scheme!r} (use sqlite:///path.db or postgresql://...)")
+        problem = url_problem(self.store)
+        if problem:
+            bad.append(f"store: {problem}")
         if bad:
             raise ValueError("; ".join(bad))
         return self

@@ -39,6 +39,14 @@ class StoreError(RuntimeError):
     """The store cannot be opened or a read/write failed (message says which URL)."""
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``url`` names no store kind :class:`Store` opens (checked before anything is
+    built), or None: ``sqlite:///path``, a plain path, ``:memory:`` or ``postgresql://``."""
+    if url in (":memory:", "sqlite://") or urlparse(url).scheme in ("sqlite", "", "file", "postgresql", "postgres"):
+        return None
+    return f"unsupported store URL {url!r} (use sqlite:///path.db or postgresql://...)"
+
+
 class Store:
     """Key-value, blob, device and round-record storage.
 
@@ -51,6 +59,9 @@ class Store:
     """
 
     def __init__(self, url: str):
+        problem = url_problem(url)
+        if problem:
+            raise ValueError(problem)
         self.url = url
         u = urlparse(url)
         self._lock = threading.RLock()
@@ -74,10 +85,8 @@ class Store:
                 path = ":memory:"
             elif u.scheme == "sqlite":
                 path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else u.path
-            elif u.scheme in ("", "file"):
+            else:  # "" or file: (url_problem admitted nothing else)
                 path = u.path or url
-            else:
-                raise ValueError(f"unsupported store URL {url!r} (use sqlite:///path.db or postgresql://...)")
             try:
                 if path != ":memory:":
                     Path(path).parent.mkdir(parents=True, exist_ok=True)

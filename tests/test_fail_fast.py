@@ -160,7 +160,7 @@ def test_aggregator_refuses_missing_files_before_building_anything(tmp_path, mon
     assert time.monotonic() - t0 < 5
     msg = str(e.value)
     assert "tasks.bbc.eval_data: no such file" in msg and "test-bbc.jsonl" in msg
-    assert "credentials: no such file" in msg and "unsupported URL scheme 'mongodb'" in msg
+    assert "credentials: no such file" in msg and "store: unsupported store URL 'mongodb://db/x'" in msg
     cfg.tasks["bbc"].eval_data = "builtin:bbc"
     with pytest.raises(ValueError, match="builtin:bbc"):
         S.Aggregator(cfg.model_copy(update={"store": "sqlite://", "credentials": None}), "mqtt://127.0.0.1:1")
