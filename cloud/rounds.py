@@ -57,6 +57,8 @@ from .assignment.base import AssignmentStrategy
 from .global_model import GlobalModel
 from .metrics import LoadWindow, round_load
 from .registry import Registry
+from .robust.defences import Defences
+from .robust.guard import l2_norm
 from .store import Store
 from .strategy import ClientResult, DeviceView, Experts, Failure
 
@@ -132,16 +134,19 @@ class RoundEngine:
         eval_data: task -> test items ``(input, label id)``.
         reject: ``(device_id, round, reason)`` -> reply to a device.
         progress: ``(event, round, detail)`` -> operator progress.
+        defences: update screening, the robust/DP wrapper of ``aggregation`` and the
+            pre-commit guard (:mod:`cloud.robust`); default: screening and guard on.
     """
 
     def __init__(
         self, model: GlobalModel, registry: Registry, store: Store, assignment: AssignmentStrategy,
         aggregation: AggregationStrategy, wire: Wire, topics: Topics, settings: RoundSettings,
         eval_data: dict[str, Sequence[tuple[Any, int]]], reject: Callable[[str, int, str], None],
-        progress: Callable[[str, int, dict], None],
+        progress: Callable[[str, int, dict], None], defences: Defences | None = None,
     ):
         self.model, self.registry, self.store = model, registry, store
-        self.assignment, self.aggregation = assignment, aggregation
+        self.defences = defences or Defences()
+        self.assignment, self.aggregation = assignment, self.defences.wrap(aggregation)
         self.wire, self.topics, self.settings = wire, topics, settings
         self.eval_data = eval_data
         self.reject, self.progress = reject, progress
@@ -486,9 +491,35 @@ class RoundEngine:
         return now >= rnd.deadline or all(rnd.finished(d) for d in rnd.selected)
 
     def close_round(self) -> dict[str, Any]:
-        """Aggregate (given a quorum), evaluate, persist and return the round record."""
+        """Screen, aggregate (given a quorum), guard, evaluate, persist and return the
+        round record.
+
+        Nothing a device sent can stop the service here: an exception anywhere in
+        closing (a strategy bug, a message that makes aggregation raise) fails this
+        round only. Its record says why, the previous global state stays, devices are
+        told, and its accepted messages move to ``quarantine/{round}/`` in the store, so
+        a restart does not replay them.
+        """
         rnd = self.current
         assert rnd is not None
+        before = dict(self.model.state)
+        try:
+            return self._close(rnd, before)
+        except Exception as e:
+            log.exception("round %d: closing failed; the round fails and its messages are quarantined", rnd.number)
+            self.model.set_state(before)
+            error = f"{type(e).__name__}: {e}"[:500]
+            self._tell_failed(rnd, error)
+            record = {"round": rnd.number, "status": "failed", "error": error, "accuracy": None, "loss": None,
+                      "per_task": {}, "seconds": time.time() - rnd.started, "selected": sorted(rnd.selected),
+                      "failures": {}, "devices": {}}
+            with self.store.transaction():
+                self._persist(record)
+            self.current = None
+            self.completed = rnd.number
+            return record
+
+    def _close(self, rnd: _Round, before: dict[str, torch.Tensor]) -> dict[str, Any]:
         results, failures = [], []
         for d, experts in sorted(rnd.selected.items()):
             dev = self.registry.get(d)
@@ -499,58 +530,77 @@ class RoundEngine:
                 ack = rnd.acks.get(d)
                 reason = rnd.rejected.get(d) or (ack.reason if ack is not None and not ack.accepted else None)
                 failures.append(Failure(d, reason or "no update before the deadline"))
+        screened = self.defences.screen_round(rnd.number, before, results)
+        for d, why in screened.rejected.items():
+            failures.append(Failure(d, f"update rejected by screening: {why}"))
+            self.reject(d, rnd.number, f"update rejected: {why}")
+        accepted = screened.results
         need = max(1, math.ceil(self.settings.quorum * len(rnd.selected)))
-        status = "ok" if len(results) >= need else "no_quorum"
-        before, error = self.model.state, None
+        status = "ok" if len(accepted) >= need else "no_quorum"
+        error = None
         try:
             if status == "ok":
-                agg = results
+                agg = accepted
                 if self.settings.train.router == "private":  # client-private gating: router rows stay on the devices
                     agg = [replace(r, state={k: v for k, v in r.state.items() if not k.startswith("router.")})
-                           for r in results]
-                new = self.aggregation.aggregate(rnd.number, self.model.state, agg, failures)
-                bad = [k for k, v in new.items() if not torch.isfinite(v).all()]
-                if bad:  # pre-commit guard: never commit a non-finite global state
-                    raise ValueError(f"the aggregated global state is not finite ({len(bad)} tensors, e.g. {bad[0]})")
+                           for r in accepted]
+                new = self.aggregation.aggregate(rnd.number, before, agg, failures)
+                problem = self.defences.guard.problem(before, new)
+                if problem:  # pre-commit guard: the previous state stays
+                    raise _Refused(problem)
                 self.model.set_state(new)
             else:
                 log.warning("round %d: %d/%d updates, quorum %d not met; global model unchanged", rnd.number,
-                            len(results), len(rnd.selected), need)
+                            len(accepted), len(rnd.selected), need)
             self.assignment.observe(rnd.number, results, failures)
             ev = self.evaluate()
         except Exception as e:  # a strategy or evaluation bug must not stop the service
-            log.exception("round %d: aggregation or evaluation failed; global model unchanged", rnd.number)
-            error = f"{type(e).__name__}: {e}"[:500]
+            if isinstance(e, _Refused):
+                log.warning("round %d: the pre-commit guard refused the new global state: %s", rnd.number, e)
+                error = f"guard: {e}"
+            else:
+                log.exception("round %d: aggregation or evaluation failed; global model unchanged", rnd.number)
+                error = f"{type(e).__name__}: {e}"[:500]
             status = "failed"
             self.model.set_state(before)
             ev = {"accuracy": None, "loss": None, "per_task": {}}
-            for d in rnd.selected:
-                self._notify(d, Command(command="round_failed", round=rnd.number,
-                                        reason=f"the cloud could not aggregate or evaluate round {rnd.number} "
-                                               f"({error}); the global model is unchanged"))
-        load = round_load(({ls.layer: ls.usage for ls in r.stats.layers} for r in results), self.model.layers,
+            self._tell_failed(rnd, error)
+        load = round_load(({ls.layer: ls.usage for ls in r.stats.layers} for r in accepted), self.model.layers,
                           self.model.spec.num_experts)
         self.window.add(load)
         release_free_memory()  # what aggregation and evaluation freed goes back to the OS before RSS is recorded
-        record = self._record(rnd, results, failures, status, ev, load)
-        record["global_state_norm"] = _norm(self.model.state.values())
-        record["global_step_norm"] = _norm(self.model.state[k] - before[k] for k in before)
+        record = self._record(rnd, accepted, failures, status, ev, load)
+        step = l2_norm(self.model.state[k] - before[k] for k in before)
+        record["global_state_norm"] = l2_norm(self.model.state.values())
+        record["global_step_norm"] = step
+        record["screening"] = screened.report
+        report = getattr(self.aggregation, "report", None)
+        if status == "ok" and report:
+            record["aggregation_report"] = _jsonable(report)
         if error is not None:
             record["error"] = error
-        for r in results:
+        if status == "ok":
+            self.defences.guard.committed(step)
+        for r in accepted:
             self.previous[r.device_id] = r.experts
         with self.store.transaction():
-            for r in results:
+            for r in accepted:
                 self.registry.accepted(r.device_id, r.stats)
             self._persist(record)
         self.current = None
         self.completed = rnd.number
         log.info("round %d closed (%s): accuracy %s, %d/%d updates, %.1f s", rnd.number, status,
-                 f"{ev['accuracy']:.4f}" if ev["accuracy"] is not None else "n/a", len(results), len(rnd.selected),
+                 f"{ev['accuracy']:.4f}" if ev["accuracy"] is not None else "n/a", len(accepted), len(rnd.selected),
                  record["seconds"])
         self.progress("round_end", rnd.number, {k: record[k] for k in ("accuracy", "loss", "mean_local_accuracy",
                                                                          "seconds", "status", "cv")})
         return record
+
+    def _tell_failed(self, rnd: _Round, error: str) -> None:
+        for d in rnd.selected:
+            self._notify(d, Command(command="round_failed", round=rnd.number,
+                                    reason=f"the cloud could not aggregate or evaluate round {rnd.number} "
+                                           f"({error}); the global model is unchanged"))
 
     def _record(self, rnd: _Round, results: list[ClientResult], failures: list[Failure], status: str,
                 ev: dict[str, Any], load: dict[int, list[int]]) -> dict[str, Any]:
@@ -595,13 +645,17 @@ class RoundEngine:
         self.store.put_blob("global_state", encode_tensors(self.model.state, "fp32"))
         self.store.put_json("assignment_state", self.assignment.state_dict())
         self.store.put_json("aggregation_state", self.aggregation.state_dict())
+        self.store.put_json("defences_state", self.defences.state_dict())
         self.store.put_json("load_window", self.window.state_dict())
         self.store.put_json("previous_assignment",
                             {d: {str(k): v for k, v in e.items()} for d, e in self.previous.items()})
         self.store.save_round(record)
         self.store.put_json("last_round", record["round"])
         self.store.delete("current_round")
-        self.store.delete_prefix(f"inflight/{record['round']}/")
+        if record["status"] == "failed":  # kept for a post-mortem, never replayed
+            self.store.move_prefix(f"inflight/{record['round']}/", f"quarantine/{record['round']}/")
+        else:
+            self.store.delete_prefix(f"inflight/{record['round']}/")
 
     def restore(self) -> None:
         """Load the persisted global state and strategy states (after a restart)."""
@@ -612,6 +666,7 @@ class RoundEngine:
             log.info("resumed global state after round %d", self.completed)
         self.assignment.load_state_dict(self.store.get_json("assignment_state", {}))
         self.aggregation.load_state_dict(self.store.get_json("aggregation_state", {}))
+        self.defences.load_state_dict(self.store.get_json("defences_state", {}))
         self._restore_round()
 
     def _restore_round(self) -> None:
@@ -679,9 +734,8 @@ class RoundEngine:
         return n
 
 
-def _norm(tensors) -> float:
-    """L2 norm over all elements of ``tensors`` (float64 accumulation)."""
-    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+class _Refused(Exception):
+    """The pre-commit guard refused a round's new global state."""
 
 
 def _jsonable(value: Any) -> Any:

@@ -51,6 +51,8 @@ from .aggregation import get_aggregation
 from .assignment import get_assignment
 from .global_model import GlobalModel
 from .registry import Registry
+from .robust.config import DefenceConfig
+from .robust.defences import Defences
 from .rounds import RoundEngine, RoundSettings
 from .store import Store, url_problem
 
@@ -101,6 +103,9 @@ class AggregatorConfig(BaseModel):
     round_timeout_s: float = Field(600.0, gt=0)
     assignment: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="random_moe"))
     aggregation: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="modular"))
+    defences: DefenceConfig = Field(default_factory=DefenceConfig)
+    """Update screening, a robust rule or DP-FedAvg around ``aggregation``, and the
+    pre-commit guard (:mod:`cloud.robust`); screening and the guard are on by default."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     weight_format: WeightFormat = "int8"
     """Primary format of the base shards (the cloud evaluates with these weights)."""
@@ -237,7 +242,8 @@ class Aggregator:
                                  config.max_update_bytes, config.eval_batch_size, config.seed,
                                  max_samples_per_device=config.max_samples_per_device)
         self.engine = RoundEngine(self.model, self.registry, self.store, assignment, aggregation, self, self.topics,
-                                  settings, self.eval_data, self._reject, self._progress)
+                                  settings, self.eval_data, self._reject, self._progress,
+                                  defences=Defences(config.defences))
         self.engine.ensure_shards = self._ensure_shards
         self._published_formats: set[str] = set()
         self.engine.restore()

@@ -150,9 +150,19 @@ class Store:
 
     def delete_prefix(self, prefix: str) -> None:
         """Remove every JSON document and blob whose key starts with ``prefix``."""
-        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        pattern = _like(prefix)
         self._exec("DELETE FROM kv WHERE key LIKE ? ESCAPE '\\'", (pattern,))
         self._exec("DELETE FROM blobs WHERE key LIKE ? ESCAPE '\\'", (pattern,))
+
+    def move_prefix(self, prefix: str, to: str) -> None:
+        """Rename every JSON document and blob key starting with ``prefix`` to start with
+        ``to`` instead (e.g. quarantine a failed round's in-flight messages)."""
+        pattern = _like(prefix)
+        with self.transaction():
+            for table in ("kv", "blobs"):
+                self._exec(f"DELETE FROM {table} WHERE key LIKE ? ESCAPE '\\'", (_like(to),))
+                self._exec(f"UPDATE {table} SET key = ? || substr(key, ?) WHERE key LIKE ? ESCAPE '\\'",
+                           (to, len(prefix) + 1, pattern))
 
     # blobs
     def put_blob(self, key: str, value: bytes) -> None:
@@ -163,7 +173,7 @@ class Store:
         return bytes(rows[0][0]) if rows else None
 
     def blob_keys(self, prefix: str) -> list[str]:
-        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        pattern = _like(prefix)
         return [k for (k,) in self._exec("SELECT key FROM blobs WHERE key LIKE ? ESCAPE '\\' ORDER BY key",
                                           (pattern,))]
 
@@ -196,6 +206,11 @@ class Store:
                 self._db.close()
             except self._errors:
                 pass
+
+
+def _like(prefix: str) -> str:
+    """A LIKE pattern (with ``ESCAPE '\\'``) matching keys that start with ``prefix``."""
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 def _redact(url: str) -> str:
