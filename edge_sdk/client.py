@@ -279,7 +279,8 @@ class EdgeClient:
         self.transport.publish(self.topics.up(self.device_id, "status"), status, retain=True)
         hello = Hello(
             device_id=self.device_id, sdk_version=SDK_VERSION, budget_bytes=self.budget_bytes,
-            weight_formats=self.weight_formats, num_samples=len(self.raw_items), task=self.task,
+            weight_formats=self.weight_formats, num_samples=self._claimed_samples(len(self.raw_items)),
+            task=self.task,
             runtime_bytes=self.runtime_bytes, protocol_minor=PROTOCOL_MINOR,
         )
         self.transport.publish(self.topics.up(self.device_id, "hello"), encode(hello), retain=True)
@@ -437,7 +438,7 @@ class EdgeClient:
 
         if a.train.router == "private":
             self._keep_private_router(model)
-        update = encode_tensors(model.adapter_state(), "fp32")
+        update = encode_tensors(self._update_to_send(a, model, state, train_items), "fp32")
         upload_id = uuid.uuid4().hex[:16]
         sig = self.signer.properties("update", a.round, upload_id, sha256_hex(update)) if self.signer else None
         ref = self.transport.publish_blob(self.topics.up(self.device_id, "update"), update, "update", a.round,
@@ -450,7 +451,8 @@ class EdgeClient:
 
         def build(bytes_up: int) -> bytes:
             return encode(Stats(
-                device_id=self.device_id, round=a.round, task=a.task, num_samples=len(train_items),
+                device_id=self.device_id, round=a.round, task=a.task,
+                num_samples=self._claimed_samples(len(train_items)),
                 train_loss=result.loss, val_loss=val.loss if val else None,
                 val_accuracy=val.accuracy if val else None, layers=stats.layer_stats(), update=ref,
                 train_seconds=result.seconds, bytes_up=bytes_up, bytes_down=down, peak_rss_bytes=peak,
@@ -475,6 +477,19 @@ class EdgeClient:
             a.round, result.loss, val.accuracy if val else float("nan"), up, down, peak, fetched,
             {k: list(v) for k, v in a.experts.items()}, time.perf_counter() - t0, plan.total, a.weight_format,
         ))
+
+    # Fault injection (tests, benchmarks/poisoning.py): a subclass overrides these two to
+    # behave like a compromised device that still signs correctly. The strategy API's
+    # filter chain is meant to take this job over.
+    def _claimed_samples(self, n: int) -> int:
+        """The sample count this device reports (hello and stats) for ``n`` real samples."""
+        return n
+
+    def _update_to_send(self, a: Assignment, model: SubMoE, sent: dict[str, torch.Tensor],
+                        train_items: list) -> dict[str, torch.Tensor]:
+        """The adapter state uploaded after training (name -> tensor; the keys and shapes
+        of ``sent``, the state received this round): the trained one."""
+        return model.adapter_state()
 
     def _recalibrate(self, rnd: int, peak: int, planned: int) -> None:
         """Keep the plan honest when a round's measured peak exceeded it.
