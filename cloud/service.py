@@ -96,11 +96,11 @@ class AggregatorConfig(BaseModel):
     rounds: int = Field(10, ge=1)
     min_devices: int = Field(1, ge=1)
     """Devices that must have joined before round 1 starts."""
-    start_timeout_s: float = Field(600.0, gt=0)
+    start_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
     """Give up if fewer than ``min_devices`` joined by then."""
-    clients_per_round: float = Field(1.0, gt=0)
+    clients_per_round: float = Field(1.0, gt=0, allow_inf_nan=False)
     quorum: float = Field(0.5, gt=0, le=1)
-    round_timeout_s: float = Field(600.0, gt=0)
+    round_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
     assignment: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="random_moe"))
     aggregation: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="modular"))
     defences: DefenceConfig = Field(default_factory=DefenceConfig)
@@ -138,7 +138,7 @@ class AggregatorConfig(BaseModel):
     """JSON file device id -> Ed25519 public key; when set, signatures are required."""
     session_expiry_s: int = Field(7 * 24 * 3600, ge=0)
     """How long the broker keeps the aggregator's session (and queued messages) while it is down."""
-    resume_drain_s: float = Field(3.0, ge=0)
+    resume_drain_s: float = Field(3.0, ge=0, allow_inf_nan=False)
     """After a restart the resumed round stays open at least this many seconds, so the
     messages the broker queued for the session are handled before it closes."""
     shared_group: str | None = None

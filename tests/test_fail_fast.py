@@ -143,6 +143,18 @@ def test_example_aggregator_config_loads_and_passes_the_check():
         cfg.check_paths()  # the cloud layer alone cannot resolve builtin: names
 
 
+@pytest.mark.parametrize("key", ["round_timeout_s", "start_timeout_s", "clients_per_round", "resume_drain_s"])
+def test_infinite_or_nan_durations_refused(key):
+    """`.inf` in YAML is a float: a round that never times out would hang the federation."""
+    from pydantic import ValidationError
+
+    from cloud.service import AggregatorConfig
+
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValidationError, match="finite number"):
+            AggregatorConfig(tasks={"t": {"labels": ["a", "b"]}}, **{key: bad})
+
+
 def _no_model(*args, **kwargs):
     raise AssertionError("the model was set up before the config was checked")
 

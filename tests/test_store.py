@@ -47,6 +47,21 @@ def test_transaction_is_atomic(store_url):
     s.close()
 
 
+def test_move_prefix_renames_json_and_blobs(store_url):
+    """A failed round's in-flight messages move to quarantine/ (literal prefix, replacing
+    an older quarantine of the same round)."""
+    s = Store(store_url)
+    s.put_blob("inflight/1/update/d_0", b"u")
+    s.put_json("inflight/1/stats/d_0", {"n": 1})
+    s.put_blob("inflight/10/update/d0", b"other round")
+    s.put_blob("quarantine/1/update/stale", b"old")
+    s.move_prefix("inflight/1/", "quarantine/1/")
+    assert s.blob_keys("inflight/") == ["inflight/10/update/d0"]
+    assert s.blob_keys("quarantine/") == ["quarantine/1/update/d_0"]
+    assert s.get_blob("quarantine/1/update/d_0") == b"u" and s.get_json("quarantine/1/stats/d_0") == {"n": 1}
+    s.close()
+
+
 def test_bad_urls_give_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unsupported store URL"):
         Store("mysql://x/y")
