@@ -76,6 +76,11 @@ class Wire(Protocol):
     def chunk_payload_bytes(self) -> int: ...
 
 
+MAX_CLOSE_ATTEMPTS = 2
+"""A round whose closing was interrupted this many times (the process died in it) is
+failed on the next restart, its messages quarantined, instead of being closed again."""
+
+
 @dataclass
 class RoundSettings:
     """Round-engine settings (a slice of the aggregator config)."""
@@ -503,21 +508,28 @@ class RoundEngine:
         rnd = self.current
         assert rnd is not None
         before = dict(self.model.state)
+        attempt = self.store.get_json("closing_round", {})
+        attempts = attempt.get("attempts", 0) + 1 if attempt.get("round") == rnd.number else 1
+        self.store.put_json("closing_round", {"round": rnd.number, "attempts": attempts})
         try:
             return self._close(rnd, before)
         except Exception as e:
             log.exception("round %d: closing failed; the round fails and its messages are quarantined", rnd.number)
             self.model.set_state(before)
-            error = f"{type(e).__name__}: {e}"[:500]
-            self._tell_failed(rnd, error)
-            record = {"round": rnd.number, "status": "failed", "error": error, "accuracy": None, "loss": None,
-                      "per_task": {}, "seconds": time.time() - rnd.started, "selected": sorted(rnd.selected),
-                      "failures": {}, "devices": {}}
-            with self.store.transaction():
-                self._persist(record)
-            self.current = None
-            self.completed = rnd.number
-            return record
+            return self._fail(rnd, f"{type(e).__name__}: {e}"[:500])
+
+    def _fail(self, rnd: _Round, error: str) -> dict[str, Any]:
+        """Close ``rnd`` as failed without a new global state: devices told, record
+        stored, its accepted messages quarantined."""
+        self._tell_failed(rnd, error)
+        record = {"round": rnd.number, "status": "failed", "error": error, "accuracy": None, "loss": None,
+                  "per_task": {}, "seconds": time.time() - rnd.started, "selected": sorted(rnd.selected),
+                  "failures": {}, "devices": {}}
+        with self.store.transaction():
+            self._persist(record)
+        self.current = None
+        self.completed = rnd.number
+        return record
 
     def _close(self, rnd: _Round, before: dict[str, torch.Tensor]) -> dict[str, Any]:
         results, failures = [], []
@@ -652,6 +664,7 @@ class RoundEngine:
         self.store.save_round(record)
         self.store.put_json("last_round", record["round"])
         self.store.delete("current_round")
+        self.store.delete("closing_round")
         if record["status"] == "failed":  # kept for a post-mortem, never replayed
             self.store.move_prefix(f"inflight/{record['round']}/", f"quarantine/{record['round']}/")
         else:
@@ -713,6 +726,14 @@ class RoundEngine:
                 expected = self.model.expected_for(rnd.selected[d], dev.task)
                 rnd.updates[d] = (sha256_hex(data), decode_tensors(data, self.settings.max_update_bytes, expected))
         self.current = rnd
+        closing = self.store.get_json("closing_round", {})
+        if closing.get("round") == rnd.number and closing.get("attempts", 0) >= MAX_CLOSE_ATTEMPTS:
+            # The process died while closing this round, more than once: something in it (a message that
+            # exhausts memory, a native crash) kills the aggregator. Fail it instead of dying again.
+            log.error("round %d: the aggregator stopped %d times while closing it; failing it and quarantining "
+                      "its messages", rnd.number, closing["attempts"])
+            self._fail(rnd, f"the aggregator stopped {closing['attempts']} times while closing this round")
+            return
         log.info("resumed round %d: %d selected, %d updates and %d stats already accepted", rnd.number,
                  len(rnd.selected), len(rnd.updates), len(rnd.stats))
 

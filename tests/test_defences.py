@@ -292,3 +292,28 @@ def test_dp_fedavg_reports_epsilon_in_the_round_record(tmp_path, monkeypatch):
     assert rep["epsilon"] == pytest.approx(4.7285, abs=1e-3)   # T=1, sigma=1, delta=1e-5 (tests/test_dp.py)
     assert agg.store.get_json("aggregation_state")["steps"] == [[1.0, 1.0]]
     agg.store.close()
+
+
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_a_round_whose_closing_killed_the_aggregator_twice_is_failed_on_restart(tmp_path, monkeypatch, attempts):
+    """Closing is marked in the store before it starts. A restart after one interrupted
+    close closes the round again; after two (something in the round kills the process:
+    a message exhausting memory, a native crash) it fails the round and quarantines its
+    messages instead of dying a third time."""
+    from cloud.service import Aggregator
+
+    agg, _ = _offline(tmp_path, monkeypatch)
+    _one_round(agg)
+    agg.store.put_json("closing_round", {"round": 1, "attempts": attempts})  # as a killed close leaves it
+    agg.store.close()
+    agg2 = Aggregator(agg.cfg, "mqtt://127.0.0.1:1")
+    if attempts == 1:
+        assert agg2.engine.current is not None and agg2.engine.current.number == 1
+        assert set(agg2.engine.current.updates) == {"a", "b"}
+    else:
+        assert agg2.engine.current is None and agg2.engine.completed == 1
+        (rec,) = agg2.store.rounds()
+        assert rec["status"] == "failed" and "stopped 2 times while closing" in rec["error"]
+        assert agg2.store.blob_keys("quarantine/1/update/") and not agg2.store.blob_keys("inflight/")
+        assert agg2.store.get_json("closing_round") is None
+    agg2.store.close()
