@@ -138,6 +138,8 @@ def test_config_validation():
     with pytest.raises(ValidationError):
         DefenceConfig(robust={"name": "krum"})
     assert DefenceConfig().screening is not None and DefenceConfig().guard is not None
+    assert DefenceConfig().robust.name == "multi_krum"                      # the default rule
+    assert DefenceConfig(dp={"noise_multiplier": 1.0, "clip_norm": 1.0}).robust.name == "none"  # DP replaces it
 
 
 # ---------------------------------------------------------------- the engine, offline
