@@ -100,7 +100,7 @@ DEVICES, BATCH, SEQ, LR = 10, 8, 32, 2e-3
 def defence_config(name: str, attackers: int) -> dict[str, Any]:
     """The aggregator's ``defences`` section for a named defence."""
     if name == "bounds only":
-        return {"screening": None, "guard": None}
+        return {"screening": None, "guard": None, "robust": {"name": "none"}}
     if name == "screening":
         return {"robust": {"name": "none"}}
     if name == "screening, min_holders 2":
