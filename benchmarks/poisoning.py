@@ -91,8 +91,11 @@ PROFILES: dict[str, dict[str, Any]] = {
     "extended": dict(seeds=[0, 1, 2], attackers=[1, 2], rounds=3, max_steps=4,
                      defences=["screening", "Multi-Krum", "trimmed mean", "bounds only", "median"],
                      two_attacker_defences=["screening", "bounds only", "Multi-Krum"]),
+    "two": dict(seeds=[0, 1, 2], attackers=[1, 2], rounds=3, max_steps=4, defences=["default"],
+                one_attacker_attacks=("none",), two_attacker_defences=["default"]),
 }
-"""``full`` is what the committed results cover; ``extended`` adds the median and two
+"""``full`` is what the committed results cover; ``two`` runs the shipped defaults against
+two malicious devices (and its clean run); ``extended`` adds the median and two
 attackers (the same cells are shared through ``runs/poisoning/full``)."""
 DEVICES, BATCH, SEQ, LR = 10, 8, 32, 2e-3
 
@@ -103,6 +106,8 @@ def defence_config(name: str, attackers: int) -> dict[str, Any]:
         return {"screening": None, "guard": None, "robust": {"name": "none"}}
     if name == "screening":
         return {"robust": {"name": "none"}}
+    if name == "default":
+        return {}
     if name == "screening, min_holders 2":
         return {"robust": {"name": "none"}, "min_holders": 2}
     if name == "median":
@@ -251,7 +256,8 @@ def cells_for(prof: dict) -> list[tuple[int, int, str, str]]:
         for n in prof["attackers"]:
             defences = prof["defences"] if n == 1 else prof["two_attacker_defences"]
             for defence in defences:
-                for attack in ONLY_ATTACKS.get(defence, ATTACKS):
+                attacks = prof.get("one_attacker_attacks") if n == 1 else None
+                for attack in attacks or ONLY_ATTACKS.get(defence, ATTACKS):
                     if n > 1 and attack == "none":
                         continue  # the clean run does not depend on the number of attackers
                     out.append((seed, n, attack, defence))
@@ -441,7 +447,8 @@ def _broker():
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--extended", action="store_true", help="also the trimmed mean and two attackers")
+    ap.add_argument("--extended", action="store_true", help="also the median and two attackers")
+    ap.add_argument("--two", action="store_true", help="the shipped defaults against two malicious devices")
     ap.add_argument("--collect", action="store_true", help="only build the tables from finished cells")
     ap.add_argument("--force", action="store_true", help="rerun finished cells")
     ap.add_argument("--lock", default=None, help="flock this file while a cell runs (shared machine)")
@@ -451,7 +458,7 @@ def main() -> None:
     for noisy in ("cloud", "edge_sdk", "protocol", "amqtt", "transitions", "fedmoe"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     torch.set_num_threads(2)
-    profile = "quick" if args.quick else "extended" if args.extended else "full"
+    profile = "quick" if args.quick else "extended" if args.extended else "two" if args.two else "full"
     prof = PROFILES[profile]
     runs = ROOT / "runs" / "poisoning" / ("quick" if args.quick else "full")
     runs.mkdir(parents=True, exist_ok=True)
