@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from cloud.robust.guard import l2_norm  # noqa: E402
 from common import heavy_lock  # noqa: E402
 from edge_sdk import EdgeClient  # noqa: E402
 
@@ -132,13 +133,13 @@ class Attacker(EdgeClient):
 
     def _noise_like(self, ref: dict[str, torch.Tensor], norm: float) -> dict[str, torch.Tensor]:
         z = {k: torch.randn(v.shape, generator=self._gen) for k, v in ref.items()}
-        total = math.sqrt(sum(float(v.pow(2).sum()) for v in z.values())) or 1.0
+        total = l2_norm(z.values()) or 1.0
         return {k: v * (norm / total) for k, v in z.items()}
 
     def _update_to_send(self, a, model, sent, train_items):
         trained = model.adapter_state()
         delta = {k: trained[k] - sent[k] for k in sent}
-        norm = math.sqrt(sum(float(v.pow(2).sum()) for v in delta.values()))
+        norm = l2_norm(delta.values())
         if self.attack == "inflation":
             delta = self._noise_like(delta, norm)
         elif self.attack == "noise":
@@ -148,7 +149,7 @@ class Attacker(EdgeClient):
         elif self.attack == "alie":
             delta = self._alie(a, model, sent, train_items, z=1.0)
         elif self.attack == "expert":
-            back = math.sqrt(sum(float(v.pow(2).sum()) for k, v in delta.items() if k.startswith("backbone.")))
+            back = l2_norm(v for k, v in delta.items() if k.startswith("backbone."))
             experts = {k: v for k, v in delta.items() if k.startswith("expert.")}
             delta.update(self._noise_like(experts, 10 * back))
         return {k: (sent[k] + delta[k]).to(sent[k].dtype) for k in sent}

@@ -549,7 +549,7 @@ class RoundEngine:
         accepted = screened.results
         need = max(1, math.ceil(self.settings.quorum * len(rnd.selected)))
         status = "ok" if len(accepted) >= need else "no_quorum"
-        error = None
+        error, step = None, 0.0
         try:
             if status == "ok":
                 agg = accepted
@@ -557,7 +557,8 @@ class RoundEngine:
                     agg = [replace(r, state={k: v for k, v in r.state.items() if not k.startswith("router.")})
                            for r in accepted]
                 new = self.aggregation.aggregate(rnd.number, before, agg, failures)
-                problem = self.defences.guard.problem(before, new)
+                step = l2_norm(new[k] - before[k] for k in before)
+                problem = self.defences.guard.problem(before, new, step)
                 if problem:  # pre-commit guard: the previous state stays
                     raise _Refused(problem)
                 self.model.set_state(new)
@@ -573,7 +574,7 @@ class RoundEngine:
             else:
                 log.exception("round %d: aggregation or evaluation failed; global model unchanged", rnd.number)
                 error = f"{type(e).__name__}: {e}"[:500]
-            status = "failed"
+            status, step = "failed", 0.0
             self.model.set_state(before)
             ev = {"accuracy": None, "loss": None, "per_task": {}}
             self._tell_failed(rnd, error)
@@ -582,7 +583,6 @@ class RoundEngine:
         self.window.add(load)
         release_free_memory()  # what aggregation and evaluation freed goes back to the OS before RSS is recorded
         record = self._record(rnd, accepted, failures, status, ev, load)
-        step = l2_norm(self.model.state[k] - before[k] for k in before)
         record["global_state_norm"] = l2_norm(self.model.state.values())
         record["global_step_norm"] = step
         record["screening"] = screened.report

@@ -78,6 +78,15 @@ def parse(key: str) -> Key:
     raise ValueError(f"not an adapter-state key: {key!r}")
 
 
+def units(names) -> dict[tuple, list[str]]:
+    """Adapter-state key names grouped by aggregation unit (:attr:`Key.module`), in the
+    order given. Raises ValueError for a name that is no adapter-state key."""
+    out: dict[tuple, list[str]] = {}
+    for name in names:
+        out.setdefault(parse(name).module, []).append(name)
+    return out
+
+
 def held_by(key: str | Key, experts: Mapping[int, list[int]], task: str) -> bool:
     """Whether a device holding ``experts`` (layer -> expert ids) for ``task`` has ``key``."""
     k = parse(key) if isinstance(key, str) else key

@@ -268,9 +268,7 @@ class DPFedAvg(AggregationStrategy):
             updates.append(delta_c)
 
         if results:
-            units: dict[tuple, list[str]] = {}
-            for name in global_state:
-                units.setdefault(keys.parse(name).module, []).append(name)
+            units = keys.units(global_state)
             gen = self._generator(round)
             std = sigma * C
             for unit_keys in units.values():

@@ -43,11 +43,13 @@ class StepGuard:
         self.steps: list[float] = []
         """L2 norms of the last committed global steps, oldest first (at most ``window``)."""
 
-    def problem(self, previous: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> str | None:
+    def problem(self, previous: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+                step: float | None = None) -> str | None:
         """Why ``new`` must not be committed after ``previous``, or None.
 
         Args:
             previous, new: global adapter states with the same keys (name -> tensor).
+            step: ``||new - previous||_2`` if the caller already has it (computed here otherwise).
         """
         bad = [k for k, v in new.items() if not torch.isfinite(v).all()]
         if bad:
@@ -55,7 +57,8 @@ class StepGuard:
         cfg = self.config
         if cfg is None:
             return None
-        step = l2_norm(new[k] - previous[k] for k in previous)
+        if step is None:
+            step = l2_norm(new[k] - previous[k] for k in previous)
         size = l2_norm(previous.values())
         if size > 0 and step > cfg.max_relative_step * size:
             return (f"the global step has L2 norm {step:.4g}, more than {cfg.max_relative_step:g} x the previous "

@@ -242,9 +242,7 @@ class RobustAggregation(AggregationStrategy):
             ValueError: a key that is no adapter-state key, or a holder's tensor whose
                 shape differs from the global one.
         """
-        units: dict[Unit, list[str]] = {}
-        for name in global_state:
-            units.setdefault(keys.parse(name).module, []).append(name)
+        units: dict[Unit, list[str]] = keys.units(global_state)
         holders = {u: [r for r in results if all(k in r.state for k in names)] for u, names in units.items()}
         need = self.min_holders()
         robust = [u for u in units if len(holders[u]) >= need]

@@ -118,6 +118,8 @@ class UpdateScreen:
             :class:`Screened`; the inputs are not modified.
         """
         cfg = self.config
+        group = {name: group_of(name) for name in global_state}    # name -> (kind, group), parsed once
+        unit = {name: keys.parse(name).module for name in global_state}
         deltas: dict[str, dict[str, torch.Tensor]] = {}
         norms: dict[str, dict[str, float]] = {}   # device -> group -> norm
         kinds: dict[str, str] = {}                 # group -> kind
@@ -126,9 +128,9 @@ class UpdateScreen:
             for name, t in r.state.items():
                 diff = t.to(torch.float64) - global_state[name].to(torch.float64)
                 d[name] = diff
-                kind, group = group_of(name)
-                kinds[group] = kind
-                sq[group] = sq.get(group, 0.0) + float(diff.pow(2).sum())
+                kind, g = group[name]
+                kinds[g] = kind
+                sq[g] = sq.get(g, 0.0) + float(diff.pow(2).sum())
             deltas[r.device_id] = d
             norms[r.device_id] = {g: math.sqrt(v) for g, v in sq.items()}
 
@@ -178,7 +180,7 @@ class UpdateScreen:
             if s or u:
                 state = {}
                 for name, t in r.state.items():
-                    f = s.get(group_of(name)[1], 1.0) * u.get(keys.parse(name).module, 1.0)
+                    f = s.get(group[name][1], 1.0) * u.get(unit[name], 1.0)
                     state[name] = t if f == 1.0 else (global_state[name].to(torch.float64)
                                                      + f * deltas[r.device_id][name]).to(t.dtype)
             out.append(replace(capped.get(r.device_id, r), state=state))
@@ -210,7 +212,7 @@ class UpdateScreen:
             return {}, {}
         holders: dict[tuple, list[str]] = {}
         for r in kept:
-            for unit in {keys.parse(n).module for n in r.state}:
+            for unit in keys.units(r.state):
                 if unit[0] == "expert":
                     holders.setdefault(unit, []).append(r.device_id)
         damped: dict[str, int] = {}
