@@ -138,7 +138,7 @@ def _expert_counts(out: Path) -> dict[str, Any] | None:
     if not db.exists():
         return None
     st = Store(f"sqlite:///{db}")
-    state = st.get_json("assignment_state", {}) or {}
+    state = (st.get_json("strategy_state") or {}).get("assignment") or st.get_json("assignment_state", {}) or {}
     st.close()
     if "map" not in state:
         return None

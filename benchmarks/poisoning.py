@@ -155,13 +155,14 @@ class Attacker(EdgeClient):
         return {k: (sent[k] + delta[k]).to(sent[k].dtype) for k in sent}
 
     def _alie(self, a, model, sent, items, z: float) -> dict[str, torch.Tensor]:
-        from edge_sdk.train import objective_terms, train_local
+        from edge_sdk.objectives import terms_for
+        from edge_sdk.train import train_local
 
         parts = [items[i::3] for i in range(3)]
         deltas = []
         for i, part in enumerate(parts):
             model.load_adapter_state(sent)
-            train_local(model, part, a.train, terms=objective_terms(a.train, sent), seed=self.seed * 7 + i)
+            train_local(model, part, a.train, terms=terms_for(a.train, a.objectives, sent), seed=self.seed * 7 + i)
             st = model.adapter_state()
             deltas.append({k: st[k] - sent[k] for k in sent})
         out = {}

@@ -12,6 +12,7 @@ weights a device computes with, plus the global adapter state.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Sequence
 
 import torch
@@ -26,6 +27,7 @@ from protocol.messages import ModelSpec, ShardManifest
 from protocol.topics import Topics
 
 log = logging.getLogger(__name__)
+_OWNED_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 class GlobalModel:
@@ -68,6 +70,9 @@ class GlobalModel:
         for m in self.models.values():
             self.state.update(m.adapter_state())
         self._shapes = {k: (tuple(v.shape), v.dtype) for k, v in self.state.items()}
+        self.owned: dict[str, torch.Tensor] = {}
+        """The strategy's own tensors (a gate, a routing distribution...; name -> tensor),
+        kept and persisted with the adapter state (:meth:`set_owned`)."""
         log.info("global model v%d: %d MoE layers x %d experts, base shards %.1f MiB (%s), adapter state %.2f MiB",
                  version, len(self.layers), spec.num_experts, sum(map(len, self.shard_bytes.values())) / 2**20,
                  weight_format, sum(v.numel() * 4 for v in self.state.values()) / 2**20)
@@ -110,6 +115,22 @@ class GlobalModel:
         if set(state) != set(self._shapes) or any(tuple(state[k].shape) != s for k, (s, _) in self._shapes.items()):
             raise ValueError("new global state does not match the model's adapter state layout")
         self.state = dict(state)
+
+    def set_owned(self, owned: dict[str, torch.Tensor]) -> None:
+        """Replace the strategy's own tensors.
+
+        Raises:
+            ValueError: a name that is not ``[A-Za-z0-9_.-]{1,128}``, a tensor that is not
+                float32 or int64, or a non-finite value.
+        """
+        for name, t in owned.items():
+            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float32, torch.int64):
+                raise ValueError(f"owned tensor {name!r} must be a float32 or int64 tensor")
+            if not _OWNED_NAME.fullmatch(name):
+                raise ValueError(f"owned tensor name {name!r} must match {_OWNED_NAME.pattern}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"owned tensor {name!r} has non-finite values")
+        self.owned = {k: v.detach().clone() for k, v in owned.items()}
 
     @torch.no_grad()
     def evaluate(self, task: str, items: Sequence[tuple[Any, int]], batch_size: int = 32) -> EvalResult:

@@ -3,9 +3,13 @@
 One round (DESIGN.md data flow):
 
 1. Select online devices whose budget holds at least one expert per layer.
-2. The assignment strategy maps them to per-layer expert sets (``Plan``).
-3. Each device gets its slice of the global adapter state on ``down/state`` and its
-   ``assignment`` (shard manifests, training config, deadline).
+2. The strategy (:class:`cloud.strategies.Strategy`) configures the round (``Plan``):
+   per device its per-layer expert set, training overrides, objective terms and extra
+   tensors. An invalid entry excludes that device with the reason; a strategy that
+   raises leaves the round waiting (logged, and named in the service's timeout).
+3. Each device gets its slice of the global adapter state (plus the plan's extra
+   tensors) on ``down/state`` and its ``assignment`` (shard manifests, training config,
+   objective terms, deadline).
 4. Updates (chunked safetensors) and statistics arrive; each is validated (round,
    device, names/shapes/dtypes against *that device's* assignment, finiteness,
    checksum; a statistics message's ``num_samples`` against the device's hello and
@@ -13,14 +17,16 @@ One round (DESIGN.md data flow):
    can produce) and accepted once; anything else is rejected with a reply.
    A device that refuses its assignment because its memory plan exceeds its budget
    (the ack carries its budget and baseline now) is reassigned within the same round:
-   its expert sets shrink (largest layer first, keeping at least one expert per layer)
-   until the plan fits, and it gets the smaller assignment as a new ``attempt``
-   (recorded under ``reassigned``); if not even one expert per layer fits it counts as
-   failed. No device is ever sent an assignment its declared budget cannot hold.
+   the strategy shrinks its expert sets (:meth:`Strategy.on_refusal`; by default the
+   largest layer first, keeping at least one expert per layer) until the plan fits, and
+   it gets the smaller assignment as a new ``attempt`` (recorded under ``reassigned``);
+   if not even one expert per layer fits it counts as failed. No device is ever sent an
+   assignment its declared budget cannot hold.
 5. The round closes when every selected device reported or refused, or at the
-   deadline. With at least ``quorum`` of the selected devices reported the
-   aggregation strategy produces the next global state; otherwise the state stays.
-6. Evaluation on each task's test split, load metrics, a round record in the store.
+   deadline. Updates are screened; with at least ``quorum`` of the selected devices
+   accepted the strategy aggregates (the next global state and its own tensors), the
+   pre-commit guard checks the step; otherwise the state stays.
+6. The strategy evaluates; load metrics and a round record go to the store.
 
 Crash safety: the round in flight (selection, deadline, plan) is stored before any
 assignment goes out, and every accepted update and statistics message is stored when
@@ -37,11 +43,11 @@ import math
 import random
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from edge_sdk.budget import (
     DEFAULT_RUNTIME_BYTES, current_rss_bytes, estimate, max_experts_per_layer, release_free_memory,
@@ -49,18 +55,21 @@ from edge_sdk.budget import (
 from edge_sdk.train import num_steps
 from protocol.chunking import Blob
 from protocol.codec import CodecError, decode_tensors, encode_tensors, sha256_hex
-from protocol.messages import Ack, Assignment, BlobRef, Command, Stats, TrainConfig, encode
+from protocol.logsafe import LogLimiter
+from protocol.messages import (
+    MIN_MINOR_FOR_EXTENSIONS, Ack, Assignment, BlobRef, Command, ExtraName, Objective, Stats, TensorSpec,
+    TrainConfig, encode,
+)
 from protocol.topics import Topics
 
-from .aggregation.base import AggregationStrategy
-from .assignment.base import AssignmentStrategy
 from .global_model import GlobalModel
 from .metrics import LoadWindow, round_load
 from .registry import Registry
 from .robust.defences import Defences
 from .robust.guard import l2_norm
 from .store import Store
-from .strategy import ClientResult, DeviceView, Experts, Failure
+from .strategies.base import Strategy
+from .strategy import ClientResult, DeviceView, Experts, Failure, Plan
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +116,8 @@ class _Round:
     plan_info: dict[str, Any]
     assignment_seconds: float
     train: dict[str, Any] = field(default_factory=dict)
+    objectives: dict[str, list[Objective]] = field(default_factory=dict)
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     acks: dict[str, Ack] = field(default_factory=dict)
     updates: dict[str, tuple[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
     stats: dict[str, Stats] = field(default_factory=dict)
@@ -132,26 +143,39 @@ class RoundEngine:
         model: the global model.
         registry: registered devices.
         store: durable state.
-        assignment, aggregation: the configured strategies.
+        strategy: the federated method (:class:`cloud.strategies.Strategy`).
         wire: publishing side of the transport.
         topics: the federation's topics.
         settings: round settings.
         eval_data: task -> test items ``(input, label id)``.
         reject: ``(device_id, round, reason)`` -> reply to a device.
         progress: ``(event, round, detail)`` -> operator progress.
-        defences: update screening, the robust/DP wrapper of ``aggregation`` and the
-            pre-commit guard (:mod:`cloud.robust`); default: screening and guard on.
+        defences: update screening, the robust/DP wrapper of the strategy's aggregation
+            part and the pre-commit guard (:mod:`cloud.robust`); default: screening and
+            guard on.
+
+    Raises:
+        ValueError: DP-FedAvg is configured but the strategy has no aggregation part to
+            replace (its privacy guarantee would silently not hold).
     """
 
     def __init__(
-        self, model: GlobalModel, registry: Registry, store: Store, assignment: AssignmentStrategy,
-        aggregation: AggregationStrategy, wire: Wire, topics: Topics, settings: RoundSettings,
-        eval_data: dict[str, Sequence[tuple[Any, int]]], reject: Callable[[str, int, str], None],
-        progress: Callable[[str, int, dict], None], defences: Defences | None = None,
+        self, model: GlobalModel, registry: Registry, store: Store, strategy: Strategy, wire: Wire, topics: Topics,
+        settings: RoundSettings, eval_data: dict[str, Sequence[tuple[Any, int]]],
+        reject: Callable[[str, int, str], None], progress: Callable[[str, int, dict], None],
+        defences: Defences | None = None,
     ):
         self.model, self.registry, self.store = model, registry, store
         self.defences = defences or Defences()
-        self.assignment, self.aggregation = assignment, self.defences.wrap(aggregation)
+        self.strategy = strategy
+        if strategy.aggregation is not None:
+            strategy.aggregation = self.defences.wrap(strategy.aggregation)
+        elif self.defences.config.dp is not None:
+            raise ValueError(f"defences.dp needs a strategy with an aggregation part; {strategy.name!r} aggregates "
+                             f"by itself")
+        elif self.defences.config.robust.name != "none":
+            log.warning("strategy %r aggregates by itself: the robust rule %r does not apply (screening and the "
+                        "guard do)", strategy.name, self.defences.config.robust.name)
         self.wire, self.topics, self.settings = wire, topics, settings
         self.eval_data = eval_data
         self.reject, self.progress = reject, progress
@@ -172,23 +196,16 @@ class RoundEngine:
         self.ensure_shards: Callable[[str], None] | None = None
         """Called with a weight format before an assignment in it goes out (the service
         publishes that format's shards on first use)."""
+        self._notice_log = LogLimiter(log, "failed notices", per_key=3, total=10, interval_s=60.0)
+        """Failed notice publishes are logged rate-limited (a broker outage must not flood the log)."""
+        self.plan_error: str | None = None
+        """Why the strategy could not configure the waiting round (it raised), if so."""
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any]:
-        """Global-model loss/accuracy per task; ``accuracy``/``loss`` are the
-        sample-weighted means over tasks."""
-        per_task, n_total, acc, loss = {}, 0, 0.0, 0.0
-        for task, items in self.eval_data.items():
-            if not items:
-                continue
-            r = self.model.evaluate(task, items, self.settings.eval_batch_size)
-            per_task[task] = {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples}
-            n_total += r.samples
-            acc += r.accuracy * r.samples
-            loss += r.loss * r.samples
-        if not n_total:
-            return {"accuracy": None, "loss": None, "per_task": {}}
-        return {"accuracy": acc / n_total, "loss": loss / n_total, "per_task": per_task}
+        """The strategy's evaluation of the global model now (:meth:`Strategy.evaluate`):
+        ``accuracy``/``loss`` (sample-weighted means over tasks) and ``per_task``."""
+        return self.strategy.evaluate(self.completed, self.model, self.eval_data, self.settings.eval_batch_size)
 
     # ------------------------------------------------------------------ start
     def _runtime(self, dev) -> int:
@@ -209,6 +226,14 @@ class RoundEngine:
         labels = len(self.model.tasks.get(dev.task, [0, 1]))
         batch, runtime, fmt = self.settings.train.batch_size, self._runtime(dev), self.format_for(dev)
         return lambda experts: estimate(self.model.spec, experts, batch, labels, runtime, fmt).total
+
+    def _view(self, dev) -> DeviceView:
+        """``dev`` (a registered device) as the strategy sees it."""
+        return DeviceView(dev.device_id, dev.task, dev.num_samples, dev.budget_bytes, self.capacity(dev),
+                          self.memory_fn(dev), self.registry.last_stats.get(dev.device_id),
+                          self.previous.get(dev.device_id),
+                          extra={"runtime_bytes": self._runtime(dev), "weight_format": self.format_for(dev)},
+                          protocol_minor=dev.protocol_minor)
 
     def start_round(self) -> bool:
         """Select, assign and publish round ``completed + 1``.
@@ -231,30 +256,30 @@ class RoundEngine:
         n = self.settings.clients_per_round
         count = math.ceil(n * len(eligible)) if n <= 1 else int(n)
         chosen = eligible if count >= len(eligible) else self._rng.sample(eligible, count)
-        views = [
-            DeviceView(d.device_id, d.task, d.num_samples, d.budget_bytes, self.capacity(d), self.memory_fn(d),
-                       self.registry.last_stats.get(d.device_id), self.previous.get(d.device_id),
-                       extra={"runtime_bytes": self._runtime(d), "weight_format": self.format_for(d)})
-            for d in chosen
-        ]
+        views = [self._view(d) for d in chosen]
         for v in views:
             if v.capacity < 1:
                 excluded[v.device_id] = self._too_small(v)
         t0 = time.perf_counter()
-        plan = self.assignment.configure(number, views)
+        try:
+            plan = self.strategy.configure_round(number, views, self.model)
+        except Exception as e:  # a strategy bug must not stop the service: the round waits, the operator is told
+            error = f"strategy {self.strategy.name!r} could not configure round {number}: {type(e).__name__}: {e}"
+            if error != self.plan_error:
+                log.exception("round %d: %s", number, error)
+            self.plan_error = error[:500]
+            return False
+        self.plan_error = None
         seconds = time.perf_counter() - t0
+        for d, why in self._invalid_entries(plan, views).items():
+            log.error("round %d: %s; %s sits this round out", number, why, d)
+            plan.assignments.pop(d, None)
+            excluded[d] = (why, {})
         for v in views:
             if v.device_id not in plan.assignments and v.device_id not in excluded:
-                excluded[v.device_id] = (plan.excluded.get(v.device_id) or f"the '{self.assignment.name}' assignment "
+                excluded[v.device_id] = (plan.excluded.get(v.device_id) or f"the '{self.strategy.label}' strategy "
                                          f"gave it no experts this round (its budget holds {v.capacity} per layer)", {})
         self._tell_excluded(number, excluded)
-        for d, experts in plan.assignments.items():
-            view = next(v for v in views if v.device_id == d)
-            # Per-layer counts may differ (FedMoE): beyond the uniform capacity, the memory estimate decides.
-            over = any(len(v) > max(view.capacity, 1) for v in experts.values()) and (
-                view.memory is None or view.memory(experts) > view.budget_bytes)
-            if set(experts) != set(self.model.layers) or over or any(not v for v in experts.values()):
-                raise RuntimeError(f"assignment strategy {self.assignment.name} produced an invalid plan for {d}")
         if not plan.assignments:
             if number != self._idle_round:
                 self._idle_round = number
@@ -265,19 +290,71 @@ class RoundEngine:
         rnd = _Round(number, now, now + self.settings.round_timeout_s,
                      {d: {k: sorted(v) for k, v in e.items()} for d, e in plan.assignments.items()},
                      plan.info, seconds, excluded=dict(self.excluded))
-        rnd.train = dict(plan.train)
+        rnd.train = {d: t for d, t in plan.train.items() if d in rnd.selected}
+        rnd.objectives = {d: list(o) for d, o in plan.objectives.items() if d in rnd.selected and o}
+        rnd.tensors = {d: {k: t.detach().clone() for k, t in x.items()}
+                       for d, x in plan.tensors.items() if d in rnd.selected and x}
         self.current = rnd
+        for d, tensors in rnd.tensors.items():  # a restart re-sends the same assignment
+            self.store.put_blob(f"inflight/{number}/tensors/{d}", encode_tensors(tensors, "fp32"))
+        self.store.put_json("strategy_state", self.strategy.state_dict())  # what configuring the round changed
         self.store.put_json("current_round", {
             "number": number, "started": rnd.started, "deadline": rnd.deadline, "plan_info": _jsonable(plan.info),
             "assignment_seconds": seconds, "train": rnd.train, "excluded": rnd.excluded,
             "selected": {d: {str(k): v for k, v in e.items()} for d, e in rnd.selected.items()},
+            "objectives": {d: [o.model_dump(mode="json") for o in x] for d, x in rnd.objectives.items()},
         })
         for device_id, experts in rnd.selected.items():
             self._send_assignment(rnd, device_id, experts)
-        log.info("round %d: %d devices assigned (%s, %.3f s)", number, len(rnd.selected), self.assignment.name, seconds)
+        log.info("round %d: %d devices assigned (%s, %.3f s)", number, len(rnd.selected), self.strategy.label,
+                 seconds)
         self.progress("round_start", number, {"devices": sorted(rnd.selected), "assignment_seconds": seconds,
                                               "excluded": rnd.excluded})
         return True
+
+    def _invalid_entries(self, plan: Plan, views: list[DeviceView]) -> dict[str, str]:
+        """device -> why the strategy's plan for it cannot be sent: not a selected device,
+        experts not covering each MoE layer with 1..E distinct ids, more than its budget
+        holds, a training override the schema refuses, or objectives and extra tensors
+        for a device older than protocol minor 2 or ill-formed."""
+        by_id, bad = {v.device_id: v for v in views}, {}
+        who = f"the '{self.strategy.label}' strategy's plan"
+        E = self.model.spec.num_experts
+        for d, experts in plan.assignments.items():
+            view = by_id.get(d)
+            if view is None:
+                bad[d] = f"{who} names {d}, which was not selected"
+                continue
+            layers_ok = set(experts) == set(self.model.layers) and all(
+                v and len(set(v)) == len(v) and all(isinstance(e, int) and 0 <= e < E for e in v)
+                for v in experts.values())
+            if not layers_ok:
+                bad[d] = f"{who} gives it experts {experts}, not 1..{E} distinct ids for each of layers " \
+                         f"{self.model.layers}"
+                continue
+            # Per-layer counts may differ: beyond the uniform capacity, the memory estimate decides.
+            over = any(len(v) > max(view.capacity, 1) for v in experts.values()) and (
+                view.memory is None or view.memory(experts) > view.budget_bytes)
+            if over:
+                bad[d] = f"{who} gives it {[len(v) for v in experts.values()]} experts per layer, more than its " \
+                         f"budget of {view.budget_bytes / 2**20:.0f} MiB holds"
+                continue
+            try:
+                self._train_for_overrides(plan.train.get(d))
+            except ValidationError as e:
+                bad[d] = f"{who} sets invalid training overrides: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}"
+                continue
+            objectives, tensors = plan.objectives.get(d) or [], plan.tensors.get(d) or {}
+            if (objectives or tensors) and view.protocol_minor < MIN_MINOR_FOR_EXTENSIONS:
+                bad[d] = (f"{who} needs objective terms or extra tensors, which its SDK (protocol minor "
+                          f"{view.protocol_minor}) cannot use; update the device SDK to minor "
+                          f"{MIN_MINOR_FOR_EXTENSIONS} or later")
+                continue
+            problem = _tensors_problem(tensors) or next(
+                (f"objective {o!r} is not an Objective" for o in objectives if not isinstance(o, Objective)), None)
+            if problem:
+                bad[d] = f"{who} for it is ill-formed: {problem}"
+        return bad
 
     def _too_small(self, view: DeviceView) -> tuple[str, dict[str, int]]:
         """Why ``view``'s budget holds no expert per layer, with the figures."""
@@ -308,14 +385,16 @@ class RoundEngine:
         try:
             self.wire.publish(self.topics.down(device_id, "command"), encode(cmd))
         except Exception as e:
-            log.debug("could not send %s to %s: %s", cmd.command, device_id, e)
+            self._notice_log.log(f"{cmd.command} notice failed", logging.WARNING, "could not send %s to %s: %s",
+                                 cmd.command, device_id, str(e)[:200])
 
     def _send_assignment(self, rnd: _Round, device_id: str, experts: Experts) -> None:
         dev = self.registry.get(device_id)
         fmt = self.format_for(dev)
         if self.ensure_shards is not None:
             self.ensure_shards(fmt)
-        state = encode_tensors(self.model.state_for(experts, dev.task), "fp32")
+        tensors = rnd.tensors.get(device_id, {})
+        state = encode_tensors({**self.model.state_for(experts, dev.task), **tensors}, "fp32")
         ref = self.wire.publish_blob(self.topics.down(device_id, "state"), state, "state", rnd.number,
                                      uuid.uuid4().hex[:16])
         msg = Assignment(
@@ -324,6 +403,8 @@ class RoundEngine:
             shards=self.model.manifests(experts, self.topics, self.wire.chunk_payload_bytes, fmt),
             weight_format=fmt, state=ref, attempt=rnd.attempts.get(device_id, 0),
             train=self._train_for(rnd, device_id), deadline=rnd.deadline,
+            objectives=rnd.objectives.get(device_id, []),
+            tensors={k: TensorSpec(shape=list(t.shape), dtype=_DTYPE_NAMES[t.dtype]) for k, t in tensors.items()},
         )
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
 
@@ -332,7 +413,8 @@ class RoundEngine:
         rnd = self.current
         if rnd is None or round_ != rnd.number:
             cur = rnd.number if rnd else self.completed
-            self.reject(device_id, round_, f"{what} for round {round_} rejected: current round is {cur} (stale or early)")
+            self.reject(device_id, round_,
+                        f"{what} for round {round_} rejected: current round is {cur} (stale or early)")
             return None
         if device_id not in rnd.selected:
             self.reject(device_id, round_, f"{what} rejected: {device_id} was not selected in round {round_}")
@@ -361,14 +443,19 @@ class RoundEngine:
         dev = self.registry.get(device_id)
         attempt = rnd.attempts.get(device_id, 0) + 1
         before = rnd.selected[device_id]
-        experts = {k: list(v) for k, v in before.items()}
-        need = self.memory_fn(dev)
-        while need(experts) > dev.budget_bytes:
-            layer = max(experts, key=lambda k: (len(experts[k]), -k))
-            if len(experts[layer]) <= 1:
-                break
-            experts[layer] = experts[layer][:-1]
-        fits = need(experts) <= dev.budget_bytes
+        view = self._view(dev)
+        need = view.memory
+        try:
+            experts = self.strategy.on_refusal(rnd.number, view, {k: list(v) for k, v in before.items()}, ack)
+        except Exception:  # a strategy bug: the device sits this round out, the round goes on
+            log.exception("round %d: the strategy failed to answer %s's refusal", rnd.number, device_id)
+            experts = None
+        if experts is not None:
+            experts = {k: sorted(v) for k, v in experts.items()}
+            if self._invalid_entries(Plan({device_id: experts}), [view]):
+                experts = None
+        fits = experts is not None and need(experts) <= dev.budget_bytes
+        experts = experts if fits else before
         info = {"attempt": attempt, "reason": ack.reason, "budget_bytes": dev.budget_bytes,
                 "needed_bytes": ack.needed_bytes, "from": {str(k): v for k, v in before.items()},
                 "to": {str(k): v for k, v in experts.items()} if fits else None}
@@ -419,7 +506,7 @@ class RoundEngine:
             return
         dev = self.registry.get(device_id)
         problem = self._stats_problem(stats, rnd.selected[device_id], dev.task, dev.num_samples,
-                                      self._train_for(rnd, device_id))
+                                      self._train_for(rnd, device_id)) or self.strategy.stats_problem(device_id, stats)
         if problem:
             rnd.rejected[device_id] = problem
             self.reject(device_id, rnd.number, f"stats rejected: {problem}")
@@ -432,8 +519,15 @@ class RoundEngine:
 
     def _train_for(self, rnd: _Round, device_id: str) -> TrainConfig:
         """The training configuration ``device_id``'s assignment carries this round."""
-        train = rnd.train.get(device_id)
-        return TrainConfig.model_validate({**self.settings.train.model_dump(), **train}) if train else \
+        return self._train_for_overrides(rnd.train.get(device_id))
+
+    def _train_for_overrides(self, overrides: dict[str, Any] | None) -> TrainConfig:
+        """The round's training configuration with a plan's per-device ``overrides``.
+
+        Raises:
+            pydantic.ValidationError: an unknown field or a value out of range.
+        """
+        return TrainConfig.model_validate({**self.settings.train.model_dump(), **overrides}) if overrides else \
             self.settings.train
 
     def _stats_problem(self, stats: Stats, experts: Experts, task: str, declared: int | None = None,
@@ -507,7 +601,7 @@ class RoundEngine:
         """
         rnd = self.current
         assert rnd is not None
-        before = dict(self.model.state)
+        before, owned_before = dict(self.model.state), dict(self.model.owned)
         attempt = self.store.get_json("closing_round", {})
         attempts = attempt.get("attempts", 0) + 1 if attempt.get("round") == rnd.number else 1
         self.store.put_json("closing_round", {"round": rnd.number, "attempts": attempts})
@@ -516,6 +610,7 @@ class RoundEngine:
         except Exception as e:
             log.exception("round %d: closing failed; the round fails and its messages are quarantined", rnd.number)
             self.model.set_state(before)
+            self.model.set_owned(owned_before)
             return self._fail(rnd, f"{type(e).__name__}: {e}"[:500])
 
     def _fail(self, rnd: _Round, error: str) -> dict[str, Any]:
@@ -532,6 +627,7 @@ class RoundEngine:
         return record
 
     def _close(self, rnd: _Round, before: dict[str, torch.Tensor]) -> dict[str, Any]:
+        owned_before = dict(self.model.owned)
         results, failures = [], []
         for d, experts in sorted(rnd.selected.items()):
             dev = self.registry.get(d)
@@ -549,24 +645,23 @@ class RoundEngine:
         accepted = screened.results
         need = max(1, math.ceil(self.settings.quorum * len(rnd.selected)))
         status = "ok" if len(accepted) >= need else "no_quorum"
-        error, step = None, 0.0
+        error, step, metrics = None, 0.0, {}
         try:
             if status == "ok":
-                agg = accepted
-                if self.settings.train.router == "private":  # client-private gating: router rows stay on the devices
-                    agg = [replace(r, state={k: v for k, v in r.state.items() if not k.startswith("router.")})
-                           for r in accepted]
-                new = self.aggregation.aggregate(rnd.number, before, agg, failures)
+                out = self.strategy.aggregate(rnd.number, self.model, accepted, failures)
+                new, metrics = out.state, out.metrics
                 step = l2_norm(new[k] - before[k] for k in before)
                 problem = self.defences.guard.problem(before, new, step)
                 if problem:  # pre-commit guard: the previous state stays
                     raise _Refused(problem)
                 self.model.set_state(new)
+                if out.owned is not None:
+                    self.model.set_owned(out.owned)
             else:
                 log.warning("round %d: %d/%d updates, quorum %d not met; global model unchanged", rnd.number,
                             len(accepted), len(rnd.selected), need)
-            self.assignment.observe(rnd.number, results, failures)
-            ev = self.evaluate()
+            self.strategy.observe(rnd.number, results, failures)
+            ev = self.strategy.evaluate(rnd.number, self.model, self.eval_data, self.settings.eval_batch_size)
         except Exception as e:  # a strategy or evaluation bug must not stop the service
             if isinstance(e, _Refused):
                 log.warning("round %d: the pre-commit guard refused the new global state: %s", rnd.number, e)
@@ -574,8 +669,9 @@ class RoundEngine:
             else:
                 log.exception("round %d: aggregation or evaluation failed; global model unchanged", rnd.number)
                 error = f"{type(e).__name__}: {e}"[:500]
-            status, step = "failed", 0.0
+            status, step, metrics = "failed", 0.0, {}
             self.model.set_state(before)
+            self.model.set_owned(owned_before)
             ev = {"accuracy": None, "loss": None, "per_task": {}}
             self._tell_failed(rnd, error)
         load = round_load(({ls.layer: ls.usage for ls in r.stats.layers} for r in accepted), self.model.layers,
@@ -586,9 +682,11 @@ class RoundEngine:
         record["global_state_norm"] = l2_norm(self.model.state.values())
         record["global_step_norm"] = step
         record["screening"] = screened.report
-        report = getattr(self.aggregation, "report", None)
+        report = getattr(self.strategy.aggregation, "report", None)
         if status == "ok" and report:
             record["aggregation_report"] = _jsonable(report)
+        if metrics:
+            record["strategy_metrics"] = _jsonable(metrics)
         if error is not None:
             record["error"] = error
         if status == "ok":
@@ -642,7 +740,8 @@ class RoundEngine:
             "bytes_down": sum(d["bytes_down"] for d in devices.values()),
             "expert_load": {str(k): v for k, v in load.items()},
             **self.window.summary(),
-            "assignment": {"strategy": self.assignment.name, "seconds": rnd.assignment_seconds, **rnd.plan_info},
+            "strategy": self.strategy.name,
+            "assignment": {"strategy": self.strategy.label, "seconds": rnd.assignment_seconds, **rnd.plan_info},
             "assignment_seconds": rnd.assignment_seconds,
             "assignment_status": rnd.plan_info.get("status", "ok"),
             "selected": sorted(rnd.selected),
@@ -655,8 +754,9 @@ class RoundEngine:
 
     def _persist(self, record: dict[str, Any]) -> None:
         self.store.put_blob("global_state", encode_tensors(self.model.state, "fp32"))
-        self.store.put_json("assignment_state", self.assignment.state_dict())
-        self.store.put_json("aggregation_state", self.aggregation.state_dict())
+        if self.model.owned or self.store.get_blob("strategy_tensors") is not None:
+            self.store.put_blob("strategy_tensors", encode_tensors(self.model.owned, "fp32"))
+        self.store.put_json("strategy_state", self.strategy.state_dict())
         self.store.put_json("defences_state", self.defences.state_dict())
         self.store.put_json("load_window", self.window.state_dict())
         self.store.put_json("previous_assignment",
@@ -677,8 +777,14 @@ class RoundEngine:
             self.model.set_state(decode_tensors(blob, 2**34, {k: (tuple(v.shape), v.dtype)
                                                                for k, v in self.model.state.items()}))
             log.info("resumed global state after round %d", self.completed)
-        self.assignment.load_state_dict(self.store.get_json("assignment_state", {}))
-        self.aggregation.load_state_dict(self.store.get_json("aggregation_state", {}))
+        owned = self.store.get_blob("strategy_tensors")
+        if owned is not None:
+            self.model.set_owned(decode_tensors(owned, 2**34))
+        state = self.store.get_json("strategy_state")
+        if state is None:  # a store written before strategies were one object
+            state = {"assignment": self.store.get_json("assignment_state", {}),
+                     "aggregation": self.store.get_json("aggregation_state", {})}
+        self.strategy.load_state_dict(state)
         self.defences.load_state_dict(self.store.get_json("defences_state", {}))
         self._restore_round()
 
@@ -698,8 +804,14 @@ class RoundEngine:
                      {d: {int(k): v for k, v in e.items()} for d, e in cur["selected"].items()},
                      cur.get("plan_info", {}), cur.get("assignment_seconds", 0.0), train=cur.get("train", {}),
                      attempts={d: int(a) for d, a in cur.get("attempts", {}).items()},
-                     excluded=cur.get("excluded", {}))
+                     excluded=cur.get("excluded", {}),
+                     objectives={d: [Objective.model_validate(o) for o in x]
+                                 for d, x in cur.get("objectives", {}).items()})
         prefix = f"inflight/{rnd.number}/"
+        for d in rnd.selected:
+            blob = self.store.get_blob(f"{prefix}tensors/{d}")
+            if blob is not None:
+                rnd.tensors[d] = decode_tensors(blob, 2**34)
         for d in rnd.selected:
             ack = self.store.get_json(f"{prefix}ack/{d}")
             if ack is not None:
@@ -712,7 +824,8 @@ class RoundEngine:
                 try:
                     stats = Stats.model_validate(st)
                     problem = None if dev is None else self._stats_problem(
-                        stats, rnd.selected[d], dev.task, dev.num_samples, self._train_for(rnd, d))
+                        stats, rnd.selected[d], dev.task, dev.num_samples, self._train_for(rnd, d)
+                    ) or self.strategy.stats_problem(d, stats)
                 except ValidationError as e:
                     problem = f"invalid: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}"
                 if problem:
@@ -757,6 +870,35 @@ class RoundEngine:
 
 class _Refused(Exception):
     """The pre-commit guard refused a round's new global state."""
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.int64: "int64"}
+"""Torch dtype of an extra tensor -> its ``TensorSpec.dtype``."""
+_EXTRA_NAME = TypeAdapter(ExtraName)
+MAX_EXTRA_TENSOR_BYTES = 64 * 1024**2
+"""Largest total size of one device's extra tensors in a round, in bytes."""
+
+
+def _tensors_problem(tensors: dict[str, torch.Tensor]) -> str | None:
+    """Why a plan's extra tensors for one device cannot be sent, or None: each name is a
+    ``namespace.name`` outside the adapter state's namespaces, each tensor float32 or
+    int64 and finite, at most :data:`MAX_EXTRA_TENSOR_BYTES` in all."""
+    total = 0
+    for name, t in tensors.items():
+        try:
+            _EXTRA_NAME.validate_python(name)
+        except ValidationError:
+            return f"extra tensor name {name!r} is not 'namespace.name' (lower-case namespace)"
+        if name.split(".", 1)[0] in ("backbone", "expert", "router", "head"):
+            return f"extra tensor name {name!r} uses an adapter-state namespace"
+        if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPE_NAMES:
+            return f"extra tensor {name!r} must be a float32 or int64 tensor"
+        if t.dim() > 8 or (t.is_floating_point() and not bool(torch.isfinite(t).all())):
+            return f"extra tensor {name!r} has more than 8 dimensions or non-finite values"
+        total += t.numel() * t.element_size()
+    if total > MAX_EXTRA_TENSOR_BYTES:
+        return f"extra tensors of {total} bytes exceed {MAX_EXTRA_TENSOR_BYTES}"
+    return None
 
 
 def _jsonable(value: Any) -> Any:

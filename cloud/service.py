@@ -47,14 +47,14 @@ from protocol.messages import (
 from protocol.topics import UP_KINDS, Topics
 from protocol.transport import Transport, TlsConfig
 
-from .aggregation import get_aggregation
-from .assignment import get_assignment
 from .global_model import GlobalModel
 from .registry import Registry
 from .robust.config import DefenceConfig
 from .robust.defences import Defences
 from .rounds import RoundEngine, RoundSettings
 from .store import Store, url_problem
+from .strategies import get_strategy
+from .strategy import Setup
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,11 @@ class AggregatorConfig(BaseModel):
     clients_per_round: float = Field(1.0, gt=0, allow_inf_nan=False)
     quorum: float = Field(0.5, gt=0, le=1)
     round_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
-    assignment: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="random_moe"))
+    strategy: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="composed"))
+    """The federated method (:mod:`cloud.strategies`): ``composed`` (the default) is the
+    ``assignment`` part plus the ``aggregation`` part; other methods may use those parts
+    too."""
+    assignment: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="random_kept"))
     aggregation: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="modular"))
     defences: DefenceConfig = Field(default_factory=DefenceConfig)
     """Update screening, a robust rule or DP-FedAvg around ``aggregation``, and the
@@ -141,10 +145,6 @@ class AggregatorConfig(BaseModel):
     resume_drain_s: float = Field(3.0, ge=0, allow_inf_nan=False)
     """After a restart the resumed round stays open at least this many seconds, so the
     messages the broker queued for the session are handled before it closes."""
-    shared_group: str | None = None
-    """Subscribe through ``$share/{group}/...`` so several workers split the load
-    (MQTT 5 brokers only; chunks of one upload must then reach one worker, so use it
-    with per-device routing in the broker)."""
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> "AggregatorConfig":
@@ -211,7 +211,7 @@ class Aggregator:
         self.store = Store(config.store)
         fresh = self.store.is_empty()
         if config.credentials:
-            from fedmoe.provision import load_credentials
+            from protocol.credentials import load_credentials
 
             cred = load_credentials(config.credentials)
             config = config.model_copy(update={
@@ -220,7 +220,7 @@ class Aggregator:
             self.cfg = config
         self.verifier = None
         if config.device_keys:
-            from fedmoe.provision import load_device_keys
+            from protocol.credentials import load_device_keys
             from protocol.signing import ReplayGuard, Verifier
 
             self.verifier = Verifier(load_device_keys(config.device_keys))
@@ -235,15 +235,15 @@ class Aggregator:
                                    username=config.username, password=config.password, tls=tls,
                                    max_payload=config.max_payload, clean_start="first_only" if fresh else False,
                                    session_expiry_s=config.session_expiry_s, manual_ack=True)
-        assignment = get_assignment(config.assignment.name)(
-            self.model.layers, config.model.num_experts, seed=config.seed, **config.assignment.params)
-        aggregation = get_aggregation(config.aggregation.name)(**config.aggregation.params)
+        setup = Setup(self.model.layers, config.model.num_experts, config.seed, config.train, tasks,
+                      (config.assignment.name, config.assignment.params),
+                      (config.aggregation.name, config.aggregation.params))
+        strategy = get_strategy(config.strategy.name)(setup, **config.strategy.params)
         settings = RoundSettings(config.clients_per_round, config.quorum, config.round_timeout_s, config.train,
                                  config.max_update_bytes, config.eval_batch_size, config.seed,
                                  max_samples_per_device=config.max_samples_per_device)
-        self.engine = RoundEngine(self.model, self.registry, self.store, assignment, aggregation, self, self.topics,
-                                  settings, self.eval_data, self._reject, self._progress,
-                                  defences=Defences(config.defences))
+        self.engine = RoundEngine(self.model, self.registry, self.store, strategy, self, self.topics, settings,
+                                  self.eval_data, self._reject, self._progress, defences=Defences(config.defences))
         self.engine.ensure_shards = self._ensure_shards
         self._published_formats: set[str] = set()
         self.engine.restore()
@@ -316,7 +316,8 @@ class Aggregator:
             msg = Command(command="reject", round=round_, reason=reason[:2000])
             self.transport.publish_nowait(self.topics.down(device_id, "command"), encode(msg))
         except Exception as e:  # the reply is best effort; the rejection stands
-            log.debug("could not send reject to %s: %s", clip(device_id), e)
+            self._reject_log.log("reject reply failed", logging.WARNING, "could not send a reject to %s: %s",
+                                 clip(device_id), clip(str(e), 200))
 
     def _drop(self, key: str, msg: str, *args: Any) -> None:
         """Refuse junk without a reply: counted in ``rejected`` and ``dropped``, logged
@@ -330,7 +331,8 @@ class Aggregator:
             msg = Progress(event=event, round=round_, rounds=self.cfg.rounds, detail=detail)
             self.transport.publish(self.topics.progress(), encode(msg), timeout=10)
         except Exception as e:
-            log.debug("progress publish failed: %s", e)
+            self._reject_log.log("progress publish failed", logging.WARNING, "could not publish progress (%s): %s",
+                                 event, clip(str(e), 200))
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self) -> None:
@@ -351,8 +353,7 @@ class Aggregator:
         """
         self.transport.connect()
         up = self.topics.all_up()
-        if not self.transport.subscribe(f"$share/{self.cfg.shared_group}/{up}" if self.cfg.shared_group else up,
-                                        timeout=30):
+        if not self.transport.subscribe(up, timeout=30):
             log.warning("no SUBACK for the devices' uplink within 30 s; going on (paho resubscribes on reconnect)")
         self.ready.set()
         self._publish_shards()
@@ -371,11 +372,13 @@ class Aggregator:
                 if self.engine.current is None and not self.engine.start_round():
                     idle_since = idle_since or time.monotonic()
                     if time.monotonic() - idle_since > self.cfg.start_timeout_s:
-                        why = "; ".join(f"{d}: {r}" for d, r in sorted(self.engine.excluded.items())[:10])
+                        why = self.engine.plan_error or "; ".join(
+                            f"{d}: {r}" for d, r in sorted(self.engine.excluded.items())[:10])
                         raise TimeoutError(
                             f"round {self.engine.completed + 1}: no device could be assigned for "
-                            f"{self.cfg.start_timeout_s:.0f} s (budgets too small for the '{self.cfg.assignment.name}' "
-                            f"assignment, or no eligible device online)" + (f": {why}" if why else ""))
+                            f"{self.cfg.start_timeout_s:.0f} s (budgets too small for the "
+                            f"'{self.engine.strategy.label}' strategy, the strategy failed, or no eligible device "
+                            f"online)" + (f": {why}" if why else ""))
                     self._pump(1.0)
                     continue
                 idle_since = None

@@ -1,11 +1,15 @@
 """What the round engine hands to strategies, and how strategies are registered.
 
-Strategies are small objects chosen by name in the aggregator's config (in the
-spirit of Flower's ``Strategy``): an assignment strategy maps devices (their stats,
-budgets) to per-layer expert sets; an aggregation strategy maps the global adapter
-state and the accepted updates to the next global state. Failures and dropouts are
-inputs, never exceptions. A new paper is a new module in ``cloud/assignment/`` or
-``cloud/aggregation/``, never a branch inside the engine.
+A federated method is one :class:`cloud.strategies.Strategy` object (in the spirit of
+Flower's ``Strategy``), chosen by name in the aggregator's config: it configures each
+round (experts, objective terms, extra tensors, training overrides per device), answers
+a device's refusal, aggregates, and evaluates. Most methods are composed from parts: an
+assignment strategy maps devices (their stats, budgets) to per-layer expert sets; an
+aggregation strategy maps the global adapter state and the accepted updates to the next
+global state. Failures and dropouts are inputs, never exceptions. A new paper is a new
+module in ``cloud/strategies/``, ``cloud/assignment/`` or ``cloud/aggregation/`` (or a
+third-party package's entry point, :meth:`Registered.lookup`), never a branch inside the
+engine.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Callable, ClassVar
 
 import torch
 
-from protocol.messages import Stats
+from protocol.messages import PROTOCOL_MINOR, Objective, Stats, TrainConfig
 
 Experts = dict[int, list[int]]
 """MoE layer index -> sorted global expert ids."""
@@ -34,6 +39,8 @@ class DeviceView:
             model the device checks its assignment with); compare with ``budget_bytes``.
         last_stats: its most recent accepted statistics, if any.
         previous: its assignment in the last round it took part in, if any.
+        protocol_minor: the minor protocol version its hello announced (objectives and
+            extra tensors need :data:`protocol.messages.MIN_MINOR_FOR_EXTENSIONS`).
     """
 
     device_id: str
@@ -45,6 +52,7 @@ class DeviceView:
     last_stats: Stats | None = None
     previous: Experts | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    protocol_minor: int = PROTOCOL_MINOR
 
 
 @dataclass
@@ -83,18 +91,66 @@ class Plan:
         excluded: device -> why the strategy left it out (sent to the device and kept
             in the round record; the engine words a default for devices left out
             without one).
+        objectives: device -> terms added to its local objective (protocol minor 2).
+        tensors: device -> named extra tensors sent with its adapter state (names
+            ``namespace.name``, :data:`protocol.messages.ExtraName`; float32 or int64;
+            protocol minor 2), e.g. a global routing distribution its objective uses.
     """
 
     assignments: dict[str, Experts]
     info: dict[str, Any] = field(default_factory=dict)
     train: dict[str, dict[str, Any]] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
+    objectives: dict[str, list[Objective]] = field(default_factory=dict)
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class Aggregated:
+    """A strategy's aggregation result for one round.
+
+    Attributes:
+        state: the next global adapter state (the keys and shapes of the current one).
+        owned: the strategy's own tensors in the global model after this round
+            (:attr:`cloud.global_model.GlobalModel.owned`; None: unchanged), e.g. a gate
+            or a global routing distribution; persisted with the global state.
+        metrics: JSON-serialisable figures for the round record (``strategy_metrics``).
+    """
+
+    state: dict[str, torch.Tensor]
+    owned: dict[str, torch.Tensor] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Setup:
+    """What a strategy is built with (from the aggregator config).
+
+    Attributes:
+        layers: MoE layer indices.
+        num_experts: E per MoE layer.
+        seed: for any randomness (restarts reproduce the same choices).
+        train: the federation's training configuration.
+        tasks: task -> class labels.
+        assignment, aggregation: the configured parts, ``(name, params)``; composed
+            strategies build them (:class:`cloud.strategies.Composed`).
+    """
+
+    layers: list[int]
+    num_experts: int
+    seed: int = 0
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tasks: dict[str, list[str]] = field(default_factory=dict)
+    assignment: tuple[str, dict[str, Any]] = ("random_kept", {})
+    aggregation: tuple[str, dict[str, Any]] = ("modular", {})
 
 
 class Registered:
     """Base of strategy families: subclasses with a ``name`` register themselves."""
 
     name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    """Former names that still select this class (configs written before a rename)."""
     _registry: ClassVar[dict[str, type]]
     _package: ClassVar[str]
 
@@ -103,20 +159,28 @@ class Registered:
         if "_registry" in cls.__dict__:
             return
         if cls.name:
-            cls._registry[cls.name] = cls
+            for name in (cls.name, *cls.__dict__.get("aliases", ())):
+                cls._registry[name] = cls
 
     @classmethod
     def lookup(cls, name: str) -> type:
-        """The strategy class registered as ``name``.
+        """The strategy class registered as ``name``: a module of this family's package,
+        or a third-party one registered under the entry-point group
+        ``fedmoe.{family}`` (``fedmoe.strategies``, ``fedmoe.assignment``,
+        ``fedmoe.aggregation``), loaded when its name is asked for.
 
         Raises:
             KeyError: unknown name (the message lists the known ones).
         """
+        family = cls._package.rsplit(".", 1)[-1]
         pkg = importlib.import_module(cls._package)
         for mod in pkgutil.iter_modules(pkg.__path__):
             importlib.import_module(f"{cls._package}.{mod.name}")
         if name not in cls._registry:
-            raise KeyError(f"unknown {cls._package.rsplit('.', 1)[-1]} strategy {name!r}; known: {sorted(cls._registry)}")
+            for ep in entry_points(group=f"fedmoe.{family}", name=name):
+                ep.load()
+        if name not in cls._registry:
+            raise KeyError(f"unknown {family} strategy {name!r}; known: {sorted(cls._registry)}")
         return cls._registry[name]
 
     def state_dict(self) -> dict[str, Any]:

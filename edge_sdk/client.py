@@ -45,10 +45,13 @@ from .quant_bnb import check_backend
 from .shards import ShardCache
 from .stats import ActivationStats
 from .submoe import SubMoE
-from .train import evaluate, objective_terms, train_local
+from .objectives import check_objectives, terms_for
+from .train import evaluate, train_local
 
 log = logging.getLogger(__name__)
 SDK_VERSION = "0.1.0"
+_DTYPES = {"float32": torch.float32, "int64": torch.int64}
+"""``TensorSpec.dtype`` -> torch dtype of an extra tensor in the state blob."""
 MAX_STATE_BYTES = 512 * 1024**2
 
 
@@ -247,7 +250,7 @@ class EdgeClient:
         Raises:
             ValueError: the file is unreadable or lacks a field.
         """
-        from fedmoe.provision import load_credentials
+        from protocol.credentials import load_credentials
 
         info = load_credentials(credentials)
         if "device_id" not in info or "signing_key" not in info:
@@ -417,6 +420,12 @@ class EdgeClient:
             self._ack(a.round, False, reason, attempt=a.attempt, budget_bytes=self.budget_bytes,
                       runtime_bytes=self.runtime_bytes, needed_bytes=plan.total)
             return
+        try:
+            check_objectives(a.objectives)
+        except ValueError as e:
+            log.warning("%s: refusing round %d: %s", self.device_id, a.round, e)
+            self._ack(a.round, False, str(e)[:1000], attempt=a.attempt)
+            return
         self._ack(a.round, True, attempt=a.attempt)
         train_items, val_items = self._local_data(labels)
 
@@ -424,14 +433,19 @@ class EdgeClient:
         model = self._model_for(a, len(labels))
         B.release_free_memory()
         self._wait(lambda: a.state.transfer_id in self._inbox.states, a.deadline, "adapter state")
-        state = decode_tensors(self._inbox.states.pop(a.state.transfer_id), MAX_STATE_BYTES, model.expected())
+        extra = {name: (tuple(t.shape), _DTYPES[t.dtype]) for name, t in a.tensors.items()}
+        state = decode_tensors(self._inbox.states.pop(a.state.transfer_id), MAX_STATE_BYTES,
+                               {**model.expected(), **extra})
+        tensors = {name: state.pop(name) for name in extra}
         model.load_adapter_state(state)
         if a.train.router == "private":
             self._restore_private_router(model)
 
         stats = ActivationStats(model.model.moe_blocks(), a.model.num_experts, hidden=a.train.collect_hidden)
-        result = train_local(model, train_items, a.train, terms=objective_terms(a.train, state), stats=stats,
+        terms = terms_for(a.train, a.objectives, state, tensors)
+        result = train_local(model, train_items, a.train, terms=terms, stats=stats,
                              seed=self.seed * 100_003 + a.round)
+        extras = {f"{t.name}.{k}": [float(x) for x in v] for t in terms for k, v in t.statistics().items()}
         val = evaluate(model, val_items, stats=stats) if val_items else None
         log.info("%s round %d: %d steps, loss %.4f, val acc %s (%.1f s)", self.device_id, a.round, result.steps,
                  result.loss, f"{val.accuracy:.3f}" if val else "n/a", result.seconds)
@@ -458,7 +472,7 @@ class EdgeClient:
                 train_seconds=result.seconds, bytes_up=bytes_up, bytes_down=down, peak_rss_bytes=peak,
                 baseline_rss_bytes=self.runtime_bytes, shards_fetched=fetched, predicted_peak_bytes=plan.total,
                 weight_format=a.weight_format, payload_up=len(update),
-                payload_down=self._blob_bytes_received - self._blob_mark,
+                payload_down=self._blob_bytes_received - self._blob_mark, extras=extras,
             ))
 
         up_before = self.transport.bytes_sent - sent0

@@ -1,9 +1,8 @@
 """Local training and evaluation of a sub-MoE.
 
 The local objective is composed (DESIGN.md "Seams"): the task loss (cross-entropy)
-plus optional terms the assignment names, each a small callable
-``term(model, batch, logits) -> scalar``. Built in: the FedProx proximal term
-``mu/2 * ||w - w_global||²`` over the adapter state (Li et al., 2020; ALGORITHMS.md §5).
+plus the terms the assignment names, each a small callable
+``term(model, batch, logits) -> scalar`` (:mod:`edge_sdk.objectives`, e.g. FedProx).
 """
 
 from __future__ import annotations
@@ -24,29 +23,7 @@ from .stats import ActivationStats
 from .submoe import SubMoE
 
 log = logging.getLogger(__name__)
-ObjectiveTerm = Callable[[SubMoE, dict, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class ProximalTerm:
-    """FedProx: ``mu/2 * sum_k ||w_k - w_k^global||²`` over the adapter state."""
-
-    mu: float
-    reference: dict[str, torch.Tensor]
-
-    def __call__(self, model: SubMoE, batch: dict, logits: torch.Tensor) -> torch.Tensor:
-        total = logits.new_zeros(())
-        for k, p in model.trainable().items():
-            total = total + (p - self.reference[k]).pow(2).sum()
-        return 0.5 * self.mu * total
-
-
-def objective_terms(cfg: TrainConfig, global_state: dict[str, torch.Tensor]) -> list[ObjectiveTerm]:
-    """The extra loss terms ``cfg`` asks for, given the round's starting adapter state."""
-    terms: list[ObjectiveTerm] = []
-    if cfg.prox_mu > 0:
-        terms.append(ProximalTerm(cfg.prox_mu, {k: v.detach().clone() for k, v in global_state.items()}))
-    return terms
+TermFn = Callable[[SubMoE, dict, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -86,7 +63,7 @@ def train_local(
     items: Sequence[tuple[Any, int]],
     cfg: TrainConfig,
     *,
-    terms: Sequence[ObjectiveTerm] = (),
+    terms: Sequence[TermFn] = (),
     stats: ActivationStats | None = None,
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,

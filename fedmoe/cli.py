@@ -57,6 +57,8 @@ def _simulate(args: argparse.Namespace) -> int:
         lo, _, hi = args.budget_range.partition(":")
         cfg.budget_range = (lo, hi or lo)
     cfg.budgets = args.budgets.split(",") if args.budgets else None
+    if args.strategy_params:
+        cfg.strategy_params = _kv(args.strategy_params)
     if args.assignment_params:
         cfg.assignment_params = _kv(args.assignment_params)
     if args.aggregation_params:
@@ -165,7 +167,8 @@ def _device(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from cloud.service import AggregatorConfig
-    from edge_sdk.export import export_onnx, model_from_store
+    from cloud.export import model_from_store
+    from edge_sdk.export import export_onnx
 
     cfg = AggregatorConfig.load(args.config)
     task = args.task or next(iter(cfg.tasks))
@@ -209,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rounds", type=int)
     s.add_argument("--tasks", help="comma-separated built-in tasks: bbc, tweets")
     s.add_argument("--partition", help="iid | dirichlet:ALPHA | classes:K")
-    s.add_argument("--assignment", help="assignment strategy (random_moe, full, ...)")
+    s.add_argument("--strategy", help="federated method (composed: --assignment + --aggregation; default)")
+    s.add_argument("--strategy-params", help="k=v,... method parameters")
+    s.add_argument("--assignment", help="assignment strategy (random_kept, full, fedmoe, flex, ...)")
     s.add_argument("--assignment-params", help="k=v,... strategy parameters")
     s.add_argument("--aggregation", help="aggregation strategy (modular, ...)")
     s.add_argument("--aggregation-params", help="k=v,... strategy parameters")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from protocol.credentials import load_credentials, load_device_keys  # noqa: F401 (re-exported)
 from protocol.signing import generate_key, private_key_b64, public_key_b64
 from protocol.topics import check_id
 
@@ -222,25 +223,3 @@ def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[st
     (out / "mosquitto.conf").write_text(mosquitto_conf(out, port, tls=ca.exists()))
     log.info("provisioned %d devices in %s (%d new)", len(devices), out, len(ids))
     return Provisioned(out, devices, aggregator)
-
-
-def load_credentials(path: str | Path) -> dict:
-    """Read a credentials file written by :func:`provision`. Raises ValueError if malformed."""
-    try:
-        info = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read credentials {path}: {e}") from None
-    if not isinstance(info, dict) or "username" not in info:
-        raise ValueError(f"credentials {path} lack a username")
-    return info
-
-
-def load_device_keys(path: str | Path) -> dict[str, str]:
-    """Read ``device_keys.json`` (device id -> base64 public key). Raises ValueError."""
-    try:
-        keys = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read device keys {path}: {e}") from None
-    if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
-        raise ValueError(f"device keys {path} must map device ids to base64 keys")
-    return keys

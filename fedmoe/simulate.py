@@ -56,7 +56,9 @@ class SimulationConfig:
     partition: str = "dirichlet:0.5"
     val_fraction: float = 0.2
     test_fraction: float = 0.2
-    assignment: str = "random_moe"
+    strategy: str = "composed"
+    strategy_params: dict[str, Any] = field(default_factory=dict)
+    assignment: str = "random_kept"
     assignment_params: dict[str, Any] = field(default_factory=dict)
     aggregation: str = "modular"
     aggregation_params: dict[str, Any] = field(default_factory=dict)
@@ -304,12 +306,15 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
 
 
 def _check_strategies(cfg: SimulationConfig) -> None:
-    """Raise SimulationConfigError unless the assignment and aggregation strategies are registered."""
+    """Raise SimulationConfigError unless the strategy and its assignment and aggregation
+    parts are registered."""
     from cloud.aggregation import get_aggregation
     from cloud.assignment import get_assignment
+    from cloud.strategies import get_strategy
 
     bad = []
-    for lookup, name in ((get_assignment, cfg.assignment), (get_aggregation, cfg.aggregation)):
+    for lookup, name in ((get_strategy, cfg.strategy), (get_assignment, cfg.assignment),
+                         (get_aggregation, cfg.aggregation)):
         try:
             lookup(name)
         except KeyError as e:
@@ -393,6 +398,7 @@ def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation:
         "federation": federation, "model": model, "tasks": tasks, "rounds": cfg.rounds,
         "min_devices": cfg.devices, "start_timeout_s": 900, "clients_per_round": cfg.clients_per_round,
         "quorum": cfg.quorum, "round_timeout_s": cfg.round_timeout_s,
+        "strategy": {"name": cfg.strategy, "params": cfg.strategy_params},
         "assignment": {"name": cfg.assignment, "params": cfg.assignment_params},
         "aggregation": {"name": cfg.aggregation, "params": cfg.aggregation_params},
         "train": train, "weight_format": cfg.weight_format, "max_payload": cfg.max_payload, "store": store,

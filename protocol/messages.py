@@ -30,10 +30,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 1
+PROTOCOL_MINOR = 2
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
-kinds ``excluded`` and ``round_failed`` and optional fields; a peer ignores unknown fields
-and unknown commands of a newer minor version."""
+kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
+points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
+state blob) and ``Stats.extras``. A peer ignores unknown fields and unknown commands of a
+newer minor version, so the cloud sends objectives and extra tensors only to devices that
+announced minor 2 or later (an older device would silently train without them)."""
+MIN_MINOR_FOR_EXTENSIONS = 2
+"""Lowest ``Hello.protocol_minor`` that understands objectives, extra tensors and extras."""
 WIRE_CONTEXT = {"unknown_fields": "ignore"}
 """Validation context :func:`parse_message` uses: unknown fields are dropped at every
 nesting level instead of being errors."""
@@ -204,6 +209,38 @@ class TrainConfig(_Strict):
     client-private gating); the cloud leaves the global router rows out of aggregation."""
 
 
+# --------------------------------------------------------------------------- method extension points
+
+ExtraName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}\.[A-Za-z0-9_.-]{1,64}$")]
+"""Name of a method's extra tensor or statistic: ``namespace.name`` (e.g. ``fedalign.r_g``);
+the namespace is the strategy's or objective term's name."""
+ObjectiveName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+ParamName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+MAX_EXTRA_VALUES = 262_144
+"""Largest number of values in one ``Stats.extras`` entry (the control-message size limit,
+:data:`MAX_CONTROL_BYTES`, bounds their sum)."""
+
+
+class Objective(_Strict):
+    """A term the device adds to its local objective this round (protocol minor 2).
+
+    ``name`` selects a registered term on the device (``edge_sdk.objectives``: ``fedprox``,
+    ...); ``params`` are its scalar parameters. A device that does not know ``name`` or
+    cannot use ``params`` refuses the assignment with the reason.
+    """
+
+    name: ObjectiveName
+    params: dict[ParamName, bool | Int64 | Real | Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=dict, max_length=32)
+
+
+class TensorSpec(_Strict):
+    """Shape and dtype of a named extra tensor sent with the adapter state (minor 2)."""
+
+    shape: list[Annotated[int, Field(ge=0, le=2**31)]] = Field(max_length=8)
+    dtype: Literal["float32", "int64"] = "float32"
+
+
 # --------------------------------------------------------------------------- blobs
 
 
@@ -348,6 +385,11 @@ class Stats(_Message):
     with ``peak_rss_bytes`` (both include the baseline)."""
     weight_format: WeightFormat | None = None
     """Format the device held its expert shards in."""
+    extras: dict[ExtraName, Annotated[list[Real], Field(max_length=MAX_EXTRA_VALUES)]] = Field(
+        default_factory=dict, max_length=64)
+    """Named statistics of the round's objective terms (``term.stat`` -> finite values;
+    protocol minor 2): what a method reads up besides the standard statistics. Never raw
+    data or per-sample values."""
 
     @field_validator("train_loss", "val_loss", "train_seconds")
     @classmethod
@@ -388,6 +430,11 @@ class Assignment(_Message):
     train: TrainConfig
     deadline: float
     """Unix time (seconds) by which the update must have arrived."""
+    objectives: list[Objective] = Field(default_factory=list, max_length=16)
+    """Terms added to the local objective this round, besides ``train.prox_mu`` (minor 2)."""
+    tensors: dict[ExtraName, TensorSpec] = Field(default_factory=dict, max_length=64)
+    """Named extra tensors the state blob carries besides the adapter state (for the
+    objective terms; e.g. a global routing distribution), with their exact shapes (minor 2)."""
 
     @field_validator("experts", mode="before")
     @classmethod

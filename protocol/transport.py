@@ -508,13 +508,30 @@ class Transport:
         if rc is not None and getattr(rc, "is_failure", False):
             raise PublishError(f"broker rejected publish to {topic}: {rc}")
 
-    @staticmethod
-    def _acked(info) -> bool:
-        """Whether the broker acknowledged the message (paho's ``is_published`` raises
-        for a message queued while disconnected, which is still delivered later)."""
-        if info.rc == mqtt.MQTT_ERR_NO_CONN:
-            return bool(getattr(info, "_published", False))
-        return info.is_published()
+    def _acked(self, info: mqtt.MQTTMessageInfo) -> bool:
+        """Whether the broker acknowledged the message, through paho's public API only.
+
+        paho-mqtt 2.x ``MQTTMessageInfo.is_published()`` raises ``RuntimeError`` for any
+        ``info.rc > 0``, including ``MQTT_ERR_NO_CONN``: a QoS 1 message queued while the
+        connection was down, which paho still sends after the reconnect (and whose ``rc``
+        it never resets). For that one the acknowledgement is this transport's own
+        ``on_publish`` record of ``info.mid`` (the callback paho calls on PUBACK).
+
+        Raises:
+            PublishError: paho will never send the message: ``is_published`` raised
+                ``ValueError`` (``MQTT_ERR_QUEUE_SIZE``, its outgoing queue was full) or
+                ``RuntimeError`` for an ``rc`` other than ``MQTT_ERR_NO_CONN`` (e.g. a QoS 0
+                message lost with the connection).
+        """
+        try:
+            return info.is_published()
+        except ValueError as e:
+            raise PublishError(f"message {info.mid} was not queued: {e}") from e
+        except RuntimeError as e:
+            if info.rc != mqtt.MQTT_ERR_NO_CONN:
+                raise PublishError(f"message {info.mid} will not be sent: {e}") from e
+        with self._lock:  # queued while disconnected: acknowledged once on_publish saw its mid
+            return info.mid in self._results
 
     def publish_blob(
         self,

@@ -45,7 +45,7 @@ class Federation:
     rounds: int = 2
     experts: tuple = (2, 4)
     """Experts per layer each device's budget holds (budgets computed from the memory plan)."""
-    assignment: str = "random_moe"
+    assignment: str = "random_kept"
     round_timeout_s: float = 60.0
     min_devices: int | None = None
     spec_kw: dict = field(default_factory=lambda: {"upcycle_noise": 0.01})

@@ -188,7 +188,7 @@ def test_guard_refuses_a_wild_aggregate(tmp_path, monkeypatch):
     agg, replies = _offline(tmp_path, monkeypatch)
     before = {k: v.clone() for k, v in agg.model.state.items()}
     _one_round(agg)
-    monkeypatch.setattr(agg.engine.aggregation, "aggregate",
+    monkeypatch.setattr(agg.engine.strategy.aggregation, "aggregate",
                         lambda r, g, res, f: {k: v + 1e3 for k, v in g.items()})
     sent = len(agg.engine.wire.sent)
     rec = agg.engine.close_round()
@@ -259,7 +259,7 @@ def test_failures_while_closing_fail_only_their_round_over_mosquitto(mosquitto_u
 
     fed = Federation(mosquitto_url, str(tmp_path), rounds=3, experts=(2, 2), round_timeout_s=60)
     engine = fed.aggregator.engine
-    inner = engine.aggregation.aggregate
+    inner = engine.strategy.aggregation.aggregate
 
     def aggregate(rnd, state, results, failures):
         if rnd == 1:
@@ -267,7 +267,7 @@ def test_failures_while_closing_fail_only_their_round_over_mosquitto(mosquitto_u
         new = inner(rnd, state, results, failures)
         return {k: v * 1e4 for k, v in new.items()} if rnd == 2 else new
 
-    engine.aggregation.aggregate = aggregate
+    engine.strategy.aggregation.aggregate = aggregate
     records = fed.run(timeout=240)
     assert [r["status"] for r in records] == ["failed", "failed", "ok"]
     assert "ValueError: a message this strategy cannot handle" in records[0]["error"]
@@ -292,7 +292,7 @@ def test_dp_fedavg_reports_epsilon_in_the_round_record(tmp_path, monkeypatch):
     rep = rec["aggregation_report"]
     assert rec["status"] == "ok" and rep["rounds"] == 1 and rep["noise_multiplier"] == 1.0
     assert rep["epsilon"] == pytest.approx(4.7285, abs=1e-3)   # T=1, sigma=1, delta=1e-5 (tests/test_dp.py)
-    assert agg.store.get_json("aggregation_state")["steps"] == [[1.0, 1.0]]
+    assert agg.store.get_json("strategy_state")["aggregation"]["steps"] == [[1.0, 1.0]]
     agg.store.close()
 
 

@@ -32,7 +32,7 @@ def test_failed_aggregation_is_told_to_devices_and_the_service_goes_on(mosquitto
     round 2 completes normally."""
     fed = Federation(mosquitto_url, str(tmp_path), rounds=2, experts=(2, 2))
     engine = fed.aggregator.engine
-    real, calls = engine.aggregation.aggregate, []
+    real, calls = engine.strategy.aggregation.aggregate, []
     before = {k: v.clone() for k, v in engine.model.state.items()}
 
     def flaky(*a, **k):
@@ -41,7 +41,7 @@ def test_failed_aggregation_is_told_to_devices_and_the_service_goes_on(mosquitto
             raise RuntimeError("boom in aggregation")
         return real(*a, **k)
 
-    engine.aggregation.aggregate = flaky
+    engine.strategy.aggregation.aggregate = flaky
     real_close, after = engine.close_round, []
 
     def close():
@@ -69,7 +69,7 @@ def test_non_finite_aggregate_is_not_committed(mosquitto_url, tmp_path):
     and the next round commits normally; every record carries the state and step norms."""
     fed = Federation(mosquitto_url, str(tmp_path), rounds=2, experts=(2, 2))
     engine = fed.aggregator.engine
-    real, calls = engine.aggregation.aggregate, []
+    real, calls = engine.strategy.aggregation.aggregate, []
 
     def overflow(*a, **k):
         out = real(*a, **k)
@@ -79,7 +79,7 @@ def test_non_finite_aggregate_is_not_committed(mosquitto_url, tmp_path):
             out = {**out, key: out[key] * float("nan")}
         return out
 
-    engine.aggregation.aggregate = overflow
+    engine.strategy.aggregation.aggregate = overflow
     records = fed.run()
     assert [r["status"] for r in records] == ["failed", "ok"]
     assert "not finite" in records[0]["error"]

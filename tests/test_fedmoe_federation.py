@@ -28,7 +28,7 @@ def test_fedmoe_two_tasks_probe_estimate_search(embedded_url, tmp_path):
         train=TrainConfig(max_steps=2, batch_size=8), store=f"sqlite:///{tmp_path}/agg.db",
         clear_retained_on_exit=True, protocol="3.1.1",
         assignment={"name": "fedmoe", "params": {"probe_steps": 1, "patience": 1}},
-        aggregation={"name": "fedmoe"},
+        aggregation={"name": "modular"},
     )
     agg = Aggregator(cfg, embedded_url, eval_data={"bbc": bbc[::50][:32], "tweets": tw[::500][:32]})
 
@@ -58,6 +58,6 @@ def test_fedmoe_two_tasks_probe_estimate_search(embedded_url, tmp_path):
         for d, v in r["devices"].items():
             assert v["task"] == {"b0": "bbc", "b1": "bbc", "t0": "tweets"}[d]
     st = Store(f"sqlite:///{tmp_path}/agg.db")
-    state = st.get_json("assignment_state")
+    state = st.get_json("strategy_state")["assignment"]
     st.close()
     assert set(state["initial"]) == {"b0", "b1", "t0"} and set(state["probes"]) == {"b0", "t0"}

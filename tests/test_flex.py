@@ -111,8 +111,8 @@ def test_greedy_picks_row_wise_top_k():
     assert plan.assignments == {"a": {1: [0, 2]}, "b": {1: [1, 2, 3]}}
 
 
-def test_random_uses_capacity_and_redraws():
-    s = get_assignment("random")([0, 1], 8, seed=3)
+def test_random_redraw_uses_capacity_and_redraws():
+    s = get_assignment("random_redraw")([0, 1], 8, seed=3)
     devs = [DeviceView(f"d{i}", "t", 10, 1, 2 + i % 5) for i in range(10)]
     p1, p2 = s.configure(1, devs).assignments, s.configure(2, devs).assignments
     assert all(len(p1[d.device_id][l]) == d.capacity for d in devs for l in (0, 1))
@@ -142,10 +142,76 @@ def test_solver_failure_falls_back_to_greedy_and_bad_solver_fails_at_configurati
     monkeypatch.setattr(flex_lp, "solve_exact", broken)
     q, sizes, k = np.array([[0.3, 0.6], [0.8, 0.1]]), np.array([100.0, 50.0]), np.array([1, 1])
     x, info = solve_layer(q, sizes, k, LoadBounds(2).bounds(sizes, k), "highs")
-    assert info["status"] == "greedy_fallback" and "solver crashed" in info["solver_error"]
+    assert info["status"] == "greedy_fallback" and info["solver_error"] == "RuntimeError: solver crashed"
     assert x.tolist() == [[False, True], [True, False]]
+    with pytest.raises(RuntimeError, match="solver crashed"):
+        solve_layer(q, sizes, k, LoadBounds(2).bounds(sizes, k), "highs", on_solver_error="fail")
     with pytest.raises(ValueError, match="unknown solver"):
         get_assignment("flex")([1], 4, solver="gurobi")
+    with pytest.raises(ValueError, match="on_solver_error"):
+        get_assignment("flex")([1], 4, on_solver_error="ignore")
+
+
+def _flex_with_preferences(**params):
+    s = get_assignment("flex")([1, 3], 4, solver="cbc", **params)
+    for layer in (1, 3):
+        s.fitness.q[layer] = {"a": [0.9, 0.1, 0.5, 0.3], "b": [0.0, 0.2, 0.1, 0.8]}
+    return s, [DeviceView("a", "t", 10, 1, 2), DeviceView("b", "t", 10, 1, 2)]  # tau 10: feasible at once
+
+
+def test_solver_exception_greedy_mode_logs_once_per_round_and_records_it(monkeypatch, caplog):
+    import cloud.assignment.flex_lp as flex_lp
+
+    calls = []
+
+    def broken(*a, **kw):
+        calls.append(a)
+        raise RuntimeError("solver crashed")
+
+    monkeypatch.setattr(flex_lp, "solve_exact", broken)
+    s, devs = _flex_with_preferences()  # default on_solver_error: greedy
+    with caplog.at_level("DEBUG", logger="cloud.assignment.flex_lp"):
+        plan = s.configure(1, devs)
+    assert len(calls) == 2  # one attempt per layer, no widening after an exception
+    assert plan.assignments == {"a": {1: [0, 2], 3: [0, 2]}, "b": {1: [1, 3], 3: [1, 3]}}  # greedy top-k of Q
+    assert plan.info["status"] == "greedy_fallback" and plan.info["solver_error"] == "RuntimeError: solver crashed"
+    assert all(plan.info["layers"][l]["solver_error"] == "RuntimeError: solver crashed" for l in ("1", "3"))
+    errors = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    assert len(errors) == 1 and errors[0].levelname == "ERROR"  # once per round, not once per layer
+    assert "solver crashed" in errors[0].getMessage() and "1, 3" in errors[0].getMessage()
+    assert s.loads[1].last_load is not None  # the greedy round was recorded for the next bounds
+
+
+def test_solver_exception_fail_mode_propagates_and_keeps_state(monkeypatch, caplog):
+    import cloud.assignment.flex_lp as flex_lp
+
+    real = flex_lp.solve_exact
+    s, devs = _flex_with_preferences(on_solver_error="fail")
+    first = s.configure(1, devs)
+    assert first.info["status"] == "optimal" and "solver_error" not in first.info
+    assert first.assignments == {"a": {1: [0, 2], 3: [0, 2]}, "b": {1: [1, 3], 3: [1, 3]}}
+    before = {layer: lb.state_dict() for layer, lb in s.loads.items()}
+    layer_calls = []
+
+    def broken_on_second_layer(*a, **kw):  # layer 1 solves (and records its load), layer 3 crashes
+        layer_calls.append(a)
+        if len(layer_calls) == 2:
+            raise RuntimeError("solver crashed")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(flex_lp, "solve_exact", broken_on_second_layer)
+    with caplog.at_level("WARNING", logger="cloud.assignment.flex_lp"), pytest.raises(RuntimeError, match="crashed"):
+        s.configure(2, devs)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # the caller reports it, not the strategy
+    assert {layer: lb.state_dict() for layer, lb in s.loads.items()} == before  # bounds state restored
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flex_lp, "solve_exact", interrupted)
+    greedy, devs = _flex_with_preferences()  # even in greedy mode a KeyboardInterrupt is never swallowed
+    with pytest.raises(KeyboardInterrupt):
+        greedy.configure(1, devs)
 
 
 def test_flex_strategy_balances_where_greedy_does_not():

@@ -7,6 +7,7 @@ import torch
 from cloud.service import StrategyConfig
 from protocol.messages import TrainConfig
 from tests.federation import Federation
+from tests.test_federation import check_load_metrics
 
 
 @pytest.mark.slow
@@ -22,9 +23,14 @@ def test_flex_federation_private_router(embedded_url, tmp_path):
     assert [r["status"] for r in records] == ["ok", "ok"]
     for r in records:
         assert r["assignment_status"] in ("optimal", "widened", "greedy_fallback")
-        assert r["assignment_seconds"] >= 0 and "layers" in r["assignment"]
-        assert r["cv"] >= 0 and r["max_min_gap"] >= 0
+        assert r["assignment"]["strategy"] == "flex" and "solver_error" not in r["assignment"]  # highs never raised
+        # the per-layer solve times are measured inside the timed configure() call
+        layer_seconds = sum(info["seconds"] for info in r["assignment"]["layers"].values())
+        assert 0 < layer_seconds <= r["assignment_seconds"], (layer_seconds, r["assignment_seconds"])
         assert [len(r["devices"][d]["experts"]["1"]) for d in ("dev0", "dev1")] == [2, 3]  # eq. 11
+    # the program itself was solved (optimal, or with widened bounds) in some round: not greedy every time
+    assert any(r["assignment_status"] != "greedy_fallback" for r in records), [r["assignment"] for r in records]
+    check_load_metrics(records)
     state = fed.aggregator.model.state
     assert all(torch.equal(state[k], v) for k, v in routers0.items())  # private: global router rows untouched
     assert any(not torch.equal(state[k], v) for k, v in experts0.items())  # experts were aggregated

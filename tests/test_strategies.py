@@ -18,8 +18,8 @@ def result(d, experts, state, n=10, task="bbc"):
     return ClientResult(d, task, n, experts, state, stats=None)
 
 
-def test_random_moe_sizes_sticky_and_seeded():
-    s = get_assignment("random_moe")([1, 3], 8, seed=7)
+def test_random_kept_sizes_sticky_and_seeded():
+    s = get_assignment("random_kept")([1, 3], 8, seed=7)
     p1 = s.configure(1, [view("a", 3), view("b", 8), view("c", 0)]).assignments
     assert set(p1) == {"a", "b"}  # capacity 0 cannot train
     assert all(len(v) == 3 for v in p1["a"].values()) and p1["b"] == {1: list(range(8)), 3: list(range(8))}
@@ -27,7 +27,7 @@ def test_random_moe_sizes_sticky_and_seeded():
     assert p2["a"] == p1["a"]  # kept while capacity is unchanged
     p3 = s.configure(3, [view("a", 2)]).assignments
     assert all(len(v) == 2 for v in p3["a"].values())
-    again = get_assignment("random_moe")([1, 3], 8, seed=7).configure(1, [view("a", 3)]).assignments
+    again = get_assignment("random_kept")([1, 3], 8, seed=7).configure(1, [view("a", 3)]).assignments
     assert again["a"] == p1["a"]
 
 
@@ -38,10 +38,31 @@ def test_full_assigns_everything_and_leaves_out_small_budgets():
 
 
 def test_unknown_strategy_names_known_ones():
-    with pytest.raises(KeyError, match="random_moe"):
+    with pytest.raises(KeyError, match="random_kept"):
         get_assignment("nope")
     with pytest.raises(KeyError, match="modular"):
         get_aggregation("nope")
+
+
+@pytest.mark.parametrize("lookup,old,new", [
+    (get_assignment, "random", "random_redraw"),
+    (get_assignment, "random_moe", "random_kept"),
+    (get_assignment, "randommoe", "random_same_size"),
+    (get_aggregation, "fedmoe", "modular"),
+])
+def test_former_names_select_the_renamed_strategy(lookup, old, new):
+    """Configs written before the renames (and the committed benchmarks) still work: the
+    old name is an alias of exactly the class now registered under the new name."""
+    cls = lookup(new)
+    assert lookup(old) is cls and cls.name == new and cls.aliases == (old,)
+
+
+def test_aliases_are_not_inherited():
+    # random_redraw subclasses random_kept; each keeps its own former name
+    assert get_assignment("random_moe") is not get_assignment("random_redraw")
+    assert get_assignment("random_moe") is get_assignment("random_kept")
+    # the ``fedmoe`` aggregation alias does not touch the ``fedmoe`` assignment (another family)
+    assert get_assignment("fedmoe").name == "fedmoe" and get_assignment("fedmoe") is not get_aggregation("fedmoe")
 
 
 def test_modular_aggregation_hand_computed():

@@ -1,5 +1,6 @@
-"""``modular``: modular aggregation (FedMoE, 003_a50797d291873d18.txt, Sec. 4 "modular
-aggregation"; ALGORITHMS.md §1 step 4).
+"""``modular`` (also accepted as ``fedmoe``, the name it had as FedMoE's aggregation):
+modular aggregation (FedMoE, 003_a50797d291873d18.txt, Sec. 4 "modular aggregation";
+ALGORITHMS.md §1 step 4).
 
 Per aggregation unit (:attr:`protocol.keys.Key.module`): the backbone by FedAvg over
 all participants, weights |D_c|; an expert together with its router row by FedAvg over
@@ -22,6 +23,7 @@ from .base import AggregationStrategy
 
 class Modular(AggregationStrategy):
     name = "modular"
+    aliases = ("fedmoe",)
 
     def weight(self, result: ClientResult, key: keys.Key) -> float:
         """Weight of ``result`` for a tensor of unit ``key.module``: |D_c|."""

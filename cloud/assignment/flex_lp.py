@@ -16,6 +16,14 @@ Per round and per MoE layer (one program per layer; Q is kept per layer):
    (logged, recorded as ``widened``); after that the greedy top-k of eq. 20 is used
    (``greedy_fallback``). ``Plan.info["status"]`` carries the worst layer's status and
    ``Plan.info["layers"]`` the details.
+5. A PuLP solver (cbc, highs) that *raises* is a different matter, decided by
+   ``on_solver_error``: ``"greedy"`` (default) uses the greedy top-k for that layer,
+   logs one ERROR per round with the exception and records ``status: greedy_fallback``
+   and ``solver_error`` in ``Plan.info`` (and in that layer's entry); ``"fail"`` lets the
+   exception propagate out of :meth:`Flex.configure` (the strategy's state is left as it
+   was before the call). Only ``Exception`` is caught, never ``KeyboardInterrupt`` or
+   ``SystemExit``. The in-process fast path is not covered: its exceptions always
+   propagate.
 
 ``k_c`` is the device's capacity (experts per layer its memory budget holds, clipped to E).
 """
@@ -36,6 +44,8 @@ from .lp_fast import solve_fast
 
 log = logging.getLogger(__name__)
 _RANK = {"optimal": 0, "widened": 1, "greedy_fallback": 2}
+ON_SOLVER_ERROR = ("greedy", "fail")
+"""Values of ``on_solver_error``: fall back to the greedy top-k, or let the exception propagate."""
 
 
 @dataclass
@@ -186,14 +196,28 @@ def check_solver(solver: str) -> None:
 
 def solve_layer(q: np.ndarray, sizes: np.ndarray, k: np.ndarray, bounds: Bounds, solver: str = "cbc",
                 widen_factor: float = 2.0, max_widen: int = 6, time_limit: float | None = None,
-                rng: np.random.Generator | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+                rng: np.random.Generator | None = None,
+                on_solver_error: str = "greedy") -> tuple[np.ndarray, dict[str, Any]]:
     """Solve one layer's program; widen the bounds when infeasible; greedy as last resort.
+
+    Infeasibility is logged here at WARNING (each widening, and the final greedy fallback).
+    A PuLP solver that raises is not logged here (the caller logs it once per round,
+    :meth:`Flex.configure`): with ``on_solver_error="greedy"`` the greedy top-k is
+    returned and the exception recorded in ``info["solver_error"]``; with ``"fail"`` it
+    propagates. Exceptions of the fast path always propagate.
 
     Returns:
         (``(C, E)`` bool assignment, info: ``status`` (optimal / widened /
         greedy_fallback), ``solver``, ``delta`` used, ``widenings``, ``objective``,
-        ``lower``/``upper`` used, and the fast path's ``lp_bound``).
+        ``lower``/``upper`` used, the fast path's ``lp_bound``, and after a solver
+        exception ``solver_error`` (``"<type>: <message>"``)).
+
+    Raises:
+        ValueError: ``on_solver_error`` is neither ``"greedy"`` nor ``"fail"``.
+        Exception: whatever the solver raised, when ``on_solver_error="fail"``.
     """
+    if on_solver_error not in ON_SOLVER_ERROR:
+        raise ValueError(f"on_solver_error must be one of {ON_SOLVER_ERROR}, not {on_solver_error!r}")
     b = bounds
     info: dict[str, Any] = {"solver": solver, "tau": bounds.tau}
     for attempt in range(max_widen + 1):
@@ -204,11 +228,13 @@ def solve_layer(q: np.ndarray, sizes: np.ndarray, k: np.ndarray, bounds: Bounds,
         else:
             try:
                 x, status, _ = solve_exact(q, sizes, k, b.lower, b.upper, solver, time_limit)
-            except Exception as e:  # a crashed or missing solver must not fail the round either
-                log.error("assignment solver %s failed (%s); greedy fallback", solver, e)
+            except Exception as e:  # Exception only: KeyboardInterrupt / SystemExit always propagate
+                if on_solver_error == "fail":
+                    raise
+                log.debug("assignment solver %s raised; greedy fallback for this layer", solver, exc_info=True)
                 x = top_k_rows(q, k, rng)
-                info.update(status="greedy_fallback", widenings=attempt, delta=b.delta, solver_error=str(e),
-                            objective=float((q * x).sum()))
+                info.update(status="greedy_fallback", widenings=attempt, delta=b.delta,
+                            solver_error=f"{type(e).__name__}: {e}", objective=float((q * x).sum()))
                 return x, info
         if x is not None:
             info.update(status="optimal" if attempt == 0 else "widened", widenings=attempt, delta=b.delta,
@@ -230,7 +256,12 @@ class Flex(AssignmentStrategy):
     Params (aggregator config ``assignment.params``): ``indicator`` acc|loss,
     ``alpha_L`` 1.0, ``beta`` 0.1, ``q0`` 0.2, ``gamma`` 0.3, ``alpha_adj`` 0.5,
     ``delta_ratio`` 0.1, ``solver`` cbc|highs|fast, ``widen_factor`` 2, ``max_widen`` 6,
-    ``time_limit`` (s, per solve).
+    ``time_limit`` (s, per solve), ``on_solver_error`` greedy|fail (what a raising cbc/highs
+    solver does to the round; module docstring, item 5).
+
+    Raises:
+        ValueError: at construction, for an unknown or unavailable ``solver``, a bad
+            ``widen_factor``/``max_widen`` or an unknown ``on_solver_error``.
     """
 
     name = "flex"
@@ -238,16 +269,31 @@ class Flex(AssignmentStrategy):
     def __init__(self, layers: list[int], num_experts: int, seed: int = 0, indicator: str = "acc",
                  alpha_L: float = 1.0, beta: float = 0.1, q0: float = 0.2, gamma: float = 0.3,
                  alpha_adj: float = 0.5, delta_ratio: float = 0.1, solver: str = "cbc", widen_factor: float = 2.0,
-                 max_widen: int = 6, time_limit: float | None = None, **params: Any):
+                 max_widen: int = 6, time_limit: float | None = None, on_solver_error: str = "greedy",
+                 **params: Any):
         super().__init__(layers, num_experts, seed, **params)
         check_solver(solver)
         if widen_factor <= 1 or max_widen < 0:
             raise ValueError("widen_factor must exceed 1 and max_widen be >= 0")
+        if on_solver_error not in ON_SOLVER_ERROR:
+            raise ValueError(f"on_solver_error must be one of {ON_SOLVER_ERROR}, not {on_solver_error!r}")
+        self.on_solver_error = on_solver_error
         self.fitness = Fitness(layers, num_experts, indicator, alpha_L, beta, q0)
         self.loads = {layer: LoadBounds(num_experts, gamma, alpha_adj, delta_ratio) for layer in self.layers}
         self.solver, self.widen_factor, self.max_widen, self.time_limit = solver, widen_factor, max_widen, time_limit
 
     def configure(self, round: int, devices: list[DeviceView]) -> Plan:
+        """Solve every layer's program for ``devices`` (those with capacity >= 1).
+
+        A solver exception under ``on_solver_error="greedy"`` is logged once per round at
+        ERROR (the affected layers and the first exception's type and message; each
+        traceback at DEBUG from :func:`solve_layer`) and recorded as
+        ``Plan.info["status"] = "greedy_fallback"`` and ``Plan.info["solver_error"]``.
+
+        Raises:
+            Exception: the solver's exception, with ``on_solver_error="fail"``; the load
+                bounds' state is then restored, so the round can be configured again.
+        """
         devs = [d for d in devices if min(d.capacity, self.num_experts) >= 1]
         if not devs:
             return Plan({}, {"status": "no_devices"})
@@ -258,18 +304,30 @@ class Flex(AssignmentStrategy):
         out: dict[str, dict[int, list[int]]] = {d: {} for d in ids}
         layers: dict[str, Any] = {}
         worst = "optimal"
-        for layer in self.layers:
-            t0 = time.perf_counter()
-            b = self.loads[layer].bounds(sizes, k)
-            x, info = solve_layer(self.fitness.matrix(layer, ids), sizes, k, b, self.solver, self.widen_factor,
-                                  self.max_widen, self.time_limit, rng)
-            self.loads[layer].record(x, sizes, b.tau)
-            info["seconds"] = time.perf_counter() - t0
-            layers[str(layer)] = info
-            worst = max(worst, info["status"], key=_RANK.__getitem__)
-            for i, d in enumerate(ids):
-                out[d][layer] = np.flatnonzero(x[i]).tolist()
-        return Plan(out, {"status": worst, "layers": layers})
+        saved = {layer: lb.state_dict() for layer, lb in self.loads.items()}  # bounds() and record() mutate
+        try:
+            for layer in self.layers:
+                t0 = time.perf_counter()
+                b = self.loads[layer].bounds(sizes, k)
+                x, info = solve_layer(self.fitness.matrix(layer, ids), sizes, k, b, self.solver, self.widen_factor,
+                                      self.max_widen, self.time_limit, rng, self.on_solver_error)
+                self.loads[layer].record(x, sizes, b.tau)
+                info["seconds"] = time.perf_counter() - t0
+                layers[str(layer)] = info
+                worst = max(worst, info["status"], key=_RANK.__getitem__)
+                for i, d in enumerate(ids):
+                    out[d][layer] = np.flatnonzero(x[i]).tolist()
+        except Exception:
+            for layer, d in saved.items():
+                self.loads[layer].load_state_dict(d)
+            raise
+        plan_info: dict[str, Any] = {"status": worst, "layers": layers}
+        failed = [layer for layer, info in layers.items() if "solver_error" in info]
+        if failed:
+            plan_info["solver_error"] = layers[failed[0]]["solver_error"]
+            log.error("round %d: assignment solver %s raised on layer(s) %s (%s); greedy top-k used there "
+                      "(on_solver_error: greedy)", round, self.solver, ", ".join(failed), plan_info["solver_error"])
+        return Plan(out, plan_info)
 
     def observe(self, round: int, results: list[ClientResult], failures: list[Failure]) -> None:
         self.fitness.update(results)

@@ -1,8 +1,9 @@
-"""``random``: the Random baseline of FLEX-MoE (000_5c6cd7a163e9f8d7.txt, "Baselines").
+"""``random_redraw`` (formerly ``random``, still accepted): the Random baseline of FLEX-MoE
+(000_5c6cd7a163e9f8d7.txt, "Baselines").
 
 Each device gets, per layer, ``k_c`` experts drawn uniformly at random, redrawn every
 round (seeded by ``(seed, device, round)``), with the same capacities as ``flex`` and
-``greedy``. (``random_moe`` is FedMoE's variant that keeps its draw.)
+``greedy``. (``random_kept`` is FedMoE's variant that keeps its draw.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from .random_moe import RandomMoE
 
 
 class RandomAssignment(RandomMoE):
-    name = "random"
+    name = "random_redraw"
+    aliases = ("random",)
 
     def __init__(self, layers: list[int], num_experts: int, seed: int = 0, resample: bool = True, **params: Any):
         super().__init__(layers, num_experts, seed, resample=resample, **params)

@@ -1,8 +1,10 @@
-"""``random_moe``: the randomMoE baseline (FedMoE, 003_a50797d291873d18.txt; ALGORITHMS.md §1).
+"""``random_kept`` (formerly ``random_moe``, still accepted): the randomMoE baseline
+(FedMoE, 003_a50797d291873d18.txt; ALGORITHMS.md §1).
 
 Each device gets, per layer, ``capacity`` experts drawn uniformly at random. The draw
 is kept while the device's capacity stays the same (so its base shards stay cached),
-unless ``resample: true`` asks for a fresh draw every round.
+unless ``resample: true`` asks for a fresh draw every round (then it is
+``random_redraw``). ``random_same_size`` draws as many experts as FedMoE would give.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from .base import AssignmentStrategy
 
 
 class RandomMoE(AssignmentStrategy):
-    name = "random_moe"
+    name = "random_kept"
+    aliases = ("random_moe",)
 
     def __init__(self, layers: list[int], num_experts: int, seed: int = 0, resample: bool = False, **params: Any):
         super().__init__(layers, num_experts, seed, **params)

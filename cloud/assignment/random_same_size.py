@@ -1,12 +1,14 @@
-"""``randommoe``: FedMoE's randomMoE baseline with sub-models of the *same sizes*
-(003_a50797d291873d18.txt, "Baselines"; ALGORITHMS.md §1 last line).
+"""``random_same_size`` (formerly ``randommoe``, still accepted): FedMoE's randomMoE
+baseline with sub-models of the *same sizes* (003_a50797d291873d18.txt, "Baselines";
+ALGORITHMS.md §1 last line).
 
 Every device goes through FedMoE's stage one (probe or estimate, then the θ search of
 eq. 3, :mod:`.submodel_search`), so each layer gets the same number of experts FedMoE
 would give it; the experts themselves are then drawn uniformly at random (seeded per
 device and layer) and kept. No expert recommendation. This isolates *which* experts
-FedMoE picks from *how many*. (``random_moe`` is the other random baseline: as many
-experts as the budget holds.)
+FedMoE picks from *how many*. (``random_kept`` is the other random baseline: as many
+experts as the budget holds.) The draw's seed string still says ``randommoe``, so runs
+reproduce the draws made before the rename.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from .submodel_search import FedMoE
 
 
 class RandomSameSize(FedMoE):
-    name = "randommoe"
+    name = "random_same_size"
+    aliases = ("randommoe",)
 
     def __init__(self, layers: list[int], num_experts: int, seed: int = 0, **params: Any):
         params.setdefault("stage2", False)
@@ -30,7 +33,7 @@ class RandomSameSize(FedMoE):
         experts = super()._stage_one(d, memory, plan)
         if experts is None or had or d.device_id in self._probing:
             return experts
-        rng = random.Random(f"{self.seed}/{d.device_id}/randommoe")
+        rng = random.Random(f"{self.seed}/{d.device_id}/randommoe")  # the former name: same draws as before
         drawn = {layer: sorted(rng.sample(range(self.num_experts), len(v))) for layer, v in experts.items()}
         self.map[d.device_id] = self.initial[d.device_id] = drawn
         return drawn

@@ -1,0 +1,72 @@
+"""``composed``: a method made of an assignment part and an aggregation part.
+
+Every method the aggregator ran before strategies existed is one of these: FedMoE
+(``fedmoe`` assignment + ``modular`` aggregation), FLEX-MoE (``flex`` +
+``usage_weighted``, with ``train.router: private``), the random and full baselines. The
+parts come from the config's ``assignment`` and ``aggregation`` sections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..aggregation.base import get_aggregation
+from ..assignment.base import get_assignment
+from ..strategy import Aggregated, ClientResult, DeviceView, Failure, Plan, Setup
+from .base import Strategy
+
+if TYPE_CHECKING:
+    from ..global_model import GlobalModel
+
+
+class Composed(Strategy):
+    """Assignment part -> plan; aggregation part -> next state.
+
+    With ``train.router: private`` (FLEX-MoE's client-private gating,
+    000_5c6cd7a163e9f8d7.txt Step 3) the router rows stay on the devices: they are left
+    out of aggregation, so the global rows keep their values.
+
+    Args:
+        setup: see :class:`Strategy`; ``setup.assignment`` and ``setup.aggregation``
+            name the parts.
+        **params: none here (subclasses take their own).
+
+    Raises:
+        KeyError: an unknown part name. TypeError: unknown part parameters.
+    """
+
+    name = "composed"
+
+    def __init__(self, setup: Setup, **params: Any):
+        super().__init__(setup, **params)
+        (a_name, a_params), (g_name, g_params) = setup.assignment, setup.aggregation
+        self.assignment = get_assignment(a_name)(setup.layers, setup.num_experts, seed=setup.seed, **a_params)
+        self.aggregation = get_aggregation(g_name)(**g_params)
+
+    @property
+    def label(self) -> str:
+        return self.assignment.name
+
+    def configure_round(self, round: int, devices: list[DeviceView], model: "GlobalModel") -> Plan:
+        return self.assignment.configure(round, devices)
+
+    def aggregate(self, round: int, model: "GlobalModel", results: list[ClientResult],
+                  failures: list[Failure]) -> Aggregated:
+        if self.setup.train.router == "private":
+            results = [_without_router(r) for r in results]
+        return super().aggregate(round, model, results, failures)
+
+    def observe(self, round: int, results: list[ClientResult], failures: list[Failure]) -> None:
+        self.assignment.observe(round, results, failures)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"assignment": self.assignment.state_dict(), "aggregation": self.aggregation.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.assignment.load_state_dict(state.get("assignment", {}))
+        self.aggregation.load_state_dict(state.get("aggregation", {}))
+
+
+def _without_router(result: ClientResult) -> ClientResult:
+    return replace(result, state={k: v for k, v in result.state.items() if not k.startswith("router.")})

@@ -1,0 +1,130 @@
+"""The objective-term interface and registry (device side)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from protocol.messages import Objective, TrainConfig
+
+ENTRY_POINT_GROUP = "fedmoe.objectives"
+
+
+@dataclass
+class TermContext:
+    """What a term may use besides the model and the batch.
+
+    Attributes:
+        start_state: the adapter state the round started from (name -> tensor, the
+            cloud's global state for what this device holds).
+        tensors: the round's named extra tensors (``Assignment.tensors``), e.g. a global
+            routing distribution; name -> tensor of the announced shape.
+        train: the round's training configuration.
+    """
+
+    start_state: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+class ObjectiveTerm:
+    """One additive term of the local objective.
+
+    A subclass with a ``name`` registers itself. It is built once per round with the
+    cloud's parameters and the :class:`TermContext`, called once per training step, and
+    may report statistics after training (sent up in ``Stats.extras`` as
+    ``{name}.{key}``).
+
+    Args:
+        params: the ``Objective.params`` the cloud sent.
+        ctx: the round's context.
+
+    Raises:
+        ValueError: unknown or invalid parameters, or a tensor the term needs is missing
+            from ``ctx.tensors`` (the device then refuses the round with the reason).
+    """
+
+    name: ClassVar[str] = ""
+    _registry: ClassVar[dict[str, type["ObjectiveTerm"]]] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.name:
+            ObjectiveTerm._registry[cls.name] = cls
+
+    def __init__(self, params: dict[str, Any], ctx: TermContext):
+        self.params, self.ctx = dict(params), ctx
+
+    def param(self, key: str, default: float | None = None, lo: float = -math.inf, hi: float = math.inf) -> float:
+        """A numeric parameter within ``[lo, hi]`` (``default`` when absent and given).
+
+        Raises:
+            ValueError: missing without default, not a number, or out of range.
+        """
+        value = self.params.get(key, default)
+        if value is None or isinstance(value, (bool, str)) or not lo <= float(value) <= hi:
+            raise ValueError(f"objective {self.name!r}: parameter {key!r} must be a number in [{lo}, {hi}], "
+                             f"got {value!r}")
+        return float(value)
+
+    def __call__(self, model: Any, batch: dict, logits: torch.Tensor) -> torch.Tensor:
+        """The term's value for one training step (a scalar tensor with a graph).
+
+        Args:
+            model: the :class:`edge_sdk.submoe.SubMoE` being trained.
+            batch: the collated batch.
+            logits: the model's output for it, (batch, labels).
+        """
+        raise NotImplementedError
+
+    def statistics(self) -> dict[str, list[float]]:
+        """Finite values to report after training, key -> values (default: none)."""
+        return {}
+
+
+def _discover() -> dict[str, type[ObjectiveTerm]]:
+    pkg = importlib.import_module(__package__)
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{__package__}.{mod.name}")
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in ObjectiveTerm._registry:
+            ep.load()
+    return ObjectiveTerm._registry
+
+
+def check_objectives(objectives: Sequence[Objective]) -> None:
+    """Fail fast, before a round is accepted, on objectives this device cannot run.
+
+    Raises:
+        ValueError: an unknown term name (the message lists the known ones) or a term
+            named twice.
+    """
+    known = _discover()
+    names = [o.name for o in objectives]
+    for n in names:
+        if n not in known:
+            raise ValueError(f"unknown objective term {n!r}; this device knows {sorted(known)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"objective terms named twice: {names}")
+
+
+def terms_for(train: TrainConfig, objectives: Sequence[Objective], start_state: dict[str, torch.Tensor],
+              tensors: dict[str, torch.Tensor] | None = None) -> list[ObjectiveTerm]:
+    """The round's terms: ``fedprox`` when ``train.prox_mu > 0`` (the pre-minor-2 way to
+    ask for it), then each of ``objectives`` in order.
+
+    Raises:
+        ValueError: see :func:`check_objectives` and :class:`ObjectiveTerm`.
+    """
+    check_objectives(objectives)
+    ctx = TermContext({k: v.detach().clone() for k, v in start_state.items()}, dict(tensors or {}), train)
+    wanted = list(objectives)
+    if train.prox_mu > 0 and "fedprox" not in {o.name for o in wanted}:
+        wanted.insert(0, Objective(name="fedprox", params={"mu": train.prox_mu}))
+    return [ObjectiveTerm._registry[o.name](dict(o.params), ctx) for o in wanted]

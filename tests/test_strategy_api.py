@@ -1,0 +1,216 @@
+"""The strategy API: a method in one module (tests/toy_strategy.py) runs end to end, the
+engine validates what a strategy plans, and no layer imports a higher one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloud.service import StrategyConfig
+from cloud.strategies import Composed, get_strategy
+from cloud.strategy import Plan
+from protocol.codec import decode_tensors
+from protocol.messages import PROTOCOL_MINOR, Hello, MessageError, Objective, Stats, encode, parse_message
+from tests import toy_strategy  # noqa: F401  (registers the toy strategy and its objective term)
+from tests.federation import Federation
+from tests.test_bounds import _offline, _send, _stats, _upload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _hello(agg, device_id: str, minor: int = PROTOCOL_MINOR, num_samples: int = 10) -> None:
+    h = Hello(device_id=device_id, sdk_version="x", budget_bytes=2**40, weight_formats=["int8"],
+              num_samples=num_samples, task="bbc", runtime_bytes=0, protocol_minor=minor)
+    agg._handle(f"fl/v1/bd/dev/{device_id}/up/hello", encode(h))
+
+
+def test_toy_strategy_runs_in_a_federation_on_the_embedded_broker(tmp_path, embedded_url):
+    fed = Federation(embedded_url, str(tmp_path), rounds=3, experts=(2, 4),
+                     config_kw={"strategy": StrategyConfig(name="toy", params={"weight": 0.5})})
+    records = fed.run()
+    assert [r["status"] for r in records] == ["ok"] * 3 and all(r["strategy"] == "toy" for r in records)
+    for n, r in enumerate(records):
+        m = r["strategy_metrics"]
+        assert set(m["penalties"]) == {"dev0", "dev1"} and all(p > 0 for p in m["penalties"].values())
+        # each device ran the objective with the cloud's parameter and the extra tensor it was sent
+        assert m["offset_sent"] == n
+        assert all(e == [0.5, float(n)] for e in m["echoes"].values()), m["echoes"]
+    owned = fed.aggregator.model.owned
+    assert int(owned["toy.rounds"]) == 3
+    last = records[-1]["strategy_metrics"]["penalties"]
+    assert float(owned["toy.penalty"]) == pytest.approx(sum(last.values()) / 2, rel=1e-6)
+    assert all(len(c.history) == 3 and not c.notices for c in fed.clients)
+
+
+def test_owned_tensors_and_strategy_state_survive_a_restart(tmp_path, monkeypatch):
+    agg, _ = _offline(str(tmp_path), monkeypatch, strategy={"name": "toy", "params": {"weight": 0.2}})
+    for d in ("a", "b"):
+        _hello(agg, d)
+    assert agg.engine.start_round()
+    rnd = agg.engine.current
+    for d in ("a", "b"):
+        assert float(rnd.tensors[d]["toy.offset"]) == 0.0
+        _send(agg, d, _stats(agg, d, _upload(agg, d, 0.01), 10,
+                             extras={"toy_l2.penalty": [0.25], "toy_l2.echo": [0.2, 0.0]}))
+    record = agg.engine.close_round()
+    assert record["status"] == "ok" and record["strategy_metrics"]["penalties"] == {"a": 0.25, "b": 0.25}
+    stored = decode_tensors(agg.store.get_blob("strategy_tensors"), 2**20)
+    assert int(stored["toy.rounds"]) == 1 and float(stored["toy.penalty"]) == 0.25
+    assert agg.engine.start_round()            # round 2 in flight, then the aggregator "dies"
+    url = agg.cfg.store
+    agg.store.close()
+    again, _ = _offline(str(tmp_path), monkeypatch, strategy={"name": "toy", "params": {"weight": 0.2}})
+    assert again.cfg.store == url and int(again.model.owned["toy.rounds"]) == 1
+    assert again.engine.strategy.sent == {1: 0.0, 2: 1.0}
+    # the resumed round re-sends exactly what it planned: the same objective and extra tensor
+    cur = again.engine.current
+    assert cur.number == 2 and all(float(cur.tensors[d]["toy.offset"]) == 1.0 for d in ("a", "b"))
+    assert all(cur.objectives[d] == [Objective(name="toy_l2", params={"weight": 0.2})] for d in ("a", "b"))
+    again.store.close()
+
+
+def test_stats_without_what_the_strategy_asked_for_are_refused(tmp_path, monkeypatch):
+    agg, replies = _offline(str(tmp_path), monkeypatch, strategy={"name": "toy"})
+    _hello(agg, "a")
+    assert agg.engine.start_round()
+    _send(agg, "a", _stats(agg, "a", _upload(agg, "a"), 10))
+    assert "a" not in agg.engine.current.stats
+    assert any("toy: extras lack" in (c.reason or "") for d, c in replies if d == "a")
+    agg.store.close()
+
+
+def test_objectives_only_go_to_devices_that_understand_them(tmp_path, monkeypatch):
+    agg, replies = _offline(str(tmp_path), monkeypatch, strategy={"name": "toy"})
+    _hello(agg, "new")
+    _hello(agg, "old", minor=1)                 # a 1.1 SDK would drop the objective and train without it
+    assert agg.engine.start_round()
+    assert set(agg.engine.current.selected) == {"new"}
+    why = agg.engine.excluded["old"]
+    assert "protocol minor 1" in why and "minor 2" in why
+    assert "fl/v1/bd/dev/old/down/command" in agg.engine.wire.sent        # the device was told
+    agg.store.close()
+
+
+class _Broken(Composed):
+    """Plans that the engine must refuse device by device, or a configure that raises."""
+
+    name = "broken_for_test"
+    mode = "layers"
+
+    def configure_round(self, round, devices, model):
+        if self.mode == "raise":
+            raise RuntimeError("solver exploded")
+        plan = super().configure_round(round, devices, model)
+        first = sorted(plan.assignments)[0]
+        if self.mode == "layers":
+            plan.assignments[first] = {model.layers[0]: [0, 0]}       # the same expert twice
+        elif self.mode == "tensor":
+            plan.tensors[first] = {"expert.0.0.x": torch.zeros(2)}     # an adapter-state name
+        elif self.mode == "nan":
+            plan.tensors[first] = {"toy.x": torch.tensor([float("nan")])}
+        elif self.mode == "train":
+            plan.train[first] = {"lr": -1.0}
+        return plan
+
+
+@pytest.mark.parametrize("mode,reason", [("layers", "not 1.."), ("tensor", "adapter-state namespace"),
+                                         ("nan", "non-finite"), ("train", "invalid training overrides")])
+def test_an_invalid_plan_excludes_that_device_and_the_round_goes_on(tmp_path, monkeypatch, mode, reason):
+    monkeypatch.setattr(_Broken, "mode", mode)
+    agg, _ = _offline(str(tmp_path), monkeypatch, strategy={"name": "broken_for_test"})
+    _hello(agg, "a")
+    _hello(agg, "b")
+    assert agg.engine.start_round()                          # no RuntimeError: the aggregator stays up
+    assert set(agg.engine.current.selected) == {"b"}
+    assert reason in agg.engine.excluded["a"], agg.engine.excluded["a"]
+    agg.store.close()
+
+
+def test_a_strategy_that_raises_leaves_the_round_waiting_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(_Broken, "mode", "raise")
+    agg, _ = _offline(str(tmp_path), monkeypatch, strategy={"name": "broken_for_test"}, start_timeout_s=0.5)
+    _hello(agg, "a")
+    assert not agg.engine.start_round() and agg.engine.current is None
+    assert "solver exploded" in agg.engine.plan_error
+    agg.store.close()
+
+
+def test_extras_in_stats_are_bounded_by_the_schema():
+    from tests.test_protocol_versions import stats_dict
+
+    ok = stats_dict()
+    ok["extras"] = {"fedalign.r_c": [0.25, 0.75]}
+    assert parse_message(encode_json(ok), Stats).extras == {"fedalign.r_c": [0.25, 0.75]}
+    for bad in ({"no_namespace": [1.0]}, {"Upper.x": [1.0]}, {"a.b": [1e300]},
+                {f"a.k{i}": [0.0] for i in range(65)}, {"a.b": "1.0"}):
+        d = dict(ok, extras=bad)
+        with pytest.raises(MessageError, match="extras"):
+            parse_message(encode_json(d), Stats)
+
+
+def encode_json(d) -> bytes:
+    import json
+
+    return json.dumps(d).encode()
+
+
+def test_unknown_objective_is_refused_by_the_device_before_training():
+    from edge_sdk.objectives import check_objectives, terms_for
+
+    with pytest.raises(ValueError, match="unknown objective term 'nope'.*fedprox"):
+        check_objectives([Objective(name="nope")])
+    with pytest.raises(ValueError, match="toy_l2 needs the extra tensor"):
+        terms_for(_train(), [Objective(name="toy_l2", params={"weight": 1.0})], {})
+    with pytest.raises(ValueError, match="'weight' must be a number"):
+        terms_for(_train(), [Objective(name="toy_l2", params={"weight": "x"})], {},
+                  {"toy.offset": torch.zeros(1)})
+    (prox,) = terms_for(_train(prox_mu=0.5), [], {"k": torch.ones(2)})   # the pre-minor-2 way to ask for FedProx
+    assert prox.name == "fedprox" and prox.mu == 0.5
+
+
+def _train(**kw):
+    from protocol.messages import TrainConfig
+
+    return TrainConfig(**kw)
+
+
+def test_lookup_names_the_known_strategies():
+    assert get_strategy("composed") is Composed and get_strategy("toy") is toy_strategy.ToyStrategy
+    with pytest.raises(KeyError, match="unknown strategies strategy 'nope'.*composed"):
+        get_strategy("nope")
+
+
+# --------------------------------------------------------------------------- layering
+
+LAYERS = ["protocol", "edge_sdk", "cloud", "fedmoe", "benchmarks"]
+"""Lowest first (DESIGN.md): a package may import only its own layer and those below."""
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = []
+    for i, layer in enumerate(LAYERS):
+        higher = set(LAYERS[i + 1:])
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            for name in sorted(_imports(path) & higher):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, bad
+
+
+def test_the_round_engine_has_no_method_specific_branch():
+    source = (ROOT / "cloud" / "rounds.py").read_text()
+    for word in ("private", "prox", "flex", "fedmoe", "fedalign", "router.", "usage_weighted", "modular"):
+        assert word not in source.lower(), word
