@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import heavy_lock  # noqa: E402
-from edge_sdk.budget import estimate  # noqa: E402
+from moe_model.budget import estimate  # noqa: E402
 from fedmoe.simulate import SimulationConfig, simulate  # noqa: E402
 from protocol.messages import ModelSpec  # noqa: E402
 

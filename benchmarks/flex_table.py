@@ -65,7 +65,7 @@ def run_cell(args, spec, data, test, labels, ks, algo: str, params: dict, url: s
     """One federation; returns its round records and the cell summary."""
     from cloud.service import Aggregator, AggregatorConfig, StrategyConfig, TaskConfig
     from edge_sdk import EdgeClient
-    from edge_sdk.budget import estimate
+    from moe_model.budget import estimate
     from fedmoe.inprocess import run_inprocess
     from protocol.messages import TrainConfig
 
@@ -185,7 +185,7 @@ def main(argv=None) -> None:
     if args.eval_samples is None:
         args.eval_samples = 1000 if args.quick else 2000
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for noisy in ("cloud", "edge_sdk", "protocol", "amqtt", "transitions", "fedmoe.broker"):
+    for noisy in ("cloud", "edge_sdk", "moe_model", "protocol", "amqtt", "transitions", "fedmoe.broker"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     import torch
 

@@ -2,9 +2,9 @@
 
 For every budget in {0.5, 1, 2, 4} GiB and weight format in {fp32, int8, nf4}, a fresh
 device process (``--cell``) does what ``EdgeClient`` does in a round, without the
-network: it measures its baseline RSS, asks the memory plan (``edge_sdk.budget.plan``)
+network: it measures its baseline RSS, asks the memory plan (``moe_model.budget.plan``)
 how many experts per layer fit the budget, memory-maps those expert shards from a shard
-cache (``edge_sdk.shards.ShardCache``), builds the sub-MoE (expert linears held in the
+cache (``moe_model.shards.ShardCache``), builds the sub-MoE (expert linears held in the
 shard format), trains LoRA for a few steps, and reports the RSS high-water mark
 (``VmHWM``). Model: all-MiniLM-L6-v2 upcycled to 128 experts in layers 1, 3, 5 (so
 budgets matter), T = 64, batch 8, LoRA rank 8, BBC News.
@@ -42,8 +42,8 @@ def prepare(cache_root: Path, formats=FORMATS) -> dict:
     """Write every shard in every format into per-format caches; return shard sha256 by format."""
     import torch
 
-    from edge_sdk.models import all_experts, get_adapter
-    from edge_sdk.shards import ShardCache, encode_shard, split_base
+    from moe_model.models import all_experts, get_adapter
+    from moe_model.shards import ShardCache, encode_shard, split_base
     from protocol.codec import sha256_hex
 
     s = spec()
@@ -69,13 +69,13 @@ def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int) 
     """One device process: plan, load, train, measure (see the module docstring)."""
     import torch
 
-    from edge_sdk import budget as B
+    from moe_model import budget as B
 
     torch.set_num_threads(1)
     B.tune_allocator()
-    from edge_sdk.shards import ShardCache
-    from edge_sdk.submoe import SubMoE
-    from edge_sdk.train import train_local
+    from moe_model.shards import ShardCache
+    from moe_model.submoe import SubMoE
+    from moe_model.train import train_local
     from fedmoe.datasets import bbc_news
     from protocol.messages import TrainConfig
 

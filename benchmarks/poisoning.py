@@ -70,6 +70,7 @@ import torch  # noqa: E402
 from cloud.robust.guard import l2_norm  # noqa: E402
 from common import heavy_lock  # noqa: E402
 from edge_sdk import EdgeClient  # noqa: E402
+from edge_sdk.filters import Filter, UpdateContext  # noqa: E402
 
 log = logging.getLogger("poisoning")
 
@@ -120,24 +121,27 @@ def defence_config(name: str, attackers: int) -> dict[str, Any]:
     raise KeyError(name)
 
 
-class Attacker(EdgeClient):
-    """A provisioned device that signs correctly and lies (module docstring)."""
+class Attack(Filter):
+    """A provisioned device's lie (module docstring), as a filter in front of its signing:
+    the device still signs what it sends."""
 
-    def __init__(self, *args: Any, attack: str, **kw: Any):
-        super().__init__(*args, **kw)
-        self.attack = attack
-        self._gen = torch.Generator().manual_seed(zlib.crc32(f"{self.device_id}/{attack}".encode()))
+    def __init__(self, device_id: str, attack: str, seed: int):
+        self.attack, self.seed = attack, seed
+        self._gen = torch.Generator().manual_seed(zlib.crc32(f"{device_id}/{attack}".encode()))
 
-    def _claimed_samples(self, n: int) -> int:
-        return INFLATED if self.attack == "inflation" else n
+    def on_hello(self, hello):
+        return hello.model_copy(update={"num_samples": INFLATED}) if self.attack == "inflation" else hello
+
+    def on_stats(self, stats):
+        return stats.model_copy(update={"num_samples": INFLATED}) if self.attack == "inflation" else stats
 
     def _noise_like(self, ref: dict[str, torch.Tensor], norm: float) -> dict[str, torch.Tensor]:
         z = {k: torch.randn(v.shape, generator=self._gen) for k, v in ref.items()}
         total = l2_norm(z.values()) or 1.0
         return {k: v * (norm / total) for k, v in z.items()}
 
-    def _update_to_send(self, a, model, sent, train_items):
-        trained = model.adapter_state()
+    def on_update(self, trained, ctx: UpdateContext):
+        a, model, sent, train_items = ctx.assignment, ctx.model, ctx.sent, ctx.train_items
         delta = {k: trained[k] - sent[k] for k in sent}
         norm = l2_norm(delta.values())
         if self.attack == "inflation":
@@ -156,7 +160,7 @@ class Attacker(EdgeClient):
 
     def _alie(self, a, model, sent, items, z: float) -> dict[str, torch.Tensor]:
         from edge_sdk.objectives import terms_for
-        from edge_sdk.train import train_local
+        from moe_model.train import train_local
 
         parts = [items[i::3] for i in range(3)]
         deltas = []
@@ -180,7 +184,7 @@ def run_cell(seed: int, attackers: int, attack: str, defence: str, prof: dict, b
              cache: Path) -> dict[str, Any]:
     """One federation; returns its summary (final accuracy, per-round figures)."""
     from cloud.service import Aggregator, AggregatorConfig, StrategyConfig, TaskConfig
-    from edge_sdk.budget import estimate
+    from moe_model.budget import estimate
     from fedmoe.inprocess import run_inprocess
     from fedmoe.partition import partition
     from fedmoe.simulate import split_task
@@ -218,8 +222,8 @@ def run_cell(seed: int, attackers: int, attack: str, defence: str, prof: dict, b
                   budget_bytes=estimate(spec, k, BATCH, len(labels), runtime_bytes=0, weight_format="int8").total + 1,
                   cache_dir=str(cache / d), seed=seed * 100 + i, signing_key=keys[d])
         if d in bad:
-            clients.append(Attacker(broker, d, _flip(data, labels) if attack == "label_flip" else data,
-                                    attack=attack, **kw))
+            clients.append(EdgeClient(broker, d, _flip(data, labels) if attack == "label_flip" else data,
+                                      filters=[Attack(d, attack, kw["seed"])], **kw))
         else:
             clients.append(EdgeClient(broker, d, data, **kw))
     t0 = time.time()
@@ -457,7 +461,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "poisoning"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("cloud", "edge_sdk", "protocol", "amqtt", "transitions", "fedmoe"):
+    for noisy in ("cloud", "edge_sdk", "moe_model", "protocol", "amqtt", "transitions", "fedmoe"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     torch.set_num_threads(2)
     profile = "quick" if args.quick else "extended" if args.extended else "two" if args.two else "full"

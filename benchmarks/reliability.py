@@ -62,7 +62,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from edge_sdk import EdgeClient  # noqa: E402
-from edge_sdk.budget import estimate  # noqa: E402
+from moe_model.budget import estimate  # noqa: E402
 from fedmoe.broker import MosquittoBroker  # noqa: E402
 from fedmoe.datasets import bbc_news  # noqa: E402
 from fedmoe.provision import mosquitto_conf, provision  # noqa: E402
@@ -594,7 +594,7 @@ def main(argv=None) -> int:
         args.devices, args.rounds = 8, 6
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    for name in ("edge_sdk", "protocol", "fedmoe", "bitsandbytes", "transformers"):
+    for name in ("edge_sdk", "moe_model", "protocol", "fedmoe", "bitsandbytes", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
     torch.set_num_threads(1)
     out = Bench(args).run()

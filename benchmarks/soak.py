@@ -48,7 +48,7 @@ TINY = {"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2, "num_att
 
 def device_run(rounds: int, work: Path) -> dict:
     """Federation 1 (module docstring): per device, peak RSS and experts held per round."""
-    from edge_sdk.budget import estimate
+    from moe_model.budget import estimate
     from fedmoe.datasets import load_task
     from fedmoe.simulate import SimulationConfig, _model_dict, device_baseline_bytes, simulate
     from protocol.messages import ModelSpec

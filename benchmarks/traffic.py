@@ -128,10 +128,10 @@ def run_flower(args, ours_report_dir: Path) -> dict:
     from flwr.server.strategy import FedAvg
 
     from edge_sdk.data import encode_labels, load_text_file, train_val_split
-    from edge_sdk.models import all_experts, get_adapter
-    from edge_sdk.shards import split_base
-    from edge_sdk.submoe import SubMoE
-    from edge_sdk.train import evaluate, train_local
+    from moe_model.models import all_experts, get_adapter
+    from moe_model.shards import split_base
+    from moe_model.submoe import SubMoE
+    from moe_model.train import evaluate, train_local
     from protocol.messages import ModelSpec, TrainConfig
 
     torch.set_num_threads(1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge_sdk.shards import decode_shard
-from edge_sdk.submoe import SubMoE
+from moe_model.shards import decode_shard
+from moe_model.submoe import SubMoE
 from protocol import keys
 from protocol.codec import decode_tensors
 

@@ -17,10 +17,10 @@ from typing import Any, Sequence
 
 import torch
 
-from edge_sdk.models import all_experts, get_adapter
-from edge_sdk.shards import decode_shard, encode_shard, shards_for, split_base
-from edge_sdk.submoe import SubMoE
-from edge_sdk.train import EvalResult, evaluate
+from moe_model.models import all_experts, get_adapter
+from moe_model.shards import decode_shard, encode_shard, shards_for, split_base
+from moe_model.submoe import SubMoE
+from moe_model.train import EvalResult, evaluate
 from protocol import keys
 from protocol.codec import sha256_hex
 from protocol.messages import ModelSpec, ShardManifest

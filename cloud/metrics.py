@@ -30,7 +30,8 @@ def max_min_gap(load: Sequence[float]) -> float:
     return float(w.max() - w.min()) if w.size else 0.0
 
 
-def round_load(per_device: Iterable[dict[int, Sequence[int]]], layers: Sequence[int], num_experts: int) -> dict[int, list[int]]:
+def round_load(per_device: Iterable[dict[int, Sequence[int]]], layers: Sequence[int],
+               num_experts: int) -> dict[int, list[int]]:
     """Sum usage counts of one round over devices: layer -> E token counts."""
     total = {layer: np.zeros(num_experts, dtype=np.int64) for layer in layers}
     for usage in per_device:
@@ -53,6 +54,8 @@ class LoadWindow:
     _history: list[dict[int, list[int]]] = field(default_factory=list)
 
     def add(self, load: dict[int, Sequence[int]]) -> None:
+        """Append one round's load (layer -> E token counts; a missing layer counts zeros), dropping the
+        oldest round beyond ``window``."""
         self._history.append({layer: list(load.get(layer, [0] * self.num_experts)) for layer in self.layers})
         if self.window is not None and len(self._history) > self.window:
             self._history.pop(0)
@@ -68,9 +71,11 @@ class LoadWindow:
         return out
 
     def cv(self) -> dict[int, float]:
+        """layer -> CV of ``W_e`` over the window (eq. 8)."""
         return {layer: coefficient_of_variation(w) for layer, w in self.totals().items()}
 
     def gap(self) -> dict[int, float]:
+        """layer -> max-min gap of ``W_e`` over the window, in tokens (eq. 9)."""
         return {layer: max_min_gap(w) for layer, w in self.totals().items()}
 
     def summary(self) -> dict[str, object]:
@@ -84,7 +89,9 @@ class LoadWindow:
         }
 
     def state_dict(self) -> dict:
+        """JSON-serialisable ``{"history": [{str(layer): [E counts]} per round]}``."""
         return {"history": [{str(k): v for k, v in h.items()} for h in self._history]}
 
     def load_state_dict(self, d: dict) -> None:
+        """Restore the history :meth:`state_dict` returned (replacing the current one)."""
         self._history = [{int(k): v for k, v in h.items()} for h in d.get("history", [])]

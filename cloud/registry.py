@@ -71,6 +71,8 @@ class Registry:
         self._save(dev)
 
     def accepted(self, device_id: str, stats: Stats) -> None:
+        """Count an accepted update: ``rounds += 1``, refresh ``last_seen``, keep ``stats``, persist.
+        Raises KeyError for an unregistered device."""
         dev = self.devices[device_id]
         dev.rounds += 1
         dev.last_seen = time.time()
@@ -90,9 +92,11 @@ class Registry:
         self._save(dev)
 
     def online(self) -> list[Device]:
+        """The devices currently online, in registration order."""
         return [d for d in self.devices.values() if d.online]
 
     def get(self, device_id: str) -> Device | None:
+        """The registered device, or None."""
         return self.devices.get(device_id)
 
     def _save(self, dev: Device) -> None:

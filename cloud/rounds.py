@@ -49,10 +49,10 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from edge_sdk.budget import (
+from moe_model.budget import (
     DEFAULT_RUNTIME_BYTES, current_rss_bytes, estimate, max_experts_per_layer, release_free_memory,
 )
-from edge_sdk.train import num_steps
+from moe_model.train import num_steps
 from protocol.chunking import Blob
 from protocol.codec import CodecError, decode_tensors, encode_tensors, sha256_hex
 from protocol.logsafe import LogLimiter
@@ -77,12 +77,17 @@ log = logging.getLogger(__name__)
 class Wire(Protocol):
     """What the engine needs from the transport."""
 
-    def publish(self, topic: str, payload: bytes) -> None: ...
+    def publish(self, topic: str, payload: bytes) -> None:
+        """Publish a control message (QoS 1). Raises on a transport failure."""
 
-    def publish_blob(self, topic: str, data: bytes, kind: str, round: int, transfer_id: str | None = None) -> BlobRef: ...
+    def publish_blob(self, topic: str, data: bytes, kind: str, round: int,
+                     transfer_id: str | None = None) -> BlobRef:
+        """Publish ``data`` (bytes) as a chunked blob of ``kind`` for ``round`` on ``topic``;
+        returns the reference a control message carries."""
 
     @property
-    def chunk_payload_bytes(self) -> int: ...
+    def chunk_payload_bytes(self) -> int:
+        """Largest MQTT payload of one chunk, in bytes (the broker's packet limit)."""
 
 
 MAX_CLOSE_ATTEMPTS = 2
@@ -222,7 +227,7 @@ class RoundEngine:
                                      self._runtime(dev), self.format_for(dev))
 
     def memory_fn(self, dev) -> Callable[[Experts], int]:
-        """``experts -> bytes`` ``dev`` needs for a round holding them (``edge_sdk.budget.plan``)."""
+        """``experts -> bytes`` ``dev`` needs for a round holding them (``moe_model.budget.plan``)."""
         labels = len(self.model.tasks.get(dev.task, [0, 1]))
         batch, runtime, fmt = self.settings.train.batch_size, self._runtime(dev), self.format_for(dev)
         return lambda experts: estimate(self.model.spec, experts, batch, labels, runtime, fmt).total
@@ -422,6 +427,10 @@ class RoundEngine:
         return rnd
 
     def on_ack(self, device_id: str, ack: Ack) -> None:
+        """A device accepted or refused its assignment (``ack.attempt`` must be the current
+        one; repeats are ignored). A refusal that reports a budget and the memory needed
+        asks the strategy for a smaller assignment (:meth:`_reassign`). Never raises for
+        bad input: a stale round or an unselected device gets a reject reply."""
         rnd = self._check_current(device_id, ack.round, "ack")
         if rnd is None or ack.attempt != rnd.attempts.get(device_id, 0):
             return
@@ -479,6 +488,11 @@ class RoundEngine:
         self._send_assignment(rnd, device_id, experts)
 
     def on_update(self, device_id: str, blob: Blob) -> None:
+        """A reassembled update blob (safetensors bytes, checksum verified by the transport
+        layer): decoded against exactly the names, shapes and dtypes of ``device_id``'s
+        assignment (finite values, at most ``max_update_bytes``), stored in flight, and
+        accepted once; a second, different update for the round is refused with a reply,
+        an exact repeat ignored. Never raises for bad input."""
         rnd = self._check_current(device_id, blob.header.round, "update")
         if rnd is None:
             return
@@ -499,6 +513,10 @@ class RoundEngine:
         self._maybe_report(rnd, device_id)
 
     def on_stats(self, device_id: str, stats: Stats) -> None:
+        """A device's round statistics (schema-valid): bounded by :meth:`_stats_problem`
+        (claimed samples, token and usage counts) and the strategy's
+        :meth:`Strategy.stats_problem`, stored in flight and accepted once; refused with a
+        reply otherwise. Never raises for bad input."""
         rnd = self._check_current(device_id, stats.round, "stats")
         if rnd is None:
             return
@@ -583,6 +601,8 @@ class RoundEngine:
 
     # ------------------------------------------------------------------ close
     def should_close(self, now: float | None = None) -> bool:
+        """Whether the open round is due to close: ``now`` (Unix seconds; default: the
+        clock) is past its deadline, or every selected device reported or refused."""
         rnd = self.current
         if rnd is None:
             return False

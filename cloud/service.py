@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from edge_sdk.budget import tune_allocator
+from moe_model.budget import tune_allocator
 from edge_sdk.data import encode_labels, load_text_file
 from protocol.chunking import DEFAULT_CHUNK_BYTES, MAX_HEADER, ChunkError, Reassembler, parse_chunk
 from protocol.codec import sha256_hex
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 
 SERVICE_MMAP_THRESHOLD = 16 << 20
-"""Allocations of at least this many bytes are mmapped (:func:`edge_sdk.budget.tune_allocator`).
+"""Allocations of at least this many bytes are mmapped (:func:`moe_model.budget.tune_allocator`).
 A fixed threshold stops glibc from moving it after each large free (its default), which
 let round-sized buffers land in the heap and fragment it: with 16 MiB and a
 ``malloc_trim`` after each round, the aggregator's RSS grew 0.67 MiB from round 11 to 60
@@ -288,13 +288,16 @@ class Aggregator:
 
     # ------------------------------------------------------------------ Wire (for the engine)
     def publish(self, topic: str, payload: bytes) -> None:
+        """:class:`cloud.rounds.Wire`: publish a control message (QoS 1)."""
         self.transport.publish(topic, payload)
 
     def publish_blob(self, topic: str, data: bytes, kind: str, round: int, transfer_id: str | None = None):
+        """:class:`cloud.rounds.Wire`: publish ``data`` as a chunked blob; returns its ``BlobRef``."""
         return self.transport.publish_blob(topic, data, kind, round, transfer_id)
 
     @property
     def chunk_payload_bytes(self) -> int:
+        """:class:`cloud.rounds.Wire`: largest chunk payload in bytes."""
         return self.transport.chunk_payload_bytes
 
     # ------------------------------------------------------------------ replies / progress

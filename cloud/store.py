@@ -137,9 +137,11 @@ class Store:
 
     # kv
     def put_json(self, key: str, value: Any) -> None:
+        """Insert or replace JSON document ``key``. Raises TypeError (not JSON-serialisable) or StoreError."""
         self._upsert("kv", key, json.dumps(value))
 
     def get_json(self, key: str, default: Any = None) -> Any:
+        """The decoded JSON document ``key``, or ``default`` when absent. Raises StoreError."""
         rows = self._exec("SELECT value FROM kv WHERE key = ?", (key,))
         return json.loads(rows[0][0]) if rows else default
 
@@ -166,29 +168,37 @@ class Store:
 
     # blobs
     def put_blob(self, key: str, value: bytes) -> None:
+        """Insert or replace blob ``key`` (bytes). Raises StoreError."""
         self._upsert("blobs", key, bytes(value))
 
     def get_blob(self, key: str) -> bytes | None:
+        """The bytes of blob ``key``, or None when absent. Raises StoreError."""
         rows = self._exec("SELECT value FROM blobs WHERE key = ?", (key,))
         return bytes(rows[0][0]) if rows else None
 
     def blob_keys(self, prefix: str) -> list[str]:
+        """Keys of the blobs starting with ``prefix`` (literally; ``%``/``_`` escaped), sorted."""
         pattern = _like(prefix)
         return [k for (k,) in self._exec("SELECT key FROM blobs WHERE key LIKE ? ESCAPE '\\' ORDER BY key",
                                           (pattern,))]
 
     # devices
     def save_device(self, device_id: str, info: dict[str, Any]) -> None:
+        """Insert or replace a device's JSON-serialisable ``info``. Raises TypeError or StoreError."""
         self._upsert("devices", device_id, json.dumps(info))
 
     def devices(self) -> dict[str, dict[str, Any]]:
+        """device id -> the ``info`` last saved for it."""
         return {d: json.loads(i) for d, i in self._exec("SELECT device_id, info FROM devices")}
 
     # rounds
     def save_round(self, record: dict[str, Any]) -> None:
+        """Insert or replace the record of round ``record["round"]``. Raises KeyError (no ``round``),
+        TypeError (not JSON-serialisable) or StoreError."""
         self._upsert("rounds", int(record["round"]), json.dumps(record))
 
     def rounds(self) -> list[dict[str, Any]]:
+        """Every round record, by ascending round."""
         return [json.loads(r) for (r,) in self._exec("SELECT record FROM rounds ORDER BY round")]
 
     def is_empty(self) -> bool:
@@ -201,6 +211,7 @@ class Store:
             self._exec(f"DELETE FROM {t}")
 
     def close(self) -> None:
+        """Close the database connection (driver errors while closing are ignored)."""
         with self._lock:
             try:
                 self._db.close()

@@ -34,7 +34,7 @@ class DeviceView:
 
     Attributes:
         capacity: experts per MoE layer its memory budget holds (from
-            ``edge_sdk.budget``), 0..E.
+            ``moe_model.budget``), 0..E.
         memory: bytes this device needs to train a given assignment (the same memory
             model the device checks its assignment with); compare with ``budget_bytes``.
         last_stats: its most recent accepted statistics, if any.

@@ -4,9 +4,9 @@
 >>> EdgeClient("mqtt://broker:1883", "dev-7", dataset, budget_bytes="1.5GiB", task="bbc").run()
 """
 
-from .quant_bnb import quiet_kernels_notice
+from moe_model.quant_bnb import quiet_kernels_notice
 
-quiet_kernels_notice()  # before peft (edge_sdk.submoe) imports bitsandbytes
+quiet_kernels_notice()  # before peft (moe_model.submoe) imports bitsandbytes
 
 from .client import SDK_VERSION, EdgeClient, Notice, RoundSummary  # noqa: E402
 

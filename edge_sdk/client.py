@@ -31,7 +31,7 @@ import torch
 
 from protocol import topics as T
 from protocol.chunking import ChunkError, Reassembler
-from protocol.codec import CodecError, decode_tensors, encode_tensors, sha256_hex
+from protocol.codec import CodecError, decode_tensors, encode_tensors
 from protocol.logsafe import LogLimiter, clip
 from protocol.messages import (
     COMMANDS, PROTOCOL_MINOR, Ack, Assignment, Command, Hello, MessageError, Stats, Status, VersionError, encode,
@@ -39,14 +39,16 @@ from protocol.messages import (
 )
 from protocol.transport import Transport, TlsConfig, publish_packet_bytes
 
-from . import budget as B
+from moe_model import budget as B
+from moe_model.quant_bnb import check_backend
+from moe_model.shards import ShardCache
+from moe_model.stats import ActivationStats
+from moe_model.submoe import SubMoE
+from moe_model.train import evaluate, train_local
+
 from .data import encode_labels, train_val_split
-from .quant_bnb import check_backend
-from .shards import ShardCache
-from .stats import ActivationStats
-from .submoe import SubMoE
+from .filters import Filter, Signing, UpdateContext
 from .objectives import check_objectives, terms_for
-from .train import evaluate, train_local
 
 log = logging.getLogger(__name__)
 SDK_VERSION = "0.1.0"
@@ -129,11 +131,11 @@ class EdgeClient:
         runtime_bytes: memory the process uses outside the model (the memory plan's
             fixed part); measured now (resident set size) unless given.
         headroom_bytes: reserve added to the measured ``runtime_bytes`` and kept free
-            below the plan every round (:data:`edge_sdk.budget.DEFAULT_HEADROOM_BYTES`
+            below the plan every round (:data:`moe_model.budget.DEFAULT_HEADROOM_BYTES`
             when ``runtime_bytes`` is measured; 0 when it is given: the caller's number
             is taken as it is). See :meth:`_recalibrate`.
         low_memory: serve large allocations by mmap so freed activations return to
-            the OS (:func:`edge_sdk.budget.tune_allocator`): about half the peak memory
+            the OS (:func:`moe_model.budget.tune_allocator`): about half the peak memory
             for about 35% slower steps (measured on MiniLM, see its docstring).
         signing_key: this device's Ed25519 key (base64 from ``fedmoe provision``, or a
             key object); updates and stats are then signed (:mod:`protocol.signing`,
@@ -142,7 +144,9 @@ class EdgeClient:
             recently used shards not needed this round are evicted beyond it.
         quant_backend: ``"torch"`` (default: dequantize per matmul, plain torch) or
             ``"bitsandbytes"`` (its int8/nf4 layers on the same shards,
-            :mod:`edge_sdk.quant_bnb`; needs the ``quant`` extra).
+            :mod:`moe_model.quant_bnb`; needs the ``quant`` extra).
+        filters: the outgoing filter chain (:mod:`edge_sdk.filters`), applied in order to
+            ``hello``, the update and ``stats``; signing (with ``signing_key``) comes last.
 
     The budget may be lowered while the client runs (``client.budget_bytes = ...``, e.g.
     when the device application needs memory): the next assignment that no longer fits
@@ -176,6 +180,7 @@ class EdgeClient:
         signing_key: Any = None,
         cache_max: int | str | None = None,
         quant_backend: str = "torch",
+        filters: Sequence[Filter] = (),
     ):
         self.device_id = T.check_id(device_id, "device id")
         self.topics = T.Topics(federation)
@@ -210,12 +215,13 @@ class EdgeClient:
         self.runtime_bytes = runtime_bytes + self.headroom_bytes
         """The plan's fixed part as reported in ``hello`` and ``stats``: the measured
         baseline, the headroom, and every later recalibration."""
-        self.signer = None
+        self.filters: list[Filter] = list(filters)
+        """The outgoing filter chain (:mod:`edge_sdk.filters`), signing last."""
         if signing_key is not None:
             from protocol.signing import Signer, load_private_key
 
             key = load_private_key(signing_key) if isinstance(signing_key, str) else signing_key
-            self.signer = Signer(self.device_id, key)
+            self.filters.append(Signing(Signer(self.device_id, key)))
         self.transport.birth = (self.topics.up(device_id, "status"),
                                 encode(Status(device_id=device_id, state="online")))
         self.history: list[RoundSummary] = []
@@ -275,17 +281,18 @@ class EdgeClient:
             protocol.transport.TransportError: the broker cannot be reached.
         """
         self.transport.connect()
-        if self.signer is not None and not self.transport.v5:
+        if any(isinstance(f, Signing) for f in self.filters) and not self.transport.v5:
             log.warning("%s: MQTT 3.1.1 has no user properties; signatures cannot be sent", self.device_id)
         self.transport.subscribe(self.topics.device_down(self.device_id))
         status = encode(Status(device_id=self.device_id, state="online"))
         self.transport.publish(self.topics.up(self.device_id, "status"), status, retain=True)
         hello = Hello(
             device_id=self.device_id, sdk_version=SDK_VERSION, budget_bytes=self.budget_bytes,
-            weight_formats=self.weight_formats, num_samples=self._claimed_samples(len(self.raw_items)),
-            task=self.task,
+            weight_formats=self.weight_formats, num_samples=len(self.raw_items), task=self.task,
             runtime_bytes=self.runtime_bytes, protocol_minor=PROTOCOL_MINOR,
         )
+        for f in self.filters:
+            hello = f.on_hello(hello)
         self.transport.publish(self.topics.up(self.device_id, "hello"), encode(hello), retain=True)
         log.info("%s joined %s (budget %.2f GiB, %d samples, task %s)", self.device_id, self.topics.federation,
                  self.budget_bytes / 1024**3, len(self.raw_items), self.task)
@@ -452,11 +459,14 @@ class EdgeClient:
 
         if a.train.router == "private":
             self._keep_private_router(model)
-        update = encode_tensors(self._update_to_send(a, model, state, train_items), "fp32")
+        tensors, ctx = model.adapter_state(), UpdateContext(a, model, state, train_items)
+        for f in self.filters:
+            tensors = f.on_update(tensors, ctx)
+        update = encode_tensors(tensors, "fp32")
         upload_id = uuid.uuid4().hex[:16]
-        sig = self.signer.properties("update", a.round, upload_id, sha256_hex(update)) if self.signer else None
         ref = self.transport.publish_blob(self.topics.up(self.device_id, "update"), update, "update", a.round,
-                                          transfer_id=upload_id, user_properties=sig)
+                                          transfer_id=upload_id,
+                                          user_properties=self._properties("update", a.round, upload_id, update))
         peak = B.peak_rss_bytes()
         self._recalibrate(a.round, peak, plan.total)
         topic = self.topics.up(self.device_id, "stats")
@@ -464,16 +474,18 @@ class EdgeClient:
         down = self.transport.bytes_received - recv0
 
         def build(bytes_up: int) -> bytes:
-            return encode(Stats(
-                device_id=self.device_id, round=a.round, task=a.task,
-                num_samples=self._claimed_samples(len(train_items)),
+            msg = Stats(
+                device_id=self.device_id, round=a.round, task=a.task, num_samples=len(train_items),
                 train_loss=result.loss, val_loss=val.loss if val else None,
                 val_accuracy=val.accuracy if val else None, layers=stats.layer_stats(), update=ref,
                 train_seconds=result.seconds, bytes_up=bytes_up, bytes_down=down, peak_rss_bytes=peak,
                 baseline_rss_bytes=self.runtime_bytes, shards_fetched=fetched, predicted_peak_bytes=plan.total,
                 weight_format=a.weight_format, payload_up=len(update),
                 payload_down=self._blob_bytes_received - self._blob_mark, extras=extras,
-            ))
+            )
+            for f in self.filters:
+                msg = f.on_stats(msg)
+            return encode(msg)
 
         up_before = self.transport.bytes_sent - sent0
         payload, up = build(up_before), up_before
@@ -482,8 +494,7 @@ class EdgeClient:
             if total == up:
                 break
             up, payload = total, build(total)
-        sig = self.signer.stats_properties(a.round, upload_id, payload) if self.signer else None
-        self.transport.publish(topic, payload, user_properties=sig)
+        self.transport.publish(topic, payload, user_properties=self._properties("stats", a.round, upload_id, payload))
         self._mark = (self.transport.bytes_sent, self.transport.bytes_received)
         self._blob_mark = self._blob_bytes_received
         B.release_free_memory()
@@ -492,18 +503,12 @@ class EdgeClient:
             {k: list(v) for k, v in a.experts.items()}, time.perf_counter() - t0, plan.total, a.weight_format,
         ))
 
-    # Fault injection (tests, benchmarks/poisoning.py): a subclass overrides these two to
-    # behave like a compromised device that still signs correctly. The strategy API's
-    # filter chain is meant to take this job over.
-    def _claimed_samples(self, n: int) -> int:
-        """The sample count this device reports (hello and stats) for ``n`` real samples."""
-        return n
-
-    def _update_to_send(self, a: Assignment, model: SubMoE, sent: dict[str, torch.Tensor],
-                        train_items: list) -> dict[str, torch.Tensor]:
-        """The adapter state uploaded after training (name -> tensor; the keys and shapes
-        of ``sent``, the state received this round): the trained one."""
-        return model.adapter_state()
+    def _properties(self, kind: str, rnd: int, upload_id: str, payload: bytes) -> dict[str, str] | None:
+        """The filters' MQTT user properties for the final ``payload`` (None: none)."""
+        props: dict[str, str] = {}
+        for f in self.filters:
+            props.update(f.properties(kind, rnd, upload_id, payload))
+        return props or None
 
     def _recalibrate(self, rnd: int, peak: int, planned: int) -> None:
         """Keep the plan honest when a round's measured peak exceeded it.
@@ -555,9 +560,9 @@ class EdgeClient:
     def _fetch_shards(self, a: Assignment) -> list[str]:
         """Make every assigned shard available: in memory, else memory-mapped from the
         disk cache, else fetched from its retained topics (at most
-        :data:`edge_sdk.budget.FETCH_WINDOW_BYTES` in flight), verified, written to the
+        :data:`moe_model.budget.FETCH_WINDOW_BYTES` in flight), verified, written to the
         cache and mapped from there. Expert linears stay in the shard's format
-        (:mod:`edge_sdk.quant`); shards of experts not assigned are never touched.
+        (:mod:`moe_model.quant`); shards of experts not assigned are never touched.
 
         Returns:
             Ids of the shards downloaded from the broker this round.

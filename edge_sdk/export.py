@@ -2,7 +2,7 @@
 
 :func:`export_onnx` writes an ONNX graph ``(input_ids, attention_mask) -> logits``
 (int64 ``(B, T)`` in, fp32 ``(B, num_labels)`` out; batch and sequence axes dynamic) of
-a :class:`edge_sdk.submoe.SubMoE`, LoRA included, routing included: every MoE block
+a :class:`moe_model.submoe.SubMoE`, LoRA included, routing included: every MoE block
 runs in its dense-dispatch form (all held experts on all tokens, combined by the
 zero-padded top-k gates), which computes the same function without data-dependent
 control flow, so one graph serves every input. Tokenization stays outside the graph.
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .submoe import SubMoE
+from moe_model.submoe import SubMoE
 
 log = logging.getLogger(__name__)
 

@@ -45,6 +45,7 @@ class EmbeddedBroker:
 
     @property
     def url(self) -> str:
+        """``mqtt://{host}:{port}``."""
         return f"mqtt://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "EmbeddedBroker":
@@ -132,12 +133,14 @@ class MosquittoBroker:
 
     @staticmethod
     def available() -> bool:
+        """Whether a mosquitto binary is on PATH or at /usr/sbin/mosquitto."""
         import shutil
         from pathlib import Path
 
         return bool(shutil.which("mosquitto")) or Path("/usr/sbin/mosquitto").exists()
 
     def url(self, tls: bool = False, username: str | None = None, password: str | None = None) -> str:
+        """``mqtt[s]://[username:password@]{host}:{port}`` (credentials only when ``username`` is given)."""
         auth = f"{username}:{password}@" if username else ""
         return f"{'mqtts' if tls else 'mqtt'}://{auth}{self.host}:{self.port}"
 
@@ -161,6 +164,13 @@ class MosquittoBroker:
         ] + scoped) + "\n"
 
     def start(self, timeout: float = 20.0) -> "MosquittoBroker":
+        """Write ``mosquitto.conf`` into ``workdir``, launch the process and wait (``timeout`` seconds)
+        until its port accepts connections.
+
+        Raises:
+            RuntimeError: the process exited (its stderr tail in the message) or did not listen in time
+                (it is stopped then).
+        """
         import subprocess
         import time
 

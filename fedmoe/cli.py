@@ -143,7 +143,7 @@ def _aggregator(args: argparse.Namespace) -> int:
 
 def _device(args: argparse.Namespace) -> int:
     from edge_sdk import EdgeClient
-    from edge_sdk.budget import parse_bytes
+    from moe_model.budget import parse_bytes
     from edge_sdk.data import load_text_file
     from protocol.transport import TlsConfig
 
@@ -202,6 +202,8 @@ def _mqtt_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, provision,
+    each with ``func`` set to its handler."""
     p = argparse.ArgumentParser(prog="fedmoe", description="Federated MoE fine-tuning over MQTT")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
@@ -220,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--aggregation-params", help="k=v,... strategy parameters")
     s.add_argument("--budgets", help="per-device memory budgets, e.g. 700MiB,1GiB (device i gets the i-th, "
                                      "cycling; devices numbered task by task); overrides --budget-range")
-    s.add_argument("--budget-range", help="device memory budgets LO:HI, e.g. 0.7GiB:0.75GiB (default: from 2 to all experts per layer by the memory plan, on top of a device process's baseline measured on this machine)")
+    s.add_argument("--budget-range", help="device memory budgets LO:HI, e.g. 0.7GiB:0.75GiB (default: from 2 to all "
+                                          "experts per layer by the memory plan, on top of a device process's "
+                                          "baseline measured on this machine)")
     s.add_argument("--broker", help="use this broker instead of the embedded one")
     s.add_argument("--seed", type=int)
     s.add_argument("--num-experts", type=int)
@@ -264,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--val-fraction", type=float, default=0.2)
     d.add_argument("--formats", default="int8,fp32", help="weight formats this device loads")
     d.add_argument("--headroom", help="memory kept free below the plan for allocator growth, e.g. 32MiB "
-                                      "(default: edge_sdk.budget.DEFAULT_HEADROOM_BYTES)")
+                                      "(default: moe_model.budget.DEFAULT_HEADROOM_BYTES)")
     d.add_argument("--quant-backend", default="torch", choices=["torch", "bitsandbytes"],
                    help="kernels for int8/nf4 expert linears (bitsandbytes needs the quant extra)")
     d.add_argument("--max-rounds", type=int)
@@ -295,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``fedmoe`` command line (``argv`` default: ``sys.argv[1:]``); returns the exit status:
+    the subcommand's, 2 for a usage error (argparse exits with 2 itself), 130 on Ctrl-C, 1 for any
+    other exception (logged, not raised)."""
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:

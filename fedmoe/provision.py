@@ -155,18 +155,22 @@ class Provisioned:
     aggregator: dict
 
     def device_file(self, device_id: str) -> Path:
+        """``{out}/devices/{device_id}.json``: that device's credentials (not checked to exist)."""
         return self.out / "devices" / f"{device_id}.json"
 
     @property
     def device_keys_file(self) -> Path:
+        """``{out}/device_keys.json``: device id -> Ed25519 public key."""
         return self.out / "device_keys.json"
 
     @property
     def aggregator_file(self) -> Path:
+        """``{out}/aggregator.json``: the aggregator's MQTT account."""
         return self.out / "aggregator.json"
 
     @property
     def ca_file(self) -> Path | None:
+        """``{out}/tls/ca.crt`` if it exists (TLS provisioned), else None."""
         p = self.out / "tls" / "ca.crt"
         return p if p.exists() else None
 

@@ -191,7 +191,7 @@ class SimulationConfig:
 _BASELINE_PROBE = (
     "import torch; torch.set_num_threads(1)\n"
     "import fedmoe.cli, edge_sdk.data, protocol.transport\n"
-    "from edge_sdk import EdgeClient, budget as B\n"
+    "from edge_sdk import EdgeClient\nfrom moe_model import budget as B\n"
     "B.tune_allocator()\n"
     "import sys; data = edge_sdk.data.load_text_file(sys.argv[1]) if len(sys.argv) > 1 else None\n"
     "print(B.current_rss_bytes())\n"
@@ -200,10 +200,10 @@ _BASELINE_PROBE = (
 
 def device_baseline_bytes(data: str | Path | None = None) -> int:
     """RSS (bytes) of a fresh device process after the imports ``fedmoe device`` makes,
-    before any model, plus :data:`edge_sdk.budget.DEFAULT_HEADROOM_BYTES`: the runtime
+    before any model, plus :data:`moe_model.budget.DEFAULT_HEADROOM_BYTES`: the runtime
     baseline ``EdgeClient`` reports (its data adds a little: ``data``, a device's data
     file, is loaded too). Raises RuntimeError if the probe process fails."""
-    from edge_sdk.budget import DEFAULT_HEADROOM_BYTES
+    from moe_model.budget import DEFAULT_HEADROOM_BYTES
 
     out = subprocess.run([sys.executable, "-c", _BASELINE_PROBE, *([str(data)] if data else [])],
                          capture_output=True, text=True, timeout=300,
@@ -216,8 +216,8 @@ def device_baseline_bytes(data: str | Path | None = None) -> int:
 def auto_budget_range(cfg: SimulationConfig) -> tuple[int, int]:
     """Budgets (bytes) from the plan of 2 experts per layer (fewer if the model has
     fewer) to that of every expert, at ``cfg``'s model, batch size and weight format,
-    on top of :func:`device_baseline_bytes` (``edge_sdk.budget.estimate``)."""
-    from edge_sdk.budget import estimate
+    on top of :func:`device_baseline_bytes` (``moe_model.budget.estimate``)."""
+    from moe_model.budget import estimate
     from protocol.messages import ModelSpec
 
     spec = ModelSpec(**_model_dict(cfg))
@@ -231,8 +231,8 @@ def auto_budget_range(cfg: SimulationConfig) -> tuple[int, int]:
 
 
 def _parse_budget(text: str | int | float) -> int:
-    """``edge_sdk.budget.parse_bytes`` (imported here: edge_sdk loads torch). Raises ValueError."""
-    from edge_sdk.budget import parse_bytes
+    """``moe_model.budget.parse_bytes`` (imported here: edge_sdk loads torch). Raises ValueError."""
+    from moe_model.budget import parse_bytes
 
     return parse_bytes(text)
 
@@ -256,7 +256,7 @@ def _device_budgets(cfg: SimulationConfig) -> list[int]:
 def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | None = None) -> None:
     """Fail unless every device's budget, when given explicitly (``budgets`` or
     ``budget_range``), holds the memory plan of one expert per layer
-    (``edge_sdk.budget.estimate`` at ``cfg``'s model, batch size and weight format, the
+    (``moe_model.budget.estimate`` at ``cfg``'s model, batch size and weight format, the
     device task's label count) on top of the device baseline: a device below it is never
     assigned anything, and the federation would wait for it forever. The baseline is
     :func:`device_baseline_bytes` with the largest device data file loaded, unless given.
@@ -271,7 +271,7 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
     """
     if not cfg.budgets and cfg.budget_range is None:
         return
-    from edge_sdk.budget import DEFAULT_HEADROOM_BYTES, estimate
+    from moe_model.budget import DEFAULT_HEADROOM_BYTES, estimate
     from protocol.messages import ModelSpec
 
     spec = ModelSpec(**_model_dict(cfg))

@@ -64,6 +64,7 @@ class Blob:
 
     @property
     def transfer_id(self) -> str:
+        """The sender's transfer (upload) id, ``header.id``."""
         return self.header.id
 
 

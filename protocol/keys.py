@@ -50,18 +50,22 @@ class Key:
 
 
 def expert_key(layer: int, expert: int, path: str) -> str:
+    """``expert.{layer}.{expert}.{path}`` (``expert`` a global id; ``path`` e.g. ``fc1.lora_B``)."""
     return f"expert.{int(layer)}.{int(expert)}.{path}"
 
 
 def router_key(layer: int, expert: int) -> str:
+    """``router.{layer}.{expert}``: the router row ``(hidden,)`` of a global expert id."""
     return f"router.{int(layer)}.{int(expert)}"
 
 
 def head_key(task: str, path: str) -> str:
+    """``head.{task}.{path}`` (not validated; :func:`parse` accepts tasks of ``[A-Za-z0-9_-]``)."""
     return f"head.{task}.{path}"
 
 
 def backbone_key(path: str) -> str:
+    """``backbone.{path}``."""
     return f"backbone.{path}"
 
 

@@ -157,7 +157,7 @@ class LoraSpec(_Strict):
 class ModelSpec(_Strict):
     """Everything a device needs to rebuild the (sub-)MoE skeleton from shards.
 
-    ``family`` names a model adapter in ``edge_sdk.models``; ``base`` a pretrained
+    ``family`` names a model adapter in ``moe_model.models``; ``base`` a pretrained
     checkpoint that ships in a package (or ``None``: random init from ``config``).
     """
 
@@ -381,7 +381,7 @@ class Stats(_Message):
     plans use it (as ``Hello.runtime_bytes``, so bounded alike)."""
     shards_fetched: list[Annotated[str, Field(max_length=64)]] = Field(max_length=100_000)
     predicted_peak_bytes: Count | None = None
-    """The memory plan's total for this round (``edge_sdk.budget.plan``), to compare
+    """The memory plan's total for this round (``moe_model.budget.plan``), to compare
     with ``peak_rss_bytes`` (both include the baseline)."""
     weight_format: WeightFormat | None = None
     """Format the device held its expert shards in."""

@@ -138,6 +138,7 @@ class Verifier:
         self.keys = {d: load_public_key(k) for d, k in keys.items()}
 
     def knows(self, device_id: str) -> bool:
+        """Whether ``device_id`` is provisioned (has a public key here)."""
         return device_id in self.keys
 
     def verify(self, kind: str, device_id: str, props: Mapping[str, str]) -> Signed:

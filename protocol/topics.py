@@ -47,15 +47,20 @@ class Topics:
 
     @property
     def root(self) -> str:
+        """``fl/v1/{federation}``."""
         return f"{ROOT}/{self.federation}"
 
     # device-scoped
     def up(self, device_id: str, kind: str) -> str:
+        """``{root}/dev/{device_id}/up/{kind}``. Raises ValueError for a kind not in ``UP_KINDS``
+        or an invalid device id."""
         if kind not in UP_KINDS:
             raise ValueError(f"unknown up kind {kind!r}")
         return f"{self.root}/dev/{check_id(device_id, 'device id')}/up/{kind}"
 
     def down(self, device_id: str, kind: str) -> str:
+        """``{root}/dev/{device_id}/down/{kind}``. Raises ValueError for a kind not in ``DOWN_KINDS``
+        or an invalid device id."""
         if kind not in DOWN_KINDS:
             raise ValueError(f"unknown down kind {kind!r}")
         return f"{self.root}/dev/{check_id(device_id, 'device id')}/down/{kind}"
@@ -81,12 +86,17 @@ class Topics:
         return f"{base}/{layer}/{expert}"
 
     def shard_chunk(self, model_version: int, shard_id: str, seq: int, fmt: str | None = None) -> str:
+        """Topic of chunk ``seq`` of a shard: ``{shard_prefix}/{seq}``. Raises ValueError for an
+        invalid shard id or format."""
         return f"{self.shard_prefix(model_version, shard_id, fmt)}/{int(seq)}"
 
     def shard_wildcard(self, model_version: int, shard_id: str, fmt: str | None = None) -> str:
+        """Wildcard over all chunks of a shard: ``{shard_prefix}/#``. Raises ValueError as
+        :meth:`shard_chunk`."""
         return f"{self.shard_prefix(model_version, shard_id, fmt)}/#"
 
     def progress(self) -> str:
+        """``{root}/cloud/progress``: round progress events."""
         return f"{self.root}/cloud/progress"
 
     def parse_device_topic(self, topic: str) -> tuple[str, str, str]:

@@ -331,6 +331,7 @@ class Transport:
 
     @property
     def connected(self) -> bool:
+        """Whether the MQTT session is up now (CONNACK received, not yet lost)."""
         return self._connected.is_set()
 
     def wait_connected(self, timeout: float) -> bool:
@@ -389,6 +390,7 @@ class Transport:
             self._suback.notify_all()
 
     def unsubscribe(self, topic: str) -> None:
+        """Stop receiving ``topic`` (and no longer resubscribe it after a reconnect)."""
         self._subs.pop(topic, None)
         if self._client is not None and self.connected:
             self._client.unsubscribe(topic)

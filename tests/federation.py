@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from cloud.service import Aggregator, AggregatorConfig, TaskConfig
 from edge_sdk import EdgeClient
-from edge_sdk.budget import estimate
+from moe_model.budget import estimate
 from fedmoe.datasets import bbc_news
 from fedmoe.inprocess import run_inprocess
 from protocol.messages import TrainConfig

@@ -2,7 +2,7 @@
 
 import pytest
 
-from edge_sdk.budget import estimate
+from moe_model.budget import estimate
 from tests.federation import Federation
 
 
@@ -74,7 +74,7 @@ def test_headroom_is_a_margin_not_a_ratchet():
     headroom but stays within the plan changes nothing (the assignment must not shrink
     while budget and plan are unchanged), round after round."""
     from edge_sdk import EdgeClient
-    from edge_sdk.budget import DEFAULT_HEADROOM_BYTES, current_rss_bytes
+    from moe_model.budget import DEFAULT_HEADROOM_BYTES, current_rss_bytes
 
     mib = 2**20
     c = EdgeClient("mqtt://127.0.0.1:1", "d0", [("x", "a")], budget_bytes=900 * mib, runtime_bytes=400 * mib,

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from edge_sdk.budget import estimate, max_experts_per_layer
-from edge_sdk.submoe import SubMoE
-from edge_sdk.train import train_local
+from moe_model.budget import estimate, max_experts_per_layer
+from moe_model.submoe import SubMoE
+from moe_model.train import train_local
 from fedmoe.datasets import FASHION_MNIST_DIR, read_idx
 from fedmoe.inprocess import run_inprocess
 from protocol.messages import ModelSpec, TrainConfig

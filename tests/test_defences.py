@@ -214,10 +214,11 @@ def test_screening_report_in_the_round_record(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- over a real broker
 def _scaled(client, factor: float) -> None:
     """Make ``client`` send ``sent + factor x (trained - sent)`` (signed and schema-valid)."""
-    def update(a, model, sent, items):
-        trained = model.adapter_state()
-        return {k: sent[k] + factor * (trained[k] - sent[k]) for k in sent}
-    client._update_to_send = update
+    from edge_sdk.filters import TransformUpdate
+
+    def update(trained, ctx):
+        return {k: ctx.sent[k] + factor * (trained[k] - ctx.sent[k]) for k in ctx.sent}
+    client.filters.insert(0, TransformUpdate(update))
 
 
 @pytest.mark.slow
@@ -225,11 +226,12 @@ def test_lying_devices_over_mosquitto_are_capped_clipped_and_rejected(mosquitto_
     """Five devices, three of them lying: one claims 10^5 samples (its hello too), one
     sends 8x its update, one 1000x. The round closes with the claim capped, the 8x update
     clipped, the 1000x one rejected with a reply, and the global step of honest size."""
+    from edge_sdk.filters import ClaimSamples
     from tests.federation import Federation
 
     def hook(c):
         if c.device_id == "dev2":
-            c._claimed_samples = lambda n: 10**5
+            c.filters.insert(0, ClaimSamples(lambda n: 10**5))
         elif c.device_id == "dev3":
             _scaled(c, 8.0)
         elif c.device_id == "dev4":

@@ -9,9 +9,9 @@ pytest.importorskip("onnxscript")
 
 from cloud.global_model import GlobalModel  # noqa: E402
 from edge_sdk.export import export_onnx, onnx_logits, onnx_session  # noqa: E402
-from edge_sdk.shards import decode_shard  # noqa: E402
-from edge_sdk.submoe import SubMoE  # noqa: E402
-from edge_sdk.train import train_local  # noqa: E402
+from moe_model.shards import decode_shard  # noqa: E402
+from moe_model.submoe import SubMoE  # noqa: E402
+from moe_model.train import train_local  # noqa: E402
 from protocol.messages import TrainConfig  # noqa: E402
 from fedmoe.cli import main  # noqa: E402
 from fedmoe.datasets import bbc_news  # noqa: E402

@@ -101,7 +101,7 @@ def test_check_budgets_names_devices_below_one_expert_per_layer(tmp_path):
         d["budget_bytes"] = need * 2**20
     check_budgets(cfg, devices, baseline=400 * 2**20)  # the suggested budget passes
     check_budgets(SimulationConfig(), devices, baseline=10**12)  # auto budgets are not checked
-    from edge_sdk.budget import estimate
+    from moe_model.budget import estimate
     from fedmoe.simulate import _model_dict
     from protocol.messages import ModelSpec
 

@@ -19,7 +19,7 @@ import yaml
 
 from cloud.store import Store
 from edge_sdk import EdgeClient
-from edge_sdk.budget import estimate
+from moe_model.budget import estimate
 from fedmoe.broker import MosquittoBroker
 from fedmoe.datasets import bbc_news
 from protocol.messages import Progress, parse_message

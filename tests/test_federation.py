@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from edge_sdk.shards import shards_for
+from moe_model.shards import shards_for
 from protocol.transport import Transport
 from tests.federation import Federation
 

@@ -8,7 +8,7 @@ import pytest
 from cloud.service import Aggregator, AggregatorConfig, TaskConfig
 from cloud.store import Store
 from edge_sdk import EdgeClient
-from edge_sdk.budget import estimate
+from moe_model.budget import estimate
 from fedmoe.datasets import bbc_news, tweets
 from fedmoe.inprocess import run_inprocess
 from protocol.messages import TrainConfig

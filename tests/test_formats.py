@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from cloud.global_model import GlobalModel
-from edge_sdk.budget import estimate, max_experts_per_layer, plan
-from edge_sdk.quant import QuantLinear, held_bytes
-from edge_sdk.shards import ShardCache, decode_shard
-from edge_sdk.submoe import SubMoE
+from moe_model.budget import estimate, max_experts_per_layer, plan
+from moe_model.quant import QuantLinear, held_bytes
+from moe_model.shards import ShardCache, decode_shard
+from moe_model.submoe import SubMoE
 from protocol.codec import (
     NF4_CODE, NF4_MAX_ERROR, CodecError, decode_tensors, dequantize_nf4, encode_tensors, quantize_nf4, sha256_hex,
 )
@@ -182,12 +182,12 @@ PLAN_VS_MEASURED = r"""
 import json, sys
 import torch
 torch.set_num_threads(1)
-from edge_sdk import budget as B
+from moe_model import budget as B
 B.tune_allocator()
-from edge_sdk.models import get_adapter
-from edge_sdk.shards import decode_shard, encode_shard, split_base
-from edge_sdk.submoe import SubMoE
-from edge_sdk.train import train_local
+from moe_model.models import get_adapter
+from moe_model.shards import decode_shard, encode_shard, split_base
+from moe_model.submoe import SubMoE
+from moe_model.train import train_local
 from fedmoe.datasets import bbc_news
 from protocol.messages import ModelSpec, TrainConfig
 spec = ModelSpec(**json.loads(sys.argv[1]))
@@ -234,7 +234,7 @@ def test_bitsandbytes_backend_computes_what_the_torch_backend_computes(fmt, tmp_
     on the same memory-mapped shards: outputs and LoRA gradients equal the plain-torch
     backend's, and a few AdamW steps lower the loss."""
     pytest.importorskip("bitsandbytes")
-    from edge_sdk.train import evaluate, train_local
+    from moe_model.train import evaluate, train_local
     from protocol.messages import TrainConfig
 
     spec = tiny_spec(upcycle_noise=0.01, config={**TINY_CONFIG, "hidden_size": 64, "intermediate_size": 128})

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import BertModel
 
-from edge_sdk.models import all_experts, get_adapter
-from edge_sdk.models.bert import resolve_path
-from edge_sdk.shards import BACKBONE, decode_shard, encode_shard, join_shards, shards_for, split_base
-from edge_sdk.submoe import SubMoE
+from moe_model.models import all_experts, get_adapter
+from moe_model.models.bert import resolve_path
+from moe_model.shards import BACKBONE, decode_shard, encode_shard, join_shards, shards_for, split_base
+from moe_model.submoe import SubMoE
 from protocol import keys
 from tests.conftest import tiny_spec
 

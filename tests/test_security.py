@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from edge_sdk.filters import Signing
 from fedmoe.broker import MosquittoBroker
 from fedmoe.provision import load_credentials, mosquitto_conf, mosquitto_password_line, provision
 from protocol.chunking import split_blob
@@ -232,7 +233,7 @@ def test_signed_federation_rejects_forgeries_duplicates_and_stragglers(secure, t
         "mallory"}
     assert r2["status"] == "ok" and set(r2["devices"]) == {"dev0", "dev1"} and "mallory" in r2["failures"]
     assert fed.aggregator.duplicates >= 1
-    assert all(c.signer is not None and c.transport.v5 for c in fed.clients)
+    assert all(isinstance(c.filters[-1], Signing) and c.transport.v5 for c in fed.clients)
     assert all(torch.isfinite(v).all() for v in fed.aggregator.model.state.values())
 
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from edge_sdk.models.moe import RoutingRecord, SparseMoeBlock
-from edge_sdk.stats import ActivationStats
+from moe_model.models.moe import RoutingRecord, SparseMoeBlock
+from moe_model.stats import ActivationStats
 
 
 def block_with(probs, experts=(1, 3), top_k=1, hidden=None):

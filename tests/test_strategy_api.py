@@ -11,7 +11,6 @@ import torch
 
 from cloud.service import StrategyConfig
 from cloud.strategies import Composed, get_strategy
-from cloud.strategy import Plan
 from protocol.codec import decode_tensors
 from protocol.messages import PROTOCOL_MINOR, Hello, MessageError, Objective, Stats, encode, parse_message
 from tests import toy_strategy  # noqa: F401  (registers the toy strategy and its objective term)
@@ -185,7 +184,7 @@ def test_lookup_names_the_known_strategies():
 
 # --------------------------------------------------------------------------- layering
 
-LAYERS = ["protocol", "edge_sdk", "cloud", "fedmoe", "benchmarks"]
+LAYERS = ["protocol", "moe_model", "edge_sdk", "cloud", "fedmoe", "benchmarks"]
 """Lowest first (DESIGN.md): a package may import only its own layer and those below."""
 
 

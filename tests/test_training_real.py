@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from edge_sdk.models import get_adapter
-from edge_sdk.shards import decode_shard, encode_shard, shards_for, split_base
-from edge_sdk.submoe import SubMoE
-from edge_sdk.train import evaluate, train_local
+from moe_model.models import get_adapter
+from moe_model.shards import decode_shard, encode_shard, shards_for, split_base
+from moe_model.submoe import SubMoE
+from moe_model.train import evaluate, train_local
 from fedmoe.datasets import bbc_news
 from protocol.messages import ModelSpec, TrainConfig
 

@@ -22,6 +22,10 @@ from .base import AggregationStrategy
 
 
 class Modular(AggregationStrategy):
+    """FedMoE modular aggregation (003_a50797d291873d18.txt, Sec. 4): each tensor of the global
+    state becomes the :meth:`weight`-weighted mean (fp64, cast back to its dtype) of the states of
+    the results that hold it; unchanged when none holds it or the weights sum to <= 0."""
+
     name = "modular"
     aliases = ("fedmoe",)
 

@@ -19,6 +19,9 @@ from .modular import Modular
 
 
 class UsageWeighted(Modular):
+    """FLEX-MoE aggregation (000_5c6cd7a163e9f8d7.txt eq. 3-4): :class:`Modular` with expert
+    tensors and router rows weighted by usage ``u[c,l,e]`` (tokens), the rest by |D_c| (samples)."""
+
     name = "usage_weighted"
 
     def weight(self, result: ClientResult, key: keys.Key) -> float:

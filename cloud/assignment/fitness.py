@@ -4,7 +4,7 @@ One matrix per MoE layer, rows by device id, ``E`` columns:
 
 - indicator ``s[c,e]`` = ``a[c,e]`` (acc-driven, eq. 5) or ``exp(-alpha_L * l[c,e])``
   (loss-driven, eq. 6), from the device's reported ``expert_acc`` / ``expert_loss``
-  (samples whose *majority* expert is e, see :mod:`edge_sdk.stats`);
+  (samples whose *majority* expert is e, see :mod:`moe_model.stats`);
 - EMA (eq. 7): ``Q_t = (1 - beta) Q_{t-1} + beta s`` for the pairs the device held this
   round, carried over otherwise; a new device's row starts at ``Q_0`` (0.2).
 
@@ -79,9 +79,11 @@ class Fitness:
                 self.q[ls.layer][r.device_id] = q
 
     def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable ``{"q": {str(layer): {device_id: [E floats]}}}``."""
         return {"q": {str(layer): rows for layer, rows in self.q.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s rows; layers this instance does not have are ignored."""
         for layer, rows in state.get("q", {}).items():
             if int(layer) in self.q:
                 self.q[int(layer)] = {d: list(map(float, v)) for d, v in rows.items()}

@@ -106,10 +106,12 @@ class LoadBounds:
         self.last_tau = tau
 
     def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable ``deficit`` ``(E,)``, ``last_load`` ``(E,)`` or None (samples), ``last_tau``."""
         return {"deficit": self.deficit.tolist(),
                 "last_load": None if self.last_load is None else self.last_load.tolist(), "last_tau": self.last_tau}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s arrays (float64); a missing ``deficit`` keeps the current one."""
         self.deficit = np.asarray(d.get("deficit", self.deficit), dtype=np.float64)
         self.last_load = None if d.get("last_load") is None else np.asarray(d["last_load"], dtype=np.float64)
         self.last_tau = d.get("last_tau")

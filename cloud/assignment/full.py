@@ -11,6 +11,9 @@ from .base import AssignmentStrategy
 
 
 class FullMoE(AssignmentStrategy):
+    """Every device with ``capacity >= E`` gets all E experts of every layer; the others are
+    excluded (``Plan.excluded``, reason in words) and listed under ``left_out_budget``."""
+
     name = "full"
 
     def configure(self, round: int, devices: list[DeviceView]) -> Plan:

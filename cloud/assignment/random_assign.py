@@ -14,6 +14,9 @@ from .random_moe import RandomMoE
 
 
 class RandomAssignment(RandomMoE):
+    """FLEX-MoE's Random baseline (000_5c6cd7a163e9f8d7.txt, "Baselines"): :class:`RandomMoE` with
+    ``resample=True``, ``min(capacity, E)`` experts per layer redrawn every round."""
+
     name = "random_redraw"
     aliases = ("random",)
 

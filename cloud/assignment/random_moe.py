@@ -17,6 +17,11 @@ from .base import AssignmentStrategy
 
 
 class RandomMoE(AssignmentStrategy):
+    """randomMoE (003_a50797d291873d18.txt): per layer ``min(capacity, E)`` experts drawn uniformly
+    (``random.Random`` seeded by seed, device and the count; by the round when ``resample``), kept
+    while the count stays the same. Devices with capacity < 1 are left out of the plan.
+    State: the kept draws."""
+
     name = "random_kept"
     aliases = ("random_moe",)
 

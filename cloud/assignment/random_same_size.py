@@ -21,6 +21,11 @@ from .submodel_search import FedMoE
 
 
 class RandomSameSize(FedMoE):
+    """FedMoE's stage one (per-layer expert counts, 003_a50797d291873d18.txt eq. 3) without stage two:
+    when stage one sizes a device without a final map (not a probe round), that many experts per
+    layer are drawn uniformly at random (seeded per device) and kept. Params as :class:`FedMoE`
+    (``stage2`` defaults to False)."""
+
     name = "random_same_size"
     aliases = ("randommoe",)
 

@@ -77,7 +77,9 @@ class StepGuard:
         self.steps = (self.steps + [float(step_norm)])[-self.config.window:]
 
     def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable ``{"steps": [L2 norms, oldest first]}``."""
         return {"steps": list(self.steps)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the committed steps :meth:`state_dict` returned (replacing the current ones)."""
         self.steps = [float(s) for s in state.get("steps", [])]

@@ -77,7 +77,7 @@ class ObjectiveTerm:
         """The term's value for one training step (a scalar tensor with a graph).
 
         Args:
-            model: the :class:`edge_sdk.submoe.SubMoE` being trained.
+            model: the :class:`moe_model.submoe.SubMoE` being trained.
             batch: the collated batch.
             logits: the model's output for it, (batch, labels).
         """

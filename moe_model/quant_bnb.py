@@ -1,6 +1,6 @@
 """The bitsandbytes backend for quantized expert linears (``quant_backend="bitsandbytes"``).
 
-The plain-torch :class:`edge_sdk.quant.QuantLinear` dequantizes per matmul and runs
+The plain-torch :class:`moe_model.quant.QuantLinear` dequantizes per matmul and runs
 everywhere torch does; this backend hands the same stored weights to bitsandbytes'
 own layers instead, for platforms where its kernels are faster (and for parity with
 QLoRA stacks): ``int8`` becomes ``bnb.nn.Linear8bitLt`` (our per-row ``scale`` is
@@ -17,7 +17,7 @@ swapped in after injection, as for ``QuantLinear``), and the input gradient flow
 through it on the CPU (bitsandbytes >= 0.45).
 
 Memory held per layer is the same as ``QuantLinear.held_bytes`` (the same tensors),
-so ``edge_sdk.budget.plan`` applies unchanged.
+so ``moe_model.budget.plan`` applies unchanged.
 """
 
 from __future__ import annotations

@@ -148,6 +148,8 @@ class QuantLinear(nn.Module):
         return self.dequantized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., in)`` -> ``(..., out)`` in ``x``'s dtype; the weight is dequantized for this matmul
+        only (and again in backward when ``x`` needs a gradient; the weight gets none)."""
         if torch.is_grad_enabled() and x.requires_grad:
             return _DequantLinear.apply(x, self)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
@@ -158,6 +160,7 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def extra_repr(self) -> str:
+        """``in_features=..., out_features=..., fmt=...`` for ``repr``."""
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
 
 
@@ -189,7 +192,7 @@ def swap_in_quantized(model: nn.Module, layers: dict[str, nn.Module]) -> None:
         model: the model.
         layers: module path of an original ``nn.Linear`` (as before injection, e.g.
             ``...experts.3.fc1``) -> its :class:`QuantLinear` (or the bitsandbytes layer
-            ``edge_sdk.quant_bnb`` made of it).
+            ``moe_model.quant_bnb`` made of it).
 
     Raises:
         KeyError: a path names no module.

@@ -103,7 +103,7 @@ def encode_shard(tensors: dict[str, torch.Tensor], fmt: str) -> bytes:
 
 def decode_shard(data: bytes, keep_quantized: bool = False) -> dict[str, Any]:
     """Tensors of one shard's bytes: fp32 after dequantization, or (``keep_quantized``)
-    with every quantized linear weight as a :class:`edge_sdk.quant.QuantLinear` under its
+    with every quantized linear weight as a :class:`moe_model.quant.QuantLinear` under its
     module-local path (``fc1``), its bias folded in (see :func:`held_tensors`).
 
     Raises:
@@ -182,6 +182,8 @@ class ShardCache:
         return self.directory / f"{sha}.safetensors"
 
     def has(self, sha: str) -> bool:
+        """Whether a file for ``sha`` is cached (not verified). Raises ValueError for a malformed
+        sha256 (not 64 lowercase hex digits)."""
         return self._path(sha).exists()
 
     def get(self, sha: str) -> bytes | None:

@@ -9,9 +9,9 @@ does not fit. The plan is the sum of (:class:`MemoryPlan`):
   MQTT); measured on the device at start-up (resident set size), and sent in its
   ``hello``; :data:`DEFAULT_RUNTIME_BYTES` when unknown (measured here: 445 MiB RSS on
   Linux x86-64, torch 2.13, transformers 5.23);
-- ``tokenizer``: the family's tokenizer once loaded (:data:`TOKENIZER_BYTES`);
+- ``tokenizer``: the family's tokenizer once loaded (``ModelAdapter.tokenizer_bytes``);
 - ``weights``: base weights as held: the backbone in fp32, each expert linear in the
-  shard format (:func:`edge_sdk.quant.held_bytes`: fp32, bf16, int8 + row scales, nf4
+  shard format (:func:`moe_model.quant.held_bytes`: fp32, bf16, int8 + row scales, nf4
   + block absmax);
 - ``lora``: LoRA A and B, router rows and head (fp32);
 - ``grads`` and ``optimizer``: gradients and two AdamW moments of the trainable part
@@ -54,8 +54,6 @@ peak exceeds the whole plan). The per-round growth it once had to absorb (up to 
 one round) was oneDNN's primitive cache, now bounded (:func:`bound_native_caches`)."""
 FETCH_WINDOW_BYTES = 8 * 1024**2
 """Shard bytes a device has in flight at once while fetching (then written to its cache)."""
-TOKENIZER_BYTES = {"bert-upcycled": 12 * 1024**2}
-"""Resident bytes a loaded fast tokenizer adds, per family (measured: all-MiniLM-L6-v2)."""
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 
 
@@ -107,8 +105,6 @@ def param_counts(spec: ModelSpec) -> ParamCounts:
 
 @lru_cache(maxsize=32)
 def _param_counts(spec_json: str) -> ParamCounts:
-    from .submoe import ATTENTION_TARGETS
-
     spec = ModelSpec.model_validate_json(spec_json)
     adapter = get_adapter(spec.family)
     layers = adapter.moe_layers(spec)
@@ -124,7 +120,7 @@ def _param_counts(spec_json: str) -> ParamCounts:
     lin = [m for m in first.experts.modules() if isinstance(m, nn.Linear)]
     expert_lora = sum(r * (m.in_features + m.out_features) for m in lin)
     expert_lora_tr = sum(r * m.out_features for m in lin) if not spec.lora.train_a else expert_lora
-    targets = ATTENTION_TARGETS.get(spec.family, ()) if spec.lora.attention else ()
+    targets = adapter.attention_targets if spec.lora.attention else ()
     att = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
     bb_lora = sum(r * (m.in_features + m.out_features) for m in att)
     bb_lora_tr = sum(r * m.out_features for m in att) if not spec.lora.train_a else bb_lora
@@ -160,10 +156,12 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
+        """Predicted peak bytes: the sum of every byte component."""
         return (self.runtime + self.tokenizer + self.weights + self.lora + self.grads + self.optimizer
                 + self.activations + self.workspace)
 
     def as_dict(self) -> dict[str, int | str]:
+        """Every field plus ``adapters`` and ``total`` (bytes; ``weight_format`` a string, ``experts`` a count)."""
         return {**asdict(self), "adapters": self.adapters, "total": self.total}
 
 
@@ -226,7 +224,7 @@ def plan(
     acts = get_adapter(spec.family).activation_bytes(spec, batch)
     work = max([workspace_bytes(o, i, weight_format) for o, i, _ in c.expert_linears] + [2 * FETCH_WINDOW_BYTES])
     return MemoryPlan(runtime_bytes, weights, lora, 4 * trainable, 8 * trainable, acts,
-                      TOKENIZER_BYTES.get(spec.family, 0) if spec.tokenizer or spec.base else 0, work,
+                      get_adapter(spec.family).tokenizer_bytes if spec.tokenizer or spec.base else 0, work,
                       weight_format, n)
 
 

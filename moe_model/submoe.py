@@ -27,8 +27,6 @@ from .quant import QuantLinear, swap_in_quantized
 from .quant_bnb import convert
 from .shards import block_paths, join_shards
 
-ATTENTION_TARGETS = {"bert-upcycled": ("query", "value")}
-"""Non-expert modules LoRA adapts per family (when ``lora.attention``)."""
 ROUTER_INIT_STD = 0.02
 
 
@@ -74,12 +72,12 @@ class SubMoE(nn.Module):
         experts: layer -> global expert ids held.
         task: task name (keys the head).
         num_labels: classes of the task.
-        base_shards: shard id -> decoded fp32 tensors (``edge_sdk.shards``), where an
-            expert linear may instead be a :class:`edge_sdk.quant.QuantLinear` under its
+        base_shards: shard id -> decoded fp32 tensors (``moe_model.shards``), where an
+            expert linear may instead be a :class:`moe_model.quant.QuantLinear` under its
             module path (``fc1``): it stays quantized, LoRA wraps it; ``None`` builds a
             randomly initialised base (tests only).
         quant_backend: ``torch`` (:class:`QuantLinear`, everywhere) or ``bitsandbytes``
-            (its int8/nf4 layers on the same stored weights, ``edge_sdk.quant_bnb``).
+            (its int8/nf4 layers on the same stored weights, ``moe_model.quant_bnb``).
 
     Raises:
         KeyError: a needed shard or tensor is missing from ``base_shards``.
@@ -141,7 +139,7 @@ class SubMoE(nn.Module):
         lora = self.spec.lora
         targets = [r"experts\.\d+\.(fc1|fc2)"]
         if lora.attention:
-            targets += [rf"{t}" for t in ATTENTION_TARGETS.get(self.spec.family, ())]
+            targets += [rf"{t}" for t in get_adapter(self.spec.family).attention_targets]
         regex = rf".*\.({'|'.join(targets)})$"
         cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=regex, bias="none")
         inject_adapter_in_model(cfg, self.model)
@@ -236,6 +234,9 @@ class SubMoE(nn.Module):
         return self.model(batch)
 
     def collate(self, items):
+        """Samples ``[(input, label), ...]`` -> ``(batch, labels)`` by the family's adapter; labels
+        ``(B,)`` int64. ``batch``: ``bert-upcycled`` ``input_ids``/``attention_mask`` int64 ``(B, T)``
+        (``T <= max_seq_len``); ``conv-moe`` ``pixels`` float32 ``(B, C, H, W)``."""
         return self.adapter.collate(self.spec, items)
 
     def num_base_bytes(self) -> int:

@@ -26,6 +26,7 @@ class ExpertFFN(nn.Module):
         self.act = ACT2FN[act] if isinstance(act, str) else act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., hidden)`` -> ``(..., hidden)``: ``fc2(act(fc1(x)))``."""
         return self.fc2(self.act(self.fc1(x)))
 
 
@@ -49,6 +50,8 @@ class Router(nn.Module):
         return torch.stack([self.rows[str(e)] for e in self.expert_ids])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits: ``(N, hidden)`` -> ``(N, n_held)``, column ``j`` for ``expert_ids[j]``
+        (``x @ weight().T``, no bias; the softmax is the caller's)."""
         return x @ self.weight().t()
 
 
@@ -88,7 +91,8 @@ class SparseMoeBlock(nn.Module):
         self.layer = int(layer)
         self.top_k = int(top_k)
         self.router = Router(hidden, expert_ids, device=device)
-        self.experts = nn.ModuleDict({str(e): ExpertFFN(hidden, ffn, act, device=device) for e in self.router.expert_ids})
+        self.experts = nn.ModuleDict(
+            {str(e): ExpertFFN(hidden, ffn, act, device=device) for e in self.router.expert_ids})
         self.record_hidden = False
         self.dense_dispatch = False
         """Run every held expert on every token and combine by the (zero-padded) top-k
@@ -97,9 +101,17 @@ class SparseMoeBlock(nn.Module):
 
     @property
     def expert_ids(self) -> list[int]:
+        """Global ids of the held experts, ascending (the router's column order)."""
         return self.router.expert_ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., hidden)`` -> ``(..., hidden)``: each of the ``N`` flattened tokens goes to its
+        top-``k`` held experts, outputs summed with the renormalised fp32 gates.
+
+        Stores the decision in :attr:`last` (a :class:`RoutingRecord` with ``probs`` ``(N, n_held)``,
+        ``topk_idx``/``topk_weight`` ``(N, k)``; ``hidden`` ``(N, hidden)`` only when
+        ``record_hidden`` and not ``dense_dispatch``).
+        """
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         probs = F.softmax(self.router(flat).float(), dim=-1)

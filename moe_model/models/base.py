@@ -4,7 +4,7 @@ A :class:`ModelAdapter` knows, for one model family, how to build the (sub-)MoE
 skeleton for a set of held experts, where its base weights come from, and how to
 turn raw samples into a batch. Everything else in the SDK and the cloud works on
 the :class:`MoEModel` it returns and finds routers and experts through
-:func:`edge_sdk.models.moe.moe_blocks`; nothing else branches on the architecture.
+:func:`moe_model.models.moe.moe_blocks`; nothing else branches on the architecture.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class MoEModel(nn.Module):
         raise NotImplementedError
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        """This model's :class:`SparseMoeBlock` modules by MoE layer index."""
         return moe_blocks(self)
 
 
@@ -50,6 +51,10 @@ class ModelAdapter(ABC):
     family: ClassVar[str]
     full_finetune: ClassVar[bool] = False
     """True: every parameter trains and is the adapter state (tiny models); False: LoRA."""
+    attention_targets: ClassVar[tuple[str, ...]] = ()
+    """Names of the non-expert linear modules LoRA adapts (when ``lora.attention``)."""
+    tokenizer_bytes: ClassVar[int] = 0
+    """Resident bytes its tokenizer adds once loaded (the memory plan counts them)."""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

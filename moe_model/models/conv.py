@@ -59,9 +59,11 @@ class ConvMoEClassifier(MoEModel):
             self.head = nn.Linear(cfg["hidden"], num_labels)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``pixels`` ``(B, C_in, H, W)`` float -> logits ``(B, num_labels)``."""
         return self.head(self.moe(self.features(batch["pixels"])))
 
     def token_mask(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """All-true ``(B, 1)`` bool: one image is one token."""
         return torch.ones(batch["pixels"].shape[0], 1, dtype=torch.bool)
 
 
@@ -72,9 +74,16 @@ class ConvMoEAdapter(ModelAdapter):
     full_finetune = True
 
     def moe_layers(self, spec: ModelSpec) -> list[int]:
+        """Always ``[0]`` (one MoE layer)."""
         return [0]
 
     def build(self, spec: ModelSpec, experts: dict[int, list[int]], num_labels: int, device: Any = None) -> MoEModel:
+        """A :class:`ConvMoEClassifier` holding ``experts[0]``.
+
+        Raises:
+            ValueError: no experts for layer 0, or an invalid ``spec.config`` (image size not
+                divisible by 4, not two channel counts).
+        """
         if 0 not in experts:
             raise ValueError("no experts given for MoE layer 0")
         return ConvMoEClassifier(_cfg(spec), experts[0], spec.top_k, num_labels, device)
@@ -87,6 +96,8 @@ class ConvMoEAdapter(ModelAdapter):
                 if ".router." not in k and not k.startswith("head.")}
 
     def collate(self, spec: ModelSpec, items: list[tuple[Any, int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Images ``(H, W)`` or ``(C, H, W)`` -> ``{"pixels": (B, C, H, W) float32}`` (scaled to [0, 1]
+        when the batch max exceeds 1.5, then normalised by ``mean``/``std``), labels ``(B,)`` int64."""
         cfg = _cfg(spec)
         x = np.stack([np.asarray(a) for a, _ in items]).astype(np.float32)
         if x.max(initial=0) > 1.5:

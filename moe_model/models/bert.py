@@ -62,6 +62,8 @@ class BertMoEClassifier(MoEModel):
             self.head = nn.Linear(config.hidden_size, num_labels)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``input_ids``, ``attention_mask`` ``(B, T)`` -> logits ``(B, num_labels)``: mean of the last
+        hidden states over real tokens, dropout, head."""
         mask = batch["attention_mask"]
         hidden = self.bert(input_ids=batch["input_ids"], attention_mask=mask).last_hidden_state
         m = mask.unsqueeze(-1).to(hidden.dtype)
@@ -69,6 +71,7 @@ class BertMoEClassifier(MoEModel):
         return self.head(self.dropout(pooled))
 
     def token_mask(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``attention_mask`` as ``(B, T)`` bool."""
         return batch["attention_mask"].bool()
 
 
@@ -76,8 +79,14 @@ class BertUpcycledAdapter(ModelAdapter):
     """``family = "bert-upcycled"``: any BERT checkpoint (or a config) upcycled to an MoE."""
 
     family = "bert-upcycled"
+    attention_targets = ("query", "value")
+    tokenizer_bytes = 12 * 1024**2
+    """Measured: the all-MiniLM-L6-v2 fast tokenizer."""
 
     def config(self, spec: ModelSpec) -> BertConfig:
+        """The checkpoint's config (``spec.base``) with ``spec.config`` keys overriding it, or
+        ``BertConfig(**spec.config)`` when there is no base. Raises FileNotFoundError (see
+        :func:`resolve_path`)."""
         if spec.base is not None:
             cfg = BertConfig.from_pretrained(resolve_path(spec.base))
             for k, v in spec.config.items():
@@ -87,6 +96,11 @@ class BertUpcycledAdapter(ModelAdapter):
         return cfg
 
     def moe_layers(self, spec: ModelSpec) -> list[int]:
+        """``spec.moe_layers`` sorted, default every other transformer layer from 1.
+
+        Raises:
+            ValueError: no layers, or one outside ``[0, num_hidden_layers)``.
+        """
         n = self.config(spec).num_hidden_layers
         layers = spec.moe_layers if spec.moe_layers is not None else list(range(1, n, 2))
         if not layers or any(not 0 <= x < n for x in layers):
@@ -94,6 +108,11 @@ class BertUpcycledAdapter(ModelAdapter):
         return sorted(layers)
 
     def build(self, spec: ModelSpec, experts: dict[int, list[int]], num_labels: int, device: Any = None) -> MoEModel:
+        """A :class:`BertMoEClassifier` holding ``experts`` (layer -> global ids).
+
+        Raises:
+            ValueError: an MoE layer has no entry in ``experts`` (or the layers are invalid).
+        """
         layers = self.moe_layers(spec)
         missing = [x for x in layers if x not in experts]
         if missing:
@@ -101,6 +120,9 @@ class BertUpcycledAdapter(ModelAdapter):
         return BertMoEClassifier(self.config(spec), layers, experts, spec.top_k, num_labels, device)
 
     def base_state(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
+        """The dense checkpoint (or a ``spec.seed``-seeded random BERT) keyed ``bert.*``, each MoE
+        layer's FFN upcycled to ``spec.num_experts`` experts (noise ``spec.upcycle_noise``, generator
+        seeded ``spec.seed + 1``); detached contiguous copies."""
         cfg = self.config(spec)
         if spec.base is not None:
             dense = BertModel.from_pretrained(resolve_path(spec.base), config=cfg, add_pooling_layer=False)
@@ -124,6 +146,9 @@ class BertUpcycledAdapter(ModelAdapter):
         return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
     def collate(self, spec: ModelSpec, items: list[tuple[Any, int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Texts -> ``{"input_ids", "attention_mask"}`` int64 ``(B, T)`` (padded to the longest,
+        truncated to ``spec.max_seq_len``), labels ``(B,)`` int64. Raises ValueError when the spec
+        names no tokenizer."""
         tok = tokenizer(spec.tokenizer or spec.base)
         enc = tok([str(x) for x, _ in items], truncation=True, max_length=spec.max_seq_len, padding=True,
                   return_tensors="pt")
@@ -134,7 +159,7 @@ class BertUpcycledAdapter(ModelAdapter):
         """Per layer ``B·T·(16·H + 2·F·k) + B·heads·T²`` fp32 values kept for backward.
 
         Checked against measured training peaks of all-MiniLM-L6-v2 MoE (1 thread,
-        :func:`edge_sdk.budget.tune_allocator` on): within -3%..+27% for T in {32, 64,
+        :func:`moe_model.budget.tune_allocator` on): within -3%..+27% for T in {32, 64,
         128}, batch 8-16, top-1 and top-2 (the estimate errs high).
         """
         cfg = self.config(spec)

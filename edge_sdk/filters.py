@@ -1,0 +1,97 @@
+"""The device's outgoing filter chain (in the spirit of NVFlare's filters): what stands
+between local training and the transport.
+
+:class:`EdgeClient` passes every outgoing ``hello``, update and ``stats`` through its
+filters, in order, then asks each for MQTT user properties for the final bytes (signing).
+The client itself sees tensors and messages only. Filters shipped here:
+
+- :class:`Signing`: Ed25519 signatures of update chunks and statistics
+  (:mod:`protocol.signing`); added by the client when it has a signing key, always last.
+- Fault injection for tests and benchmarks (a provisioned device that signs correctly and
+  lies): :class:`ClaimSamples` and :class:`TransformUpdate`; ``benchmarks/poisoning.py``
+  builds its attacks from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from protocol.codec import sha256_hex
+from protocol.messages import Assignment, Hello, Stats
+from protocol.signing import Signer
+
+
+@dataclass
+class UpdateContext:
+    """What a filter may use to rewrite an update.
+
+    Attributes:
+        assignment: the round's assignment.
+        model: the trained :class:`moe_model.submoe.SubMoE` (its adapter state is the update).
+        sent: the adapter state the cloud sent this round (name -> tensor).
+        train_items: the local training samples ``(input, label id)``.
+    """
+
+    assignment: Assignment
+    model: Any
+    sent: dict[str, torch.Tensor]
+    train_items: list
+
+
+class Filter:
+    """One link of the chain; every hook returns its input unchanged by default."""
+
+    def on_hello(self, hello: Hello) -> Hello:
+        """The ``hello`` to publish instead of ``hello``."""
+        return hello
+
+    def on_update(self, update: dict[str, torch.Tensor], ctx: UpdateContext) -> dict[str, torch.Tensor]:
+        """The adapter state to upload instead of ``update`` (the keys and shapes of ``ctx.sent``)."""
+        return update
+
+    def on_stats(self, stats: Stats) -> Stats:
+        """The statistics to publish instead of ``stats``."""
+        return stats
+
+    def properties(self, kind: str, round: int, upload_id: str, payload: bytes) -> dict[str, str]:
+        """MQTT user properties to add to the final ``payload`` of an ``update`` (its
+        sha256 over the whole blob) or ``stats`` message (default: none)."""
+        return {}
+
+
+class Signing(Filter):
+    """Signs update blobs and statistics with the device's Ed25519 key (:mod:`protocol.signing`)."""
+
+    def __init__(self, signer: Signer):
+        self.signer = signer
+
+    def properties(self, kind: str, round: int, upload_id: str, payload: bytes) -> dict[str, str]:
+        if kind == "stats":
+            return self.signer.stats_properties(round, upload_id, payload)
+        return self.signer.properties(kind, round, upload_id, sha256_hex(payload))
+
+
+class ClaimSamples(Filter):
+    """Fault injection: claim ``claim(n)`` samples (hello and stats) for ``n`` real ones."""
+
+    def __init__(self, claim: Callable[[int], int]):
+        self.claim = claim
+
+    def on_hello(self, hello: Hello) -> Hello:
+        return hello.model_copy(update={"num_samples": self.claim(hello.num_samples)})
+
+    def on_stats(self, stats: Stats) -> Stats:
+        return stats.model_copy(update={"num_samples": self.claim(stats.num_samples)})
+
+
+class TransformUpdate(Filter):
+    """Fault injection: upload ``fn(update, ctx)`` instead of the trained update."""
+
+    def __init__(self, fn: Callable[[dict[str, torch.Tensor], UpdateContext], dict[str, torch.Tensor]]):
+        self.fn = fn
+
+    def on_update(self, update: dict[str, torch.Tensor], ctx: UpdateContext) -> dict[str, torch.Tensor]:
+        return self.fn(update, ctx)
