@@ -70,7 +70,7 @@ import torch  # noqa: E402
 from cloud.robust.guard import l2_norm  # noqa: E402
 from common import heavy_lock  # noqa: E402
 from edge_sdk import EdgeClient  # noqa: E402
-from edge_sdk.filters import Filter, UpdateContext  # noqa: E402
+from edge_sdk.filters import ClaimSamples, Filter, UpdateContext  # noqa: E402
 
 log = logging.getLogger("poisoning")
 
@@ -122,18 +122,14 @@ def defence_config(name: str, attackers: int) -> dict[str, Any]:
 
 
 class Attack(Filter):
-    """A provisioned device's lie (module docstring), as a filter in front of its signing:
-    the device still signs what it sends."""
+    """A provisioned device's lie about its update (module docstring), as a filter in front
+    of its signing: the device still signs what it sends. Inflation also claims
+    :data:`INFLATED` samples (:class:`edge_sdk.filters.ClaimSamples`, :func:`attack_filters`)."""
 
     def __init__(self, device_id: str, attack: str, seed: int):
         self.attack, self.seed = attack, seed
         self._gen = torch.Generator().manual_seed(zlib.crc32(f"{device_id}/{attack}".encode()))
 
-    def on_hello(self, hello):
-        return hello.model_copy(update={"num_samples": INFLATED}) if self.attack == "inflation" else hello
-
-    def on_stats(self, stats):
-        return stats.model_copy(update={"num_samples": INFLATED}) if self.attack == "inflation" else stats
 
     def _noise_like(self, ref: dict[str, torch.Tensor], norm: float) -> dict[str, torch.Tensor]:
         z = {k: torch.randn(v.shape, generator=self._gen) for k, v in ref.items()}
@@ -174,6 +170,12 @@ class Attack(Filter):
             stack = torch.stack([d[k] for d in deltas])
             out[k] = stack.mean(0) - z * stack.std(0)
         return out
+
+
+def attack_filters(device_id: str, attack: str, seed: int) -> list[Filter]:
+    """The outgoing filters of a malicious device running ``attack``."""
+    claim = [ClaimSamples(lambda n: INFLATED)] if attack == "inflation" else []
+    return [*claim, Attack(device_id, attack, seed)]
 
 
 def _flip(items: list[tuple[str, str]], labels: list[str]) -> list[tuple[str, str]]:
@@ -223,7 +225,7 @@ def run_cell(seed: int, attackers: int, attack: str, defence: str, prof: dict, b
                   cache_dir=str(cache / d), seed=seed * 100 + i, signing_key=keys[d])
         if d in bad:
             clients.append(EdgeClient(broker, d, _flip(data, labels) if attack == "label_flip" else data,
-                                      filters=[Attack(d, attack, kw["seed"])], **kw))
+                                      filters=attack_filters(d, attack, kw["seed"]), **kw))
         else:
             clients.append(EdgeClient(broker, d, data, **kw))
     t0 = time.time()

@@ -22,7 +22,7 @@ from moe_model.shards import decode_shard, encode_shard, shards_for, split_base
 from moe_model.submoe import SubMoE
 from moe_model.train import EvalResult, evaluate
 from protocol import keys
-from protocol.codec import sha256_hex
+from protocol.codec import extra_tensor_problem, sha256_hex
 from protocol.messages import ModelSpec, ShardManifest
 from protocol.topics import Topics
 
@@ -124,12 +124,11 @@ class GlobalModel:
                 float32 or int64, or a non-finite value.
         """
         for name, t in owned.items():
-            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float32, torch.int64):
-                raise ValueError(f"owned tensor {name!r} must be a float32 or int64 tensor")
+            problem = extra_tensor_problem(t)
+            if problem:
+                raise ValueError(f"owned tensor {name!r} {problem}")
             if not _OWNED_NAME.fullmatch(name):
                 raise ValueError(f"owned tensor name {name!r} must match {_OWNED_NAME.pattern}")
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"owned tensor {name!r} has non-finite values")
         self.owned = {k: v.detach().clone() for k, v in owned.items()}
 
     @torch.no_grad()

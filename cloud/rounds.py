@@ -54,7 +54,7 @@ from moe_model.budget import (
 )
 from moe_model.train import num_steps
 from protocol.chunking import Blob
-from protocol.codec import CodecError, decode_tensors, encode_tensors, sha256_hex
+from protocol.codec import EXTRA_DTYPES, CodecError, decode_tensors, encode_tensors, extra_tensor_problem, sha256_hex
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
     MIN_MINOR_FOR_EXTENSIONS, Ack, Assignment, BlobRef, Command, ExtraName, Objective, Stats, TensorSpec,
@@ -626,7 +626,7 @@ class RoundEngine:
         attempts = attempt.get("attempts", 0) + 1 if attempt.get("round") == rnd.number else 1
         self.store.put_json("closing_round", {"round": rnd.number, "attempts": attempts})
         try:
-            return self._close(rnd, before)
+            return self._close(rnd, before, owned_before)
         except Exception as e:
             log.exception("round %d: closing failed; the round fails and its messages are quarantined", rnd.number)
             self.model.set_state(before)
@@ -646,8 +646,8 @@ class RoundEngine:
         self.completed = rnd.number
         return record
 
-    def _close(self, rnd: _Round, before: dict[str, torch.Tensor]) -> dict[str, Any]:
-        owned_before = dict(self.model.owned)
+    def _close(self, rnd: _Round, before: dict[str, torch.Tensor],
+               owned_before: dict[str, torch.Tensor]) -> dict[str, Any]:
         results, failures = [], []
         for d, experts in sorted(rnd.selected.items()):
             dev = self.registry.get(d)
@@ -774,8 +774,7 @@ class RoundEngine:
 
     def _persist(self, record: dict[str, Any]) -> None:
         self.store.put_blob("global_state", encode_tensors(self.model.state, "fp32"))
-        if self.model.owned or self.store.get_blob("strategy_tensors") is not None:
-            self.store.put_blob("strategy_tensors", encode_tensors(self.model.owned, "fp32"))
+        self.store.put_blob("strategy_tensors", encode_tensors(self.model.owned, "fp32"))
         self.store.put_json("strategy_state", self.strategy.state_dict())
         self.store.put_json("defences_state", self.defences.state_dict())
         self.store.put_json("load_window", self.window.state_dict())
@@ -892,7 +891,7 @@ class _Refused(Exception):
     """The pre-commit guard refused a round's new global state."""
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.int64: "int64"}
+_DTYPE_NAMES = {t: name for name, t in EXTRA_DTYPES.items()}
 """Torch dtype of an extra tensor -> its ``TensorSpec.dtype``."""
 _EXTRA_NAME = TypeAdapter(ExtraName)
 MAX_EXTRA_TENSOR_BYTES = 64 * 1024**2
@@ -911,10 +910,11 @@ def _tensors_problem(tensors: dict[str, torch.Tensor]) -> str | None:
             return f"extra tensor name {name!r} is not 'namespace.name' (lower-case namespace)"
         if name.split(".", 1)[0] in ("backbone", "expert", "router", "head"):
             return f"extra tensor name {name!r} uses an adapter-state namespace"
-        if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPE_NAMES:
-            return f"extra tensor {name!r} must be a float32 or int64 tensor"
-        if t.dim() > 8 or (t.is_floating_point() and not bool(torch.isfinite(t).all())):
-            return f"extra tensor {name!r} has more than 8 dimensions or non-finite values"
+        problem = extra_tensor_problem(t)
+        if problem:
+            return f"extra tensor {name!r} {problem}"
+        if t.dim() > 8:
+            return f"extra tensor {name!r} has more than 8 dimensions"
         total += t.numel() * t.element_size()
     if total > MAX_EXTRA_TENSOR_BYTES:
         return f"extra tensors of {total} bytes exceed {MAX_EXTRA_TENSOR_BYTES}"

@@ -14,14 +14,12 @@ engine.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 import torch
 
+from protocol import plugins
 from protocol.messages import PROTOCOL_MINOR, Objective, Stats, TrainConfig
 
 Experts = dict[int, list[int]]
@@ -145,43 +143,9 @@ class Setup:
     aggregation: tuple[str, dict[str, Any]] = ("modular", {})
 
 
-class Registered:
-    """Base of strategy families: subclasses with a ``name`` register themselves."""
-
-    name: ClassVar[str] = ""
-    aliases: ClassVar[tuple[str, ...]] = ()
-    """Former names that still select this class (configs written before a rename)."""
-    _registry: ClassVar[dict[str, type]]
-    _package: ClassVar[str]
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if "_registry" in cls.__dict__:
-            return
-        if cls.name:
-            for name in (cls.name, *cls.__dict__.get("aliases", ())):
-                cls._registry[name] = cls
-
-    @classmethod
-    def lookup(cls, name: str) -> type:
-        """The strategy class registered as ``name``: a module of this family's package,
-        or a third-party one registered under the entry-point group
-        ``fedmoe.{family}`` (``fedmoe.strategies``, ``fedmoe.assignment``,
-        ``fedmoe.aggregation``), loaded when its name is asked for.
-
-        Raises:
-            KeyError: unknown name (the message lists the known ones).
-        """
-        family = cls._package.rsplit(".", 1)[-1]
-        pkg = importlib.import_module(cls._package)
-        for mod in pkgutil.iter_modules(pkg.__path__):
-            importlib.import_module(f"{cls._package}.{mod.name}")
-        if name not in cls._registry:
-            for ep in entry_points(group=f"fedmoe.{family}", name=name):
-                ep.load()
-        if name not in cls._registry:
-            raise KeyError(f"unknown {family} strategy {name!r}; known: {sorted(cls._registry)}")
-        return cls._registry[name]
+class Registered(plugins.Registered):
+    """Base of strategy families (:class:`protocol.plugins.Registered`), with state kept
+    between rounds."""
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state to persist between rounds (default: none)."""

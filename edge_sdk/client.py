@@ -31,7 +31,7 @@ import torch
 
 from protocol import topics as T
 from protocol.chunking import ChunkError, Reassembler
-from protocol.codec import CodecError, decode_tensors, encode_tensors
+from protocol.codec import EXTRA_DTYPES, CodecError, decode_tensors, encode_tensors
 from protocol.logsafe import LogLimiter, clip
 from protocol.messages import (
     COMMANDS, PROTOCOL_MINOR, Ack, Assignment, Command, Hello, MessageError, Stats, Status, VersionError, encode,
@@ -52,8 +52,6 @@ from .objectives import check_objectives, terms_for
 
 log = logging.getLogger(__name__)
 SDK_VERSION = "0.1.0"
-_DTYPES = {"float32": torch.float32, "int64": torch.int64}
-"""``TensorSpec.dtype`` -> torch dtype of an extra tensor in the state blob."""
 MAX_STATE_BYTES = 512 * 1024**2
 
 
@@ -440,7 +438,7 @@ class EdgeClient:
         model = self._model_for(a, len(labels))
         B.release_free_memory()
         self._wait(lambda: a.state.transfer_id in self._inbox.states, a.deadline, "adapter state")
-        extra = {name: (tuple(t.shape), _DTYPES[t.dtype]) for name, t in a.tensors.items()}
+        extra = {name: (tuple(t.shape), EXTRA_DTYPES[t.dtype]) for name, t in a.tensors.items()}
         state = decode_tensors(self._inbox.states.pop(a.state.transfer_id), MAX_STATE_BYTES,
                                {**model.expected(), **extra})
         tensors = {name: state.pop(name) for name in extra}

@@ -69,6 +69,21 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
+EXTRA_DTYPES = {"float32": torch.float32, "int64": torch.int64}
+"""``TensorSpec.dtype`` -> torch dtype: what a method's own tensors may be (extra tensors
+sent down with the adapter state, tensors a strategy keeps in the global model)."""
+
+
+def extra_tensor_problem(t: object) -> str | None:
+    """Why ``t`` cannot be a method's extra or owned tensor (not a float32/int64 tensor,
+    or non-finite values), or None."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in EXTRA_DTYPES.values():
+        return "must be a float32 or int64 tensor"
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        return "has non-finite values"
+    return None
+
+
 def sha256_hex(data: bytes | memoryview) -> str:
     """Hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, ClassVar, Sequence
 
 import torch
 
 from protocol.messages import Objective, TrainConfig
-
-ENTRY_POINT_GROUP = "fedmoe.objectives"
+from protocol.plugins import Registered
 
 
 @dataclass
@@ -33,10 +29,11 @@ class TermContext:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
-class ObjectiveTerm:
+class ObjectiveTerm(Registered):
     """One additive term of the local objective.
 
-    A subclass with a ``name`` registers itself. It is built once per round with the
+    A subclass with a ``name`` registers itself (:class:`protocol.plugins.Registered`;
+    third-party terms under the entry-point group ``fedmoe.objectives``). It is built once per round with the
     cloud's parameters and the :class:`TermContext`, called once per training step, and
     may report statistics after training (sent up in ``Stats.extras`` as
     ``{name}.{key}``).
@@ -50,13 +47,8 @@ class ObjectiveTerm:
             from ``ctx.tensors`` (the device then refuses the round with the reason).
     """
 
-    name: ClassVar[str] = ""
-    _registry: ClassVar[dict[str, type["ObjectiveTerm"]]] = {}
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if cls.name:
-            ObjectiveTerm._registry[cls.name] = cls
+    _registry: ClassVar[dict[str, type]] = {}
+    _package: ClassVar[str] = "edge_sdk.objectives"
 
     def __init__(self, params: dict[str, Any], ctx: TermContext):
         self.params, self.ctx = dict(params), ctx
@@ -88,16 +80,6 @@ class ObjectiveTerm:
         return {}
 
 
-def _discover() -> dict[str, type[ObjectiveTerm]]:
-    pkg = importlib.import_module(__package__)
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        importlib.import_module(f"{__package__}.{mod.name}")
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in ObjectiveTerm._registry:
-            ep.load()
-    return ObjectiveTerm._registry
-
-
 def check_objectives(objectives: Sequence[Objective]) -> None:
     """Fail fast, before a round is accepted, on objectives this device cannot run.
 
@@ -105,11 +87,13 @@ def check_objectives(objectives: Sequence[Objective]) -> None:
         ValueError: an unknown term name (the message lists the known ones) or a term
             named twice.
     """
-    known = _discover()
     names = [o.name for o in objectives]
     for n in names:
-        if n not in known:
-            raise ValueError(f"unknown objective term {n!r}; this device knows {sorted(known)}")
+        try:
+            ObjectiveTerm.lookup(n)
+        except KeyError:
+            raise ValueError(f"unknown objective term {n!r}; this device knows "
+                             f"{sorted(ObjectiveTerm._registry)}") from None
     if len(set(names)) != len(names):
         raise ValueError(f"objective terms named twice: {names}")
 
