@@ -15,13 +15,15 @@ The client itself sees tensors and messages only. Filters shipped here:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from protocol.codec import sha256_hex
 from protocol.messages import Assignment, Hello, Stats
-from protocol.signing import Signer
+
+if TYPE_CHECKING:  # protocol.signing loads cryptography (~7 MiB RSS): only devices that sign pay for it
+    from protocol.signing import Signer
 
 
 @dataclass
@@ -65,7 +67,7 @@ class Filter:
 class Signing(Filter):
     """Signs update blobs and statistics with the device's Ed25519 key (:mod:`protocol.signing`)."""
 
-    def __init__(self, signer: Signer):
+    def __init__(self, signer: "Signer"):
         self.signer = signer
 
     def properties(self, kind: str, round: int, upload_id: str, payload: bytes) -> dict[str, str]:

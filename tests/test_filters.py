@@ -51,3 +51,12 @@ def test_the_client_puts_signing_last_and_merges_properties(tmp_path):
     assert props["x-tag"] == "stats" and len(props) > 1
     assert EdgeClient("mqtt://127.0.0.1:1", "dev1", [("a", "x")], cache_dir=str(tmp_path),
                       runtime_bytes=0)._properties("stats", 1, "u", b"p") is None
+
+
+def test_a_device_that_does_not_sign_never_loads_the_signing_library():
+    import subprocess
+    import sys
+
+    code = "import sys, edge_sdk, edge_sdk.filters; print('cryptography' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-500:]   # ~7 MiB of RSS saved
