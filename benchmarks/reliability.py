@@ -62,6 +62,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from edge_sdk import EdgeClient  # noqa: E402
+from edge_sdk.filters import Filter  # noqa: E402
 from moe_model.budget import estimate  # noqa: E402
 from fedmoe.broker import MosquittoBroker  # noqa: E402
 from fedmoe.datasets import bbc_news  # noqa: E402
@@ -163,8 +164,7 @@ class Bench:
         c = EdgeClient.from_credentials(
             self.url, self.sec.device_file(device_id), self.items[i::self.args.devices][:30],
             federation=self.federation, budget_bytes=budget, task="bbc", cache_dir=str(self.work / f"cache-{i}"),
-            runtime_bytes=0, tls=self.tls, low_memory=False)
-        self._instrument(c)
+            runtime_bytes=0, tls=self.tls, low_memory=False, filters=[self._faults(device_id)])
         self.clients[device_id] = c
         th = threading.Thread(target=self._run_client, args=(c,), name=device_id, daemon=True)
         th.start()
@@ -176,36 +176,34 @@ class Bench:
         except Exception as e:  # a crashed (killed) client ends here
             log.debug("%s ended: %s", c.device_id, e)
 
-    def _instrument(self, c: EdgeClient) -> None:
-        """Fault hooks (straggle, duplicate) and publish accounting on one client."""
-        tr, dev = c.transport, c.device_id
-        orig_blob, orig_pub = tr.publish_blob, tr.publish
+    def _faults(self, device_id: str) -> Filter:
+        """The device's fault-injection filter (straggle, duplicate) and stats accounting."""
+        bench = self
 
-        def publish_blob(topic, data, kind, round, transfer_id=None, retain=False, user_properties=None):
-            arm = self.armed[dev]
-            if kind == "update" and arm.get("straggle") == round:
-                wait_until = time.time() + 5.0  # the round_start progress message may still be on its way
-                while round not in self.round_start and time.time() < wait_until:
-                    time.sleep(0.05)
-                deadline = self.round_start.get(round, {}).get("deadline", time.time() + self.args.round_timeout)
-                while time.time() < deadline + 1.5 and round not in self.round_end:
-                    time.sleep(0.1)
-                time.sleep(0.5)
-            ref = orig_blob(topic, data, kind, round, transfer_id, retain, user_properties)
-            if kind == "update" and arm.get("duplicate") == round:
-                orig_blob(topic, data, kind, round, transfer_id, retain, user_properties)
-            return ref
+        class Faults(Filter):
+            def on_publish(self, kind, round, send):
+                arm = bench.armed[device_id]
+                if kind == "update" and arm.get("straggle") == round:
+                    bench.straggle(round)
+                result = send()
+                if kind == "stats":
+                    with bench.lock:
+                        bench.published.append((device_id, round, time.time()))
+                if kind in ("update", "stats") and arm.get("duplicate") == round:
+                    send()
+                return result
 
-        def publish(topic, payload, qos=1, retain=False, timeout=60.0, user_properties=None):
-            orig_pub(topic, payload, qos, retain, timeout, user_properties)
-            if topic.endswith("/up/stats"):
-                rnd = json.loads(payload)["round"]
-                with self.lock:
-                    self.published.append((dev, rnd, time.time()))
-                if self.armed[dev].get("duplicate") == rnd:
-                    orig_pub(topic, payload, qos, retain, timeout, user_properties)
+        return Faults()
 
-        tr.publish_blob, tr.publish = publish_blob, publish
+    def straggle(self, rnd: int) -> None:
+        """Hold an update back until round ``rnd`` closed (or its deadline passed)."""
+        wait_until = time.time() + 5.0  # the round_start progress message may still be on its way
+        while rnd not in self.round_start and time.time() < wait_until:
+            time.sleep(0.05)
+        deadline = self.round_start.get(rnd, {}).get("deadline", time.time() + self.args.round_timeout)
+        while time.time() < deadline + 1.5 and rnd not in self.round_end:
+            time.sleep(0.1)
+        time.sleep(0.5)
 
     def crash(self, device_id: str) -> None:
         """Kill a device's connection without DISCONNECT (its Last Will fires) and stop it."""

@@ -62,6 +62,7 @@ from protocol.messages import (
 )
 from protocol.topics import Topics
 
+from .filters import InboundFilter, UpdateDecoding
 from .global_model import GlobalModel
 from .metrics import LoadWindow, round_load
 from .registry import Registry
@@ -158,6 +159,8 @@ class RoundEngine:
         defences: update screening, the robust/DP wrapper of the strategy's aggregation
             part and the pre-commit guard (:mod:`cloud.robust`); default: screening and
             guard on.
+        filters: the incoming filters decoded updates pass (:mod:`cloud.filters`);
+            default: ``[UpdateDecoding()]``.
 
     Raises:
         ValueError: DP-FedAvg is configured but the strategy has no aggregation part to
@@ -168,9 +171,12 @@ class RoundEngine:
         self, model: GlobalModel, registry: Registry, store: Store, strategy: Strategy, wire: Wire, topics: Topics,
         settings: RoundSettings, eval_data: dict[str, Sequence[tuple[Any, int]]],
         reject: Callable[[str, int, str], None], progress: Callable[[str, int, dict], None],
-        defences: Defences | None = None,
+        defences: Defences | None = None, filters: Sequence[InboundFilter] | None = None,
     ):
         self.model, self.registry, self.store = model, registry, store
+        self.filters = list(filters) if filters is not None else [UpdateDecoding()]
+        """Incoming filters every decoded update passes (:meth:`InboundFilter.on_update`;
+        default: :class:`cloud.filters.UpdateDecoding`, so any device encoding is understood)."""
         self.defences = defences or Defences()
         self.strategy = strategy
         if strategy.aggregation is not None:
@@ -500,10 +506,8 @@ class RoundEngine:
             if rnd.updates[device_id][0] != blob.header.sha:
                 self.reject(device_id, rnd.number, "a second, different update for this round was ignored")
             return
-        dev = self.registry.get(device_id)
-        expected = self.model.expected_for(rnd.selected[device_id], dev.task)
         try:
-            tensors = decode_tensors(blob.data, self.settings.max_update_bytes, expected)
+            tensors = self._decode_update(device_id, rnd.selected[device_id], blob.data)
         except CodecError as e:
             rnd.rejected[device_id] = str(e)
             self.reject(device_id, rnd.number, f"update rejected: {e}")
@@ -511,6 +515,21 @@ class RoundEngine:
         rnd.updates[device_id] = (blob.header.sha, tensors)
         self.store.put_blob(f"inflight/{rnd.number}/update/{device_id}", blob.data)
         self._maybe_report(rnd, device_id)
+
+    def _decode_update(self, device_id: str, experts: Experts, data: bytes) -> dict[str, torch.Tensor]:
+        """An update payload as fp32 tensors of exactly the layout ``device_id`` holding
+        ``experts`` must send, through the incoming filters (precision, delta).
+
+        Raises:
+            CodecError: malformed, oversized, non-finite or not that layout.
+        """
+        task = self.registry.get(device_id).task
+        meta: dict[str, str] = {}
+        tensors = decode_tensors(data, self.settings.max_update_bytes, self.model.expected_for(experts, task),
+                                 as_float=torch.float32, metadata_out=meta)
+        for f in self.filters:
+            tensors = f.on_update(device_id, tensors, meta, lambda: self.model.state_for(experts, task))
+        return tensors
 
     def on_stats(self, device_id: str, stats: Stats) -> None:
         """A device's round statistics (schema-valid): bounded by :meth:`_stats_problem`
@@ -855,8 +874,7 @@ class RoundEngine:
                     rnd.stats[d] = stats
             data = self.store.get_blob(f"{prefix}update/{d}")
             if data is not None and dev is not None:
-                expected = self.model.expected_for(rnd.selected[d], dev.task)
-                rnd.updates[d] = (sha256_hex(data), decode_tensors(data, self.settings.max_update_bytes, expected))
+                rnd.updates[d] = (sha256_hex(data), self._decode_update(d, rnd.selected[d], data))
         self.current = rnd
         closing = self.store.get_json("closing_round", {})
         if closing.get("round") == rnd.number and closing.get("attempts", 0) >= MAX_CLOSE_ATTEMPTS:

@@ -37,9 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from moe_model.budget import tune_allocator
 from edge_sdk.data import encode_labels, load_text_file
 from protocol.chunking import DEFAULT_CHUNK_BYTES, MAX_HEADER, ChunkError, Reassembler, parse_chunk
-from protocol.codec import sha256_hex
 from protocol.logsafe import LogLimiter, RateLimiter, clip
-from protocol.signing import SIGNED_KINDS, SignatureError, unsigned_reason
+from protocol.signing import SignatureError
 from protocol.messages import (
     MAX_CONTROL_BYTES, MAX_SAMPLES, Ack, Command, Hello, MessageError, ModelSpec, Progress, Stats, Status,
     TrainConfig, WeightFormat, encode, parse_message,
@@ -47,6 +46,7 @@ from protocol.messages import (
 from protocol.topics import UP_KINDS, Topics
 from protocol.transport import Transport, TlsConfig
 
+from .filters import InboundFilter, Verification
 from .global_model import GlobalModel
 from .registry import Registry
 from .robust.config import DefenceConfig
@@ -218,14 +218,16 @@ class Aggregator:
                 "username": config.username or cred["username"], "password": config.password or cred.get("password"),
                 "tls_ca": config.tls_ca or (cred.get("tls_ca") if broker.startswith(("mqtts", "ssl")) else None)})
             self.cfg = config
-        self.verifier = None
+        self.verification: Verification | None = None
         if config.device_keys:
             from protocol.credentials import load_device_keys
-            from protocol.signing import ReplayGuard, Verifier
+            from protocol.signing import Verifier
 
-            self.verifier = Verifier(load_device_keys(config.device_keys))
-            self.replays = ReplayGuard()
-            log.info("signatures required; %d device keys loaded", len(self.verifier.keys))
+            self.verification = Verification(Verifier(load_device_keys(config.device_keys)), config.max_update_bytes)
+            log.info("signatures required; %d device keys loaded", len(self.verification.verifier.keys))
+        self.filters: list[InboundFilter] = [self.verification] if self.verification else []
+        """The incoming filter chain (:mod:`cloud.filters`) every update chunk and stats
+        message passes before the engine; the engine decodes updates with its own."""
         self.registry = Registry(self.store)
         tasks = {name: t.labels for name, t in config.tasks.items()}
         self.model = GlobalModel(config.model, tasks, config.weight_format, formats=config.weight_formats)
@@ -255,8 +257,6 @@ class Aggregator:
         """Set once :meth:`run` subscribed to the devices' uplink: a message a device
         publishes earlier and does not retain (``hello`` is retained) is not seen."""
         self.rejected = 0
-        self.duplicates = 0
-        """Exact repeats of signed messages (QoS 1 redeliveries, replays) ignored."""
         self.internal_errors = 0
         """Messages dropped because handling them raised an unexpected error (a bug)."""
         self.dropped = 0
@@ -391,8 +391,8 @@ class Aggregator:
                     self.engine.close_round()
                     self.updates = Reassembler(self.cfg.max_update_bytes)
                     self.store.delete_prefix("chunks/")
-                    if self.verifier is not None:
-                        self.replays.prune(self.engine.completed + 1)
+                    if self.verification is not None:
+                        self.verification.prune(self.engine.completed + 1)
             self._progress("done", self.engine.completed, {})
             if self.cfg.stop_devices_when_done and not self._stop.is_set():
                 for dev in self.registry.devices.values():
@@ -477,6 +477,11 @@ class Aggregator:
         except Exception as e:
             log.warning("could not clear retained shards: %s", e)
 
+    @property
+    def duplicates(self) -> int:
+        """Exact repeats of signed stats messages ignored (QoS 1 redeliveries, replays)."""
+        return self.verification.duplicates if self.verification is not None else 0
+
     # ------------------------------------------------------------------ incoming
     def _pump(self, timeout: float) -> None:
         """Handle every message already queued, waiting up to ``timeout`` for the first."""
@@ -506,12 +511,12 @@ class Aggregator:
             return
         if direction != "up":
             return
-        if self.verifier is not None:
-            if not self.verifier.knows(device_id):
+        if self.verification is not None:
+            if not self.verification.knows(device_id):
                 self._drop(f"{kind} from a device that is not provisioned",
                            "ignored %s from %s: not a provisioned device", kind, device_id)
                 return
-            unsigned = unsigned_reason(kind, props) if kind in SIGNED_KINDS else None
+            unsigned = self.verification.unsigned(kind, props)
             if unsigned:  # the capped reply tells a misconfigured device why
                 self.dropped += 1
                 self._reject(device_id, None, f"{kind} rejected: {unsigned}")
@@ -539,7 +544,7 @@ class Aggregator:
             if self.registry.get(device_id) is None:
                 raise MessageError(f"unknown device {device_id!r}: send hello first")
             if kind == "update":
-                if self.verifier is not None and not self._signed_chunk(device_id, payload, props or {}):
+                if not all(f.accept_chunk(device_id, payload, props or {}) for f in self.filters):
                     return
                 blob = self.updates.add(device_id, payload)
                 if blob is not None:
@@ -550,7 +555,7 @@ class Aggregator:
             elif kind == "stats":
                 msg = parse_message(payload, Stats)
                 self._same_device(device_id, msg.device_id)
-                if self.verifier is not None and not self._signed_stats(device_id, payload, msg, props or {}):
+                if not all(f.accept_stats(device_id, payload, msg, props or {}) for f in self.filters):
                     return
                 self.engine.on_stats(device_id, msg)
             elif kind == "ack":
@@ -587,37 +592,6 @@ class Aggregator:
                 self.updates.add(device_id, self.store.get_blob(key))
             except ChunkError as e:
                 log.warning("dropped stored chunk %s: %s", key, e)
-
-    def _signed_chunk(self, device_id: str, payload: bytes, props: dict[str, str]) -> bool:
-        """Verify an update chunk's signature against its header. False: a duplicate to ignore.
-
-        Raises:
-            SignatureError, ChunkError: unsigned, forged, mismatched or malformed.
-        """
-        signed = self.verifier.verify("update", device_id, props)
-        header, _ = parse_chunk(payload, self.cfg.max_update_bytes)
-        if (header.round, header.id, header.sha) != (signed.round, signed.upload_id, signed.sha256):
-            raise SignatureError("update chunk does not match its signature (round, upload id or sha256)")
-        if header.seq == 0:
-            self.replays.check(device_id, "update", signed)
-        return True
-
-    def _signed_stats(self, device_id: str, payload: bytes, msg: Stats, props: dict[str, str]) -> bool:
-        """Verify a stats message's signature. False: an exact repeat (QoS 1 duplicate).
-
-        Raises:
-            SignatureError: unsigned, forged, mismatched, or a replayed signature.
-        """
-        signed = self.verifier.verify("stats", device_id, props)
-        if signed.sha256 != sha256_hex(payload) or signed.round != msg.round or \
-                signed.upload_id != msg.update.transfer_id:
-            raise SignatureError("stats message does not match its signature (payload, round or upload id)")
-        if not self.replays.check(device_id, "stats", signed):
-            self.duplicates += 1
-            self._reject_log.log("repeated stats", logging.INFO, "ignored a repeated stats message from %s (round %d)",
-                                 device_id, msg.round)
-            return False
-        return True
 
     @staticmethod
     def _same_device(topic_id: str, msg_id: str) -> None:

@@ -19,13 +19,14 @@ Raw samples never leave the device.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -49,6 +50,8 @@ from moe_model.train import evaluate, train_local
 from .data import encode_labels, train_val_split
 from .filters import Filter, Signing, UpdateContext
 from .objectives import check_objectives, terms_for
+
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 SDK_VERSION = "0.1.0"
@@ -235,7 +238,8 @@ class EdgeClient:
         """Bad messages on the downlink are logged rate-limited (a stranger may flood them)."""
         self._decoded: dict[str, dict[str, torch.Tensor]] = {}
         self._held: _Held | None = None
-        self._private_router: dict[str, torch.Tensor] = {}
+        self._term_memory: dict[str, dict] = {}
+        """The objective terms' memory across rounds (:attr:`TermContext.memory`)."""
         self._data_cache: tuple[tuple[str, ...], list, list] | None = None
         self._last_round = (-1, -1)
         self._mark = (0, 0)
@@ -291,7 +295,8 @@ class EdgeClient:
         )
         for f in self.filters:
             hello = f.on_hello(hello)
-        self.transport.publish(self.topics.up(self.device_id, "hello"), encode(hello), retain=True)
+        self._publish("hello", 0, lambda: self.transport.publish(self.topics.up(self.device_id, "hello"),
+                                                                 encode(hello), retain=True))
         log.info("%s joined %s (budget %.2f GiB, %d samples, task %s)", self.device_id, self.topics.federation,
                  self.budget_bytes / 1024**3, len(self.raw_items), self.task)
         self._mark = (self.transport.bytes_sent, self.transport.bytes_received)
@@ -443,28 +448,29 @@ class EdgeClient:
                                {**model.expected(), **extra})
         tensors = {name: state.pop(name) for name in extra}
         model.load_adapter_state(state)
-        if a.train.router == "private":
-            self._restore_private_router(model)
+        terms = terms_for(a.train, a.objectives, state, tensors, self._term_memory)
+        for t in terms:
+            t.before_training(model)
 
         stats = ActivationStats(model.model.moe_blocks(), a.model.num_experts, hidden=a.train.collect_hidden)
-        terms = terms_for(a.train, a.objectives, state, tensors)
-        result = train_local(model, train_items, a.train, terms=terms, stats=stats,
+        result = train_local(model, train_items, a.train, terms=[t for t in terms if t.adds_loss], stats=stats,
                              seed=self.seed * 100_003 + a.round)
         extras = {f"{t.name}.{k}": [float(x) for x in v] for t in terms for k, v in t.statistics().items()}
         val = evaluate(model, val_items, stats=stats) if val_items else None
         log.info("%s round %d: %d steps, loss %.4f, val acc %s (%.1f s)", self.device_id, a.round, result.steps,
                  result.loss, f"{val.accuracy:.3f}" if val else "n/a", result.seconds)
 
-        if a.train.router == "private":
-            self._keep_private_router(model)
+        for t in terms:
+            t.after_training(model)
         tensors, ctx = model.adapter_state(), UpdateContext(a, model, state, train_items)
         for f in self.filters:
             tensors = f.on_update(tensors, ctx)
-        update = encode_tensors(tensors, "fp32")
+        update = encode_tensors(tensors, ctx.format, ctx.metadata)
         upload_id = uuid.uuid4().hex[:16]
-        ref = self.transport.publish_blob(self.topics.up(self.device_id, "update"), update, "update", a.round,
-                                          transfer_id=upload_id,
-                                          user_properties=self._properties("update", a.round, upload_id, update))
+        props = self._properties("update", a.round, upload_id, update)
+        ref = self._publish("update", a.round, lambda: self.transport.publish_blob(
+            self.topics.up(self.device_id, "update"), update, "update", a.round, transfer_id=upload_id,
+            user_properties=props))
         peak = B.peak_rss_bytes()
         self._recalibrate(a.round, peak, plan.total)
         topic = self.topics.up(self.device_id, "stats")
@@ -492,7 +498,8 @@ class EdgeClient:
             if total == up:
                 break
             up, payload = total, build(total)
-        self.transport.publish(topic, payload, user_properties=self._properties("stats", a.round, upload_id, payload))
+        props = self._properties("stats", a.round, upload_id, payload)
+        self._publish("stats", a.round, lambda: self.transport.publish(topic, payload, user_properties=props))
         self._mark = (self.transport.bytes_sent, self.transport.bytes_received)
         self._blob_mark = self._blob_bytes_received
         B.release_free_memory()
@@ -500,6 +507,12 @@ class EdgeClient:
             a.round, result.loss, val.accuracy if val else float("nan"), up, down, peak, fetched,
             {k: list(v) for k, v in a.experts.items()}, time.perf_counter() - t0, plan.total, a.weight_format,
         ))
+
+    def _publish(self, kind: str, rnd: int, send: Callable[[], R]) -> R:
+        """``send()`` through every filter's :meth:`Filter.on_publish`, the first outermost."""
+        for f in reversed(self.filters):
+            send = functools.partial(f.on_publish, kind, rnd, send)
+        return send()
 
     def _properties(self, kind: str, rnd: int, upload_id: str, payload: bytes) -> dict[str, str] | None:
         """The filters' MQTT user properties for the final ``payload`` (None: none)."""
@@ -540,20 +553,6 @@ class EdgeClient:
             train, val = train_val_split(items, self.val_fraction, self.seed)
             self._data_cache = (key, train, val)
         return self._data_cache[1], self._data_cache[2]
-
-    def _restore_private_router(self, model: SubMoE) -> None:
-        """Client-private gating (FLEX-MoE, 000_5c6cd7a163e9f8d7.txt Step 3): router rows
-        this device trained before replace the cloud's; rows of newly held experts start
-        from the cloud's values."""
-        with torch.no_grad():
-            for k, p in model.trainable().items():
-                if k.startswith("router.") and k in self._private_router:
-                    p.copy_(self._private_router[k])
-
-    def _keep_private_router(self, model: SubMoE) -> None:
-        for k, p in model.trainable().items():
-            if k.startswith("router."):
-                self._private_router[k] = p.detach().clone()
 
     def _fetch_shards(self, a: Assignment) -> list[str]:
         """Make every assigned shard available: in memory, else memory-mapped from the

@@ -5,21 +5,25 @@ between local training and the transport.
 filters, in order, then asks each for MQTT user properties for the final bytes (signing).
 The client itself sees tensors and messages only. Filters shipped here:
 
+- :class:`UpdateEncoding`: the update's precision (fp32, fp16, bf16, int8) and whether
+  it is sent as a delta from the state the cloud sent (the cloud's
+  ``cloud.filters.UpdateDecoding`` undoes both).
 - :class:`Signing`: Ed25519 signatures of update chunks and statistics
   (:mod:`protocol.signing`); added by the client when it has a signing key, always last.
 - Fault injection for tests and benchmarks (a provisioned device that signs correctly and
   lies): :class:`ClaimSamples` and :class:`TransformUpdate`; ``benchmarks/poisoning.py``
-  builds its attacks from them.
+  builds its attacks from them. :meth:`Filter.on_publish` wraps the publish itself
+  (``benchmarks/reliability.py`` delays and duplicates messages with it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
-from protocol.codec import sha256_hex
+from protocol.codec import ENCODING_KEY, sha256_hex
 from protocol.messages import Assignment, Hello, Stats
 
 if TYPE_CHECKING:  # protocol.signing loads cryptography (~7 MiB RSS): only devices that sign pay for it
@@ -35,12 +39,20 @@ class UpdateContext:
         model: the trained :class:`moe_model.submoe.SubMoE` (its adapter state is the update).
         sent: the adapter state the cloud sent this round (name -> tensor).
         train_items: the local training samples ``(input, label id)``.
+        format: the weight format the update is encoded in (``protocol.codec``; a filter
+            may change it, default fp32).
+        metadata: safetensors metadata written with the update (a filter may add to it).
     """
 
     assignment: Assignment
     model: Any
     sent: dict[str, torch.Tensor]
     train_items: list
+    format: str = "fp32"
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+T = TypeVar("T")
 
 
 class Filter:
@@ -62,6 +74,42 @@ class Filter:
         """MQTT user properties to add to the final ``payload`` of an ``update`` (its
         sha256 over the whole blob) or ``stats`` message (default: none)."""
         return {}
+
+    def on_publish(self, kind: str, round: int, send: Callable[[], T]) -> T:
+        """Publish a ``hello`` (round 0), ``update`` or ``stats`` message by calling
+        ``send`` (the rest of the chain, then the transport) and return its result; a
+        filter may delay, repeat or skip the call (fault injection). Default: ``send()``."""
+        return send()
+
+
+class UpdateEncoding(Filter):
+    """How the update travels: in ``precision`` and, with ``delta``, as the difference
+    from the adapter state the cloud sent (small values: fp16/int8 lose less of them).
+    The cloud decodes any of these (``cloud.filters.UpdateDecoding``). Put it after
+    every filter that rewrites the update (they expect whole states).
+
+    Args:
+        precision: ``fp32`` (default), ``fp16``, ``bf16`` or ``int8`` (per-row, rank >= 2
+            tensors; 1-D ones stay fp32): 4, 2, 2 or ~1 bytes per value.
+        delta: send ``trained - sent`` instead of ``trained``.
+
+    Raises:
+        ValueError: an unknown precision (``nf4`` is for base weights, not updates).
+    """
+
+    PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+
+    def __init__(self, precision: str = "fp32", delta: bool = False):
+        if precision not in self.PRECISIONS:
+            raise ValueError(f"update precision must be one of {self.PRECISIONS}, got {precision!r}")
+        self.precision, self.delta = precision, delta
+
+    def on_update(self, update: dict[str, torch.Tensor], ctx: UpdateContext) -> dict[str, torch.Tensor]:
+        ctx.format = self.precision
+        if not self.delta:
+            return update
+        ctx.metadata[ENCODING_KEY] = "delta"
+        return {k: v - ctx.sent[k].to(v.dtype) if v.is_floating_point() else v for k, v in update.items()}
 
 
 class Signing(Filter):

@@ -11,7 +11,10 @@ index of the nearest of the 16 :data:`NF4_CODE` levels, two indices per byte (fi
 value in the high nibble), stored as ``U8`` of shape ``(ceil(numel/2),)``; the logical
 shape is recorded in the metadata (``nf4_shape:{name}``). 1-D tensors stay fp32.
 The format is recorded in the safetensors metadata, so :func:`decode_tensors`
-needs no side channel.
+needs no side channel. An update may also be a *delta* (the trained state minus the
+state the cloud sent; metadata ``{ENCODING_KEY: "delta"}``, written by the device's
+``UpdateEncoding`` filter and undone by the cloud's ``UpdateDecoding``); the codec only
+carries the marker.
 
 Nothing from the network is unpickled: safetensors is a flat header + raw buffer.
 :func:`inspect_header` parses and bounds-checks the header *before* any tensor is
@@ -43,6 +46,9 @@ NF4_CODE = (
 NF4_MAX_ERROR = max(b - a for a, b in zip(NF4_CODE, NF4_CODE[1:])) / 2
 """Largest |x - deq(q(x))| / absmax of a block (half the widest gap between levels)."""
 WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "nf4")
+ENCODING_KEY = "fedmoe.encoding"
+"""Metadata key of an update's encoding: absent (the state itself) or ``"delta"``."""
+UPDATE_ENCODINGS = ("state", "delta")
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 _DTYPES = {
     "F32": (torch.float32, 4),
@@ -262,6 +268,8 @@ def decode_tensors(
     max_bytes: int,
     expected: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     dequantize: bool = True,
+    as_float: torch.dtype | None = None,
+    metadata_out: dict[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Validate and decode safetensors bytes produced by :func:`encode_tensors`.
 
@@ -282,6 +290,8 @@ def decode_tensors(
             with ``expected``.
     """
     infos, metadata = inspect_header(data, max_bytes)
+    if metadata_out is not None:
+        metadata_out.update(metadata)
     fmt = metadata.get("format", "fp32")
     if fmt not in WEIGHT_FORMATS:
         raise CodecError(f"unsupported weight format {fmt!r}")
@@ -313,6 +323,8 @@ def decode_tensors(
             t = dequantize_int8(t, scale)
         elif name in shapes and dequantize:
             t = dequantize_nf4(t, raw[name + ABSMAX_SUFFIX], shapes[name])
+        if as_float is not None and t.is_floating_point():
+            t = t.to(as_float)
         out[name] = t
     for name, t in out.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):

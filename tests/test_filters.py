@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from edge_sdk import EdgeClient
-from edge_sdk.filters import ClaimSamples, Filter, Signing, TransformUpdate, UpdateContext
+from edge_sdk.filters import ClaimSamples, Filter, Signing, TransformUpdate, UpdateContext, UpdateEncoding
 from protocol.codec import sha256_hex
 from protocol.messages import Hello
 from protocol.signing import SignatureError, Signer, Verifier, generate_key, public_key_b64
@@ -60,3 +60,135 @@ def test_a_device_that_does_not_sign_never_loads_the_signing_library():
     code = "import sys, edge_sdk, edge_sdk.filters; print('cryptography' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-500:]   # ~7 MiB of RSS saved
+
+
+def _sent_and_trained(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    sent = {"lora_A": torch.randn(16, 64, generator=g), "bias": torch.randn(64, generator=g)}
+    trained = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in sent.items()}
+    return sent, trained
+
+
+@pytest.mark.parametrize("precision,delta", [("fp16", True), ("bf16", True), ("int8", True), ("fp16", False)])
+def test_update_encoding_round_trips_through_the_cloud_decoder(precision, delta):
+    from cloud.filters import UpdateDecoding
+    from protocol.codec import decode_tensors, encode_tensors
+
+    sent, trained = _sent_and_trained()
+    ctx = UpdateContext(assignment=None, model=None, sent=sent, train_items=[])
+    update = UpdateEncoding(precision, delta=delta).on_update(dict(trained), ctx)
+    payload = encode_tensors(update, ctx.format, ctx.metadata)
+    meta: dict = {}
+    expected = {k: (tuple(v.shape), torch.float32) for k, v in sent.items()}
+    got = decode_tensors(payload, 2**20, expected, as_float=torch.float32, metadata_out=meta)
+    got = UpdateDecoding().on_update("d", got, meta, lambda: sent)
+    assert set(got) == set(trained) and all(t.dtype == torch.float32 for t in got.values())
+    err = max(float((got[k] - trained[k]).abs().max()) for k in trained)
+    step = max(float((trained[k] - sent[k]).abs().max()) for k in trained)
+    if delta:  # the error is relative to the small step, not to the weights
+        assert err < 0.02 * step, (precision, err, step)
+    else:
+        assert 1e-5 < err < 2e-3, err   # fp16 of the weights themselves: coarser than the step would need
+    assert len(payload) < 0.6 * len(encode_tensors(trained, "fp32"))
+
+
+def test_cloud_decoding_refuses_unknown_encodings_and_overflowing_deltas():
+    from cloud.filters import UpdateDecoding
+    from protocol.codec import ENCODING_KEY, CodecError
+
+    sent = {"w": torch.full((2,), 3e38)}
+    with pytest.raises(CodecError, match="unknown update encoding"):
+        UpdateDecoding().on_update("d", {"w": torch.zeros(2)}, {ENCODING_KEY: "zstd"}, lambda: sent)
+    with pytest.raises(CodecError, match="not finite"):
+        UpdateDecoding().on_update("d", {"w": torch.full((2,), 3e38)}, {ENCODING_KEY: "delta"}, lambda: sent)
+    with pytest.raises(ValueError, match="precision"):
+        UpdateEncoding("nf4")
+
+
+def test_on_publish_wraps_the_send_first_filter_outermost(tmp_path):
+    calls = []
+
+    class Twice(Filter):
+        def on_publish(self, kind, round, send):
+            calls.append(("twice", kind, round))
+            first = send()
+            send()
+            return first
+
+    class Count(Filter):
+        def on_publish(self, kind, round, send):
+            calls.append(("count", kind, round))
+            return send()
+
+    c = EdgeClient("mqtt://127.0.0.1:1", "dev0", [("a", "x")], filters=[Twice(), Count()], cache_dir=str(tmp_path),
+                   runtime_bytes=0)
+    sent = []
+    assert c._publish("stats", 4, lambda: sent.append(1) or len(sent)) == 1
+    assert sent == [1, 1] and calls == [("twice", "stats", 4), ("count", "stats", 4), ("count", "stats", 4)]
+
+
+def test_encoded_updates_federate_and_the_cloud_sees_the_trained_tensors(tmp_path, embedded_url):
+    """fp16 and int8 deltas over the broker: the engine aggregates what the devices trained
+    (within the encoding's error of the step), and nothing is rejected."""
+    from cloud.filters import InboundFilter
+    from tests.federation import Federation
+
+    trained, decoded = {}, {}
+
+    class Keep(Filter):  # before the encoding: the trained state
+        def __init__(self, device_id):
+            self.device_id = device_id
+
+        def on_update(self, update, ctx):
+            trained[self.device_id] = ({k: v.clone() for k, v in update.items()},
+                                       {k: v.clone() for k, v in ctx.sent.items()})
+            return update
+
+    class Seen(InboundFilter):  # after the cloud's decoding
+        def on_update(self, device_id, tensors, metadata, sent):
+            decoded[device_id] = (tensors, dict(metadata))
+            return tensors
+
+    def hook(c):
+        c.filters[:0] = [Keep(c.device_id), UpdateEncoding("fp16" if c.device_id == "dev0" else "int8", delta=True)]
+
+    fed = Federation(embedded_url, str(tmp_path), rounds=1, experts=(2, 3), client_hook=hook)
+    fed.aggregator.engine.filters.append(Seen())
+    records = fed.run()
+    assert records[0]["status"] == "ok" and not records[0].get("excluded")
+    assert set(decoded) == {"dev0", "dev1"}
+    for d, (tensors, meta) in decoded.items():
+        assert meta["fedmoe.encoding"] == "delta" and meta["format"] == ("fp16" if d == "dev0" else "int8")
+        mine, sent = trained[d]
+        assert set(tensors) == set(mine)
+        step = max(float((mine[k] - sent[k]).abs().max()) for k in mine)
+        err = max(float((tensors[k] - mine[k]).abs().max()) for k in mine)
+        assert step > 0 and err <= 0.02 * step, (d, err, step)
+
+
+def test_private_router_term_keeps_this_devices_router_rows_across_rounds():
+    """FLEX-MoE's client-private gating is a device term now: train.router == private (old
+    assignments) turns it on; rows trained in one round replace the cloud's in the next."""
+    from edge_sdk.objectives import terms_for
+    from protocol.messages import TrainConfig
+
+    class Model:
+        def __init__(self):
+            self.p = {"router.0.w": torch.zeros(3), "expert.0.w": torch.zeros(3)}
+
+        def trainable(self):
+            return self.p
+
+    memory: dict = {}
+    m = Model()
+    (t,) = terms_for(TrainConfig(router="private"), [], m.p, memory=memory)
+    assert t.name == "private_router" and not t.adds_loss
+    t.before_training(m)
+    m.p["router.0.w"] += 1.0
+    m.p["expert.0.w"] += 1.0
+    t.after_training(m)
+    fresh = Model()   # next round: the cloud's (zero) state
+    (t,) = terms_for(TrainConfig(router="private"), [], fresh.p, memory=memory)
+    t.before_training(fresh)
+    assert torch.equal(fresh.p["router.0.w"], torch.ones(3)) and torch.equal(fresh.p["expert.0.w"], torch.zeros(3))
+    assert terms_for(TrainConfig(), [], fresh.p, memory=memory) == []

@@ -36,5 +36,6 @@ def test_flex_federation_private_router(embedded_url, tmp_path):
     assert any(not torch.equal(state[k], v) for k, v in experts0.items())  # experts were aggregated
     # each device kept its own trained router rows
     for c in fed.clients:
-        assert c._private_router and all(k.startswith("router.1.") for k in c._private_router)
-        assert any(not torch.equal(v, routers0[k]) for k, v in c._private_router.items())
+        own = c._term_memory["private_router"]
+        assert own and all(k.startswith("router.1.") for k in own)
+        assert any(not torch.equal(v, routers0[k]) for k, v in own.items())

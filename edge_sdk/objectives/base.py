@@ -22,21 +22,25 @@ class TermContext:
         tensors: the round's named extra tensors (``Assignment.tensors``), e.g. a global
             routing distribution; name -> tensor of the announced shape.
         train: the round's training configuration.
+        memory: the device's per-term memory across rounds (term name -> dict; in RAM,
+            lost when the device restarts), e.g. a client-private router.
     """
 
     start_state: dict[str, torch.Tensor]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
+    memory: dict[str, dict] = field(default_factory=dict)
 
 
 class ObjectiveTerm(Registered):
-    """One additive term of the local objective.
+    """One term of the local objective, or a step of local training the cloud switches on.
 
     A subclass with a ``name`` registers itself (:class:`protocol.plugins.Registered`;
     third-party terms under the entry-point group ``fedmoe.objectives``). It is built once per round with the
-    cloud's parameters and the :class:`TermContext`, called once per training step, and
-    may report statistics after training (sent up in ``Stats.extras`` as
-    ``{name}.{key}``).
+    cloud's parameters and the :class:`TermContext`; :meth:`before_training` runs once the
+    round's state is loaded, the term is called once per training step (when
+    ``adds_loss``), :meth:`after_training` runs after local validation, before the update
+    is taken; it may report statistics (sent up in ``Stats.extras`` as ``{name}.{key}``).
 
     Args:
         params: the ``Objective.params`` the cloud sent.
@@ -49,9 +53,22 @@ class ObjectiveTerm(Registered):
 
     _registry: ClassVar[dict[str, type]] = {}
     _package: ClassVar[str] = "edge_sdk.objectives"
+    adds_loss: ClassVar[bool] = True
+    """False for terms that only act before/after training (no per-step value)."""
 
     def __init__(self, params: dict[str, Any], ctx: TermContext):
         self.params, self.ctx = dict(params), ctx
+
+    @property
+    def memory(self) -> dict:
+        """This term's memory across rounds on this device (:attr:`TermContext.memory`)."""
+        return self.ctx.memory.setdefault(self.name, {})
+
+    def before_training(self, model: Any) -> None:
+        """Called with the :class:`moe_model.submoe.SubMoE` once the cloud's state is loaded."""
+
+    def after_training(self, model: Any) -> None:
+        """Called with the trained model after local validation, before the update is taken."""
 
     def param(self, key: str, default: float | None = None, lo: float = -math.inf, hi: float = math.inf) -> float:
         """A numeric parameter within ``[lo, hi]`` (``default`` when absent and given).
@@ -99,16 +116,26 @@ def check_objectives(objectives: Sequence[Objective]) -> None:
 
 
 def terms_for(train: TrainConfig, objectives: Sequence[Objective], start_state: dict[str, torch.Tensor],
-              tensors: dict[str, torch.Tensor] | None = None) -> list[ObjectiveTerm]:
-    """The round's terms: ``fedprox`` when ``train.prox_mu > 0`` (the pre-minor-2 way to
-    ask for it), then each of ``objectives`` in order.
+              tensors: dict[str, torch.Tensor] | None = None, memory: dict[str, dict] | None = None,
+              ) -> list[ObjectiveTerm]:
+    """The round's terms: ``fedprox`` when ``train.prox_mu > 0`` and ``private_router``
+    when ``train.router == "private"`` (the pre-minor-2 ways to ask for them), then each
+    of ``objectives`` in order.
+
+    Args:
+        memory: the device's per-term memory (:attr:`TermContext.memory`), kept by the
+            caller across rounds.
 
     Raises:
         ValueError: see :func:`check_objectives` and :class:`ObjectiveTerm`.
     """
     check_objectives(objectives)
-    ctx = TermContext({k: v.detach().clone() for k, v in start_state.items()}, dict(tensors or {}), train)
+    ctx = TermContext({k: v.detach().clone() for k, v in start_state.items()}, dict(tensors or {}), train,
+                      memory if memory is not None else {})
     wanted = list(objectives)
-    if train.prox_mu > 0 and "fedprox" not in {o.name for o in wanted}:
+    names = {o.name for o in wanted}
+    if train.router == "private" and "private_router" not in names:
+        wanted.insert(0, Objective(name="private_router"))
+    if train.prox_mu > 0 and "fedprox" not in names:
         wanted.insert(0, Objective(name="fedprox", params={"mu": train.prox_mu}))
-    return [ObjectiveTerm._registry[o.name](dict(o.params), ctx) for o in wanted]
+    return [ObjectiveTerm.lookup(o.name)(dict(o.params), ctx) for o in wanted]
