@@ -10,29 +10,36 @@ round is never applied twice.
 
 URLs: ``sqlite:///path/to/file.db`` (or a plain path; ``sqlite://`` / ``:memory:``
 for an in-memory store) and ``postgresql://user@host:port/db`` (needs ``psycopg``
-3, the ``postgres`` extra).
+3, the ``postgres`` extra). SQLAlchemy Core builds the SQL for either; the tables
+(``kv``, ``blobs``, ``devices``, ``rounds``) are created when missing, and existing ones
+are used as they are.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlparse
 
+from sqlalchemy import (Column, Integer, LargeBinary, MetaData, Table, Text, create_engine, delete, event, func,
+                        literal, select, update)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
 log = logging.getLogger(__name__)
 
-_TABLES = (
-    ("kv", "key TEXT PRIMARY KEY, value TEXT NOT NULL"),
-    ("blobs", "key TEXT PRIMARY KEY, value {blob} NOT NULL"),
-    ("devices", "device_id TEXT PRIMARY KEY, info TEXT NOT NULL"),
-    ("rounds", "round INTEGER PRIMARY KEY, record TEXT NOT NULL"),
-)
-_KEYS = {"kv": "key", "blobs": "key", "devices": "device_id", "rounds": "round"}
+_META = MetaData()
+_KV = Table("kv", _META, Column("key", Text, primary_key=True), Column("value", Text, nullable=False))
+_BLOBS = Table("blobs", _META, Column("key", Text, primary_key=True), Column("value", LargeBinary, nullable=False))
+_DEVICES = Table("devices", _META, Column("device_id", Text, primary_key=True), Column("info", Text, nullable=False))
+_ROUNDS = Table("rounds", _META, Column("round", Integer, primary_key=True, autoincrement=False),
+                Column("record", Text, nullable=False))
 
 
 class StoreError(RuntimeError):
@@ -50,12 +57,17 @@ def url_problem(url: str) -> str | None:
 class Store:
     """Key-value, blob, device and round-record storage.
 
+    One store serialises its callers (thread-safe): a :meth:`transaction` block holds
+    the store until it ends.
+
     Args:
         url: see the module docstring.
 
     Raises:
         ValueError: an unsupported URL scheme.
-        StoreError: the database cannot be opened (missing driver, server down).
+        StoreError: the database cannot be opened (missing driver, server down or not
+            answering within 10 s, unopenable path); the message names the URL without
+            its password.
     """
 
     def __init__(self, url: str):
@@ -63,165 +75,157 @@ class Store:
         if problem:
             raise ValueError(problem)
         self.url = url
-        u = urlparse(url)
+        self._name = _redact(url)
         self._lock = threading.RLock()
-        self._depth = 0
-        if u.scheme in ("postgresql", "postgres"):
-            self.kind = "postgresql"
-            try:
-                import psycopg
-            except ImportError:
-                raise StoreError("a postgresql:// store needs psycopg 3: pip install 'fedmoe[postgres]'") from None
-            try:
-                self._db = psycopg.connect(url, autocommit=True, connect_timeout=10)
-            except psycopg.Error as e:
-                raise StoreError(f"cannot open store {_redact(url)}: {e}") from None
-            self._ph = "%s"
-            self._errors: tuple[type[BaseException], ...] = (psycopg.Error,)
-            blob = "BYTEA"
-        else:
-            self.kind = "sqlite"
-            if url in (":memory:", "sqlite://"):
-                path = ":memory:"
-            elif u.scheme == "sqlite":
-                path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else u.path
-            else:  # "" or file: (url_problem admitted nothing else)
-                path = u.path or url
-            try:
-                if path != ":memory:":
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
-                self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-                if path != ":memory:":
-                    self._db.execute("PRAGMA journal_mode=WAL")
-            except (sqlite3.Error, OSError) as e:
-                raise StoreError(f"cannot open store {url}: {e}") from None
-            self._ph = "?"
-            self._errors = (sqlite3.Error,)
-            blob = "BLOB"
-        for name, cols in _TABLES:
-            self._exec(f"CREATE TABLE IF NOT EXISTS {name} ({cols.format(blob=blob)})")
+        self._conn: Connection | None = None  # the open transaction() block's connection
+        u = urlparse(url)
+        try:
+            with self._guard("cannot open store"):
+                if u.scheme in ("postgresql", "postgres"):
+                    self.kind, self._insert = "postgresql", postgresql.insert
+                    # a pool that replaces connections the server dropped (restart, idle timeout)
+                    self._engine = create_engine(make_url(url).set(drivername="postgresql+psycopg"),
+                                                 connect_args={"connect_timeout": 10}, pool_pre_ping=True)
+                else:
+                    self.kind, self._insert = "sqlite", sqlite.insert
+                    if url in (":memory:", "sqlite://"):
+                        path = ":memory:"
+                    elif u.scheme == "sqlite":
+                        path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else u.path
+                    else:  # "" or file: (url_problem admitted nothing else)
+                        path = u.path or url
+                    if path == ":memory:":  # one database shared by every thread
+                        self._engine = create_engine("sqlite://", poolclass=StaticPool,
+                                                     connect_args={"check_same_thread": False})
+                    else:  # a pool of connections usable from any thread (SQLAlchemy's default for files)
+                        Path(path).parent.mkdir(parents=True, exist_ok=True)
+                        self._engine = create_engine(URL.create("sqlite", database=path))
+                        event.listen(self._engine, "connect", lambda dbapi, _: dbapi.execute("PRAGMA journal_mode=WAL"))
+                _META.create_all(self._engine)
+        except ImportError:
+            raise StoreError(f"cannot open store {self._name}: a postgresql:// store needs psycopg 3: "
+                             "pip install 'fedmoe[postgres]'") from None
+        except OSError as e:  # the SQLite file's folder
+            raise StoreError(f"cannot open store {self._name}: {e}") from None
+        log.debug("opened store %s", self._name)
 
-    def _exec(self, sql: str, args: tuple = ()) -> list[tuple]:
-        sql = sql.replace("?", self._ph)
-        with self._lock:
-            try:
-                cur = self._db.execute(sql, args)
-                return cur.fetchall() if cur.description is not None else []
-            except self._errors as e:
-                raise StoreError(f"store {_redact(self.url)}: {e}") from None
+    @contextmanager
+    def _guard(self, what: str = "store") -> Iterator[None]:
+        """Turn a database error into StoreError naming the URL without its password."""
+        try:
+            yield
+        except SQLAlchemyError as e:
+            raise StoreError(f"{what} {self._name}: {getattr(e, 'orig', None) or e}") from None
 
-    def _upsert(self, table: str, key: Any, value: Any) -> None:
-        k = _KEYS[table]
-        col = {"kv": "value", "blobs": "value", "devices": "info", "rounds": "record"}[table]
-        self._exec(f"INSERT INTO {table} VALUES (?, ?) ON CONFLICT ({k}) DO UPDATE SET {col} = excluded.{col}",
-                   (key, value))
+    def _exec(self, *stmts: Any) -> list[Any]:
+        """Run ``stmts`` in the open :meth:`transaction` or in one of their own; the last one's rows."""
+        with self.transaction():
+            rows: list[Any] = []
+            for stmt in stmts:
+                with self._guard():
+                    result = self._conn.execute(stmt)
+                    rows = result.all() if result.returns_rows else []
+            return rows
+
+    def _upsert(self, table: Table, key: Any, value: Any) -> None:
+        k, v = table.c
+        stmt = self._insert(table).values({k.name: key, v.name: value})
+        self._exec(stmt.on_conflict_do_update(index_elements=[k], set_={v.name: stmt.excluded[v.name]}))
 
     @contextmanager
     def transaction(self) -> Iterator["Store"]:
         """Group writes atomically (nestable; the outermost block commits, an exception
-        rolls everything back)."""
+        rolls everything back). Raises StoreError."""
         with self._lock:
-            if self._depth == 0:
-                self._exec("BEGIN")
-            self._depth += 1
-            try:
+            if self._conn is not None:  # nested: join the outer block
                 yield self
-            except BaseException:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._exec("ROLLBACK")
-                raise
-            self._depth -= 1
-            if self._depth == 0:
-                self._exec("COMMIT")
+                return
+            with self._guard(), self._engine.begin() as self._conn:
+                try:
+                    yield self
+                finally:
+                    self._conn = None
 
     # kv
     def put_json(self, key: str, value: Any) -> None:
         """Insert or replace JSON document ``key``. Raises TypeError (not JSON-serialisable) or StoreError."""
-        self._upsert("kv", key, json.dumps(value))
+        self._upsert(_KV, key, json.dumps(value))
 
     def get_json(self, key: str, default: Any = None) -> Any:
         """The decoded JSON document ``key``, or ``default`` when absent. Raises StoreError."""
-        rows = self._exec("SELECT value FROM kv WHERE key = ?", (key,))
+        rows = self._exec(select(_KV.c.value).where(_KV.c.key == key))
         return json.loads(rows[0][0]) if rows else default
 
     def delete(self, key: str) -> None:
-        """Remove a JSON document or blob ``key`` (missing keys are fine)."""
-        self._exec("DELETE FROM kv WHERE key = ?", (key,))
-        self._exec("DELETE FROM blobs WHERE key = ?", (key,))
+        """Remove a JSON document or blob ``key`` (missing keys are fine). Raises StoreError."""
+        self._exec(*(delete(t).where(t.c.key == key) for t in (_KV, _BLOBS)))
 
     def delete_prefix(self, prefix: str) -> None:
-        """Remove every JSON document and blob whose key starts with ``prefix``."""
-        pattern = _like(prefix)
-        self._exec("DELETE FROM kv WHERE key LIKE ? ESCAPE '\\'", (pattern,))
-        self._exec("DELETE FROM blobs WHERE key LIKE ? ESCAPE '\\'", (pattern,))
+        """Remove every JSON document and blob whose key starts with ``prefix`` (literally). Raises StoreError."""
+        self._exec(*(delete(t).where(_starts(t, prefix)) for t in (_KV, _BLOBS)))
 
     def move_prefix(self, prefix: str, to: str) -> None:
         """Rename every JSON document and blob key starting with ``prefix`` to start with
-        ``to`` instead (e.g. quarantine a failed round's in-flight messages)."""
-        pattern = _like(prefix)
+        ``to`` instead (e.g. quarantine a failed round's in-flight messages), replacing
+        keys already under ``to``; one transaction. Raises StoreError."""
         with self.transaction():
-            for table in ("kv", "blobs"):
-                self._exec(f"DELETE FROM {table} WHERE key LIKE ? ESCAPE '\\'", (_like(to),))
-                self._exec(f"UPDATE {table} SET key = ? || substr(key, ?) WHERE key LIKE ? ESCAPE '\\'",
-                           (to, len(prefix) + 1, pattern))
+            for t in (_KV, _BLOBS):
+                self._exec(delete(t).where(_starts(t, to)), update(t).where(_starts(t, prefix)).values(
+                    key=literal(to, Text) + func.substr(t.c.key, len(prefix) + 1)))
 
     # blobs
     def put_blob(self, key: str, value: bytes) -> None:
         """Insert or replace blob ``key`` (bytes). Raises StoreError."""
-        self._upsert("blobs", key, bytes(value))
+        self._upsert(_BLOBS, key, bytes(value))
 
     def get_blob(self, key: str) -> bytes | None:
         """The bytes of blob ``key``, or None when absent. Raises StoreError."""
-        rows = self._exec("SELECT value FROM blobs WHERE key = ?", (key,))
+        rows = self._exec(select(_BLOBS.c.value).where(_BLOBS.c.key == key))
         return bytes(rows[0][0]) if rows else None
 
     def blob_keys(self, prefix: str) -> list[str]:
         """Keys of the blobs starting with ``prefix`` (literally; ``%``/``_`` escaped), sorted."""
-        pattern = _like(prefix)
-        return [k for (k,) in self._exec("SELECT key FROM blobs WHERE key LIKE ? ESCAPE '\\' ORDER BY key",
-                                          (pattern,))]
+        return [k for (k,) in self._exec(select(_BLOBS.c.key).where(_starts(_BLOBS, prefix)).order_by(_BLOBS.c.key))]
 
     # devices
     def save_device(self, device_id: str, info: dict[str, Any]) -> None:
         """Insert or replace a device's JSON-serialisable ``info``. Raises TypeError or StoreError."""
-        self._upsert("devices", device_id, json.dumps(info))
+        self._upsert(_DEVICES, device_id, json.dumps(info))
 
     def devices(self) -> dict[str, dict[str, Any]]:
         """device id -> the ``info`` last saved for it."""
-        return {d: json.loads(i) for d, i in self._exec("SELECT device_id, info FROM devices")}
+        return {d: json.loads(i) for d, i in self._exec(select(_DEVICES))}
 
     # rounds
     def save_round(self, record: dict[str, Any]) -> None:
         """Insert or replace the record of round ``record["round"]``. Raises KeyError (no ``round``),
         TypeError (not JSON-serialisable) or StoreError."""
-        self._upsert("rounds", int(record["round"]), json.dumps(record))
+        self._upsert(_ROUNDS, int(record["round"]), json.dumps(record))
 
     def rounds(self) -> list[dict[str, Any]]:
         """Every round record, by ascending round."""
-        return [json.loads(r) for (r,) in self._exec("SELECT record FROM rounds ORDER BY round")]
+        return [json.loads(r) for (r,) in self._exec(select(_ROUNDS.c.record).order_by(_ROUNDS.c.round))]
 
     def is_empty(self) -> bool:
         """True if nothing was ever written (a fresh federation)."""
-        return not any(self._exec(f"SELECT 1 FROM {t} LIMIT 1") for t in ("kv", "blobs", "rounds"))
+        return not any(self._exec(select(t.c[0]).limit(1)) for t in (_KV, _BLOBS, _ROUNDS))
 
     def drop_all(self) -> None:
         """Delete every row (tests, ``--fresh``)."""
-        for t in _KEYS:
-            self._exec(f"DELETE FROM {t}")
+        self._exec(*(delete(t) for t in _META.sorted_tables))
 
     def close(self) -> None:
-        """Close the database connection (driver errors while closing are ignored)."""
+        """Close the database connections (an in-memory store is gone; driver errors while closing are ignored)."""
         with self._lock:
             try:
-                self._db.close()
-            except self._errors:
+                self._engine.dispose()
+            except SQLAlchemyError:
                 pass
 
 
-def _like(prefix: str) -> str:
-    """A LIKE pattern (with ``ESCAPE '\\'``) matching keys that start with ``prefix``."""
-    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+def _starts(table: Table, prefix: str) -> Any:
+    """``key LIKE prefix || '%'`` with ``%``/``_`` in ``prefix`` escaped (matched literally)."""
+    return table.c.key.startswith(prefix, autoescape=True)
 
 
 def _redact(url: str) -> str:

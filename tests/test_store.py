@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
+import sys
+
 import pytest
 
 from cloud.store import Store, StoreError
@@ -65,5 +69,44 @@ def test_move_prefix_renames_json_and_blobs(store_url):
 def test_bad_urls_give_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unsupported store URL"):
         Store("mysql://x/y")
-    with pytest.raises(StoreError, match="cannot open store"):
-        Store("postgresql://nobody@127.0.0.1:1/none")
+    with pytest.raises(StoreError, match="cannot open store") as e:
+        Store("postgresql://nobody:secret@127.0.0.1:1/none")
+    assert "nobody:***@127.0.0.1:1" in str(e.value) and "secret" not in str(e.value)
+    with pytest.raises(StoreError, match=f"cannot open store {tmp_path}"):
+        Store(str(tmp_path))  # a directory
+
+
+def test_missing_driver_is_a_store_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    with pytest.raises(StoreError, match=r"cannot open store postgresql://u:\*\*\*@db/x: .*needs psycopg 3"):
+        Store("postgresql://u:pw@db/x")
+
+
+def test_opens_a_database_written_by_the_sqlite3_psycopg_store(store_url):
+    """Tables created by the store before SQLAlchemy (raw DDL, ``?``/``%s`` placeholders)
+    open and read the same, and take new writes."""
+    if store_url.startswith("sqlite:///"):
+        db, blob, ph = sqlite3.connect(store_url[len("sqlite:///"):], isolation_level=None), "BLOB", "?"
+        db.execute("PRAGMA journal_mode=WAL")
+    else:
+        import psycopg
+
+        db, blob, ph = psycopg.connect(store_url, autocommit=True), "BYTEA", "%s"
+    for table, cols in (("kv", "key TEXT PRIMARY KEY, value TEXT NOT NULL"),
+                        ("blobs", f"key TEXT PRIMARY KEY, value {blob} NOT NULL"),
+                        ("devices", "device_id TEXT PRIMARY KEY, info TEXT NOT NULL"),
+                        ("rounds", "round INTEGER PRIMARY KEY, record TEXT NOT NULL")):
+        db.execute(f"CREATE TABLE IF NOT EXISTS {table} ({cols})")
+    for table, row in (("kv", ("last_round", "2")), ("blobs", ("global_state", b"\x00\xffst")),
+                       ("blobs", ("inflight/3/update/d_0", b"u")), ("devices", ("d0", json.dumps({"task": "t"}))),
+                       ("rounds", (2, json.dumps({"round": 2}))), ("rounds", (1, json.dumps({"round": 1})))):
+        db.execute(f"INSERT INTO {table} VALUES ({ph}, {ph})", row)
+    db.close()
+    s = Store(store_url)
+    assert not s.is_empty() and s.get_json("last_round") == 2 and s.get_blob("global_state") == b"\x00\xffst"
+    assert s.blob_keys("inflight/3/") == ["inflight/3/update/d_0"] and s.devices() == {"d0": {"task": "t"}}
+    assert s.rounds() == [{"round": 1}, {"round": 2}]
+    s.save_round({"round": 2, "status": "ok"})
+    s.put_blob("global_state", b"new")
+    assert s.rounds()[1] == {"round": 2, "status": "ok"} and s.get_blob("global_state") == b"new"
+    s.close()
