@@ -266,7 +266,18 @@ class RoundEngine:
         eligible.sort(key=lambda d: d.device_id)
         n = self.settings.clients_per_round
         count = math.ceil(n * len(eligible)) if n <= 1 else int(n)
-        chosen = eligible if count >= len(eligible) else self._rng.sample(eligible, count)
+        chosen = eligible
+        if count < len(eligible):
+            by_id = {d.device_id: d for d in eligible}
+            try:
+                picked = self.strategy.sample_devices(number, sorted(by_id), count, self._rng)
+                chosen = [by_id[d] for d in dict.fromkeys(picked)]
+            except Exception as e:  # a strategy bug or an unknown id: the round waits, the operator is told
+                error = f"strategy {self.strategy.name!r} could not sample round {number}: {type(e).__name__}: {e}"
+                if error[:500] != self.plan_error:
+                    log.error("round %d: %s", number, error)
+                self.plan_error = error[:500]
+                return False
         views = [self._view(d) for d in chosen]
         for v in views:
             if v.capacity < 1:
@@ -286,6 +297,7 @@ class RoundEngine:
             log.error("round %d: %s; %s sits this round out", number, why, d)
             plan.assignments.pop(d, None)
             excluded[d] = (why, {})
+        self._ask_evaluation(number, plan, views)
         for v in views:
             if v.device_id not in plan.assignments and v.device_id not in excluded:
                 excluded[v.device_id] = (plan.excluded.get(v.device_id) or f"the '{self.strategy.label}' strategy "
@@ -322,6 +334,23 @@ class RoundEngine:
         self.progress("round_start", number, {"devices": sorted(rnd.selected), "assignment_seconds": seconds,
                                               "excluded": rnd.excluded})
         return True
+
+    def _ask_evaluation(self, number: int, plan: Plan, views: list[DeviceView]) -> None:
+        """Add the evaluation term to the plan of the devices the strategy's
+        :meth:`Strategy.configure_evaluate` names (those of protocol minor >= 2; a
+        strategy bug there is logged and evaluation skipped for the round)."""
+        planned = [v for v in views if v.device_id in plan.assignments]
+        try:
+            ask = set(self.strategy.configure_evaluate(number, planned))
+        except Exception:
+            log.exception("round %d: the strategy's configure_evaluate failed; no federated evaluation", number)
+            return
+        term = self.strategy.EVALUATION_TERM
+        for v in planned:
+            objectives = plan.objectives.setdefault(v.device_id, [])
+            if v.device_id in ask and v.protocol_minor >= MIN_MINOR_FOR_EXTENSIONS and \
+                    all(getattr(o, "name", None) != term for o in objectives):
+                objectives.append(Objective(name=term))
 
     def _invalid_entries(self, plan: Plan, views: list[DeviceView]) -> dict[str, str]:
         """device -> why the strategy's plan for it cannot be sent: not a selected device,
@@ -405,7 +434,13 @@ class RoundEngine:
         if self.ensure_shards is not None:
             self.ensure_shards(fmt)
         tensors = rnd.tensors.get(device_id, {})
-        state = encode_tensors({**self.model.state_for(experts, dev.task), **tensors}, "fp32")
+        try:
+            sent = self._sent_state(device_id, experts)
+        except Exception as e:  # a strategy bug: this device sits the round out, the round goes on
+            log.exception("round %d: no state to send %s", rnd.number, device_id)
+            rnd.rejected[device_id] = f"the strategy gave no valid state to send: {type(e).__name__}: {e}"[:500]
+            return
+        state = encode_tensors({**sent, **tensors}, "fp32")
         ref = self.wire.publish_blob(self.topics.down(device_id, "state"), state, "state", rnd.number,
                                      uuid.uuid4().hex[:16])
         msg = Assignment(
@@ -516,6 +551,20 @@ class RoundEngine:
         self.store.put_blob(f"inflight/{rnd.number}/update/{device_id}", blob.data)
         self._maybe_report(rnd, device_id)
 
+    def _sent_state(self, device_id: str, experts: Experts) -> dict[str, torch.Tensor]:
+        """The adapter state the strategy sends ``device_id`` holding ``experts``
+        (:meth:`Strategy.state_for`), checked against the model's layout for it.
+
+        Raises:
+            ValueError: the strategy's state has other names or shapes.
+        """
+        expected = self.model.expected_for(experts, self.registry.get(device_id).task)
+        state = self.strategy.state_for(self._view(self.registry.get(device_id)), experts, self.model)
+        if set(state) != set(expected) or any(tuple(state[k].shape) != expected[k][0] for k in expected):
+            raise ValueError(f"strategy {self.strategy.name!r} sends {device_id} a state that is not the model's "
+                             f"layout for its experts")
+        return state
+
     def _decode_update(self, device_id: str, experts: Experts, data: bytes) -> dict[str, torch.Tensor]:
         """An update payload as fp32 tensors of exactly the layout ``device_id`` holding
         ``experts`` must send, through the incoming filters (precision, delta).
@@ -528,7 +577,7 @@ class RoundEngine:
         tensors = decode_tensors(data, self.settings.max_update_bytes, self.model.expected_for(experts, task),
                                  as_float=torch.float32, metadata_out=meta)
         for f in self.filters:
-            tensors = f.on_update(device_id, tensors, meta, lambda: self.model.state_for(experts, task))
+            tensors = f.on_update(device_id, tensors, meta, lambda: self._sent_state(device_id, experts))
         return tensors
 
     def on_stats(self, device_id: str, stats: Stats) -> None:
@@ -726,6 +775,9 @@ class RoundEngine:
             record["aggregation_report"] = _jsonable(report)
         if metrics:
             record["strategy_metrics"] = _jsonable(metrics)
+        fed_eval = self._federated_evaluation(rnd.number, accepted)
+        if fed_eval is not None:
+            record["federated_evaluation"] = fed_eval
         if error is not None:
             record["error"] = error
         if status == "ok":
@@ -744,6 +796,19 @@ class RoundEngine:
         self.progress("round_end", rnd.number, {k: record[k] for k in ("accuracy", "loss", "mean_local_accuracy",
                                                                          "seconds", "status", "cv")})
         return record
+
+    def _federated_evaluation(self, number: int, results: list[ClientResult]) -> dict[str, Any] | None:
+        """The strategy's combination of what the devices asked to evaluate reported
+        (``Stats.extras`` of :attr:`Strategy.EVALUATION_TERM`), or None."""
+        prefix = self.strategy.EVALUATION_TERM + "."
+        reports = {r.device_id: {k[len(prefix):]: v[0] for k, v in r.stats.extras.items()
+                                 if k.startswith(prefix) and len(v) == 1}
+                   for r in results if any(k.startswith(prefix) for k in r.stats.extras)}
+        try:
+            return _jsonable(self.strategy.evaluate_federated(number, reports))
+        except Exception:
+            log.exception("round %d: the strategy's evaluate_federated failed", number)
+            return None
 
     def _tell_failed(self, rnd: _Round, error: str) -> None:
         for d in rnd.selected:

@@ -448,7 +448,7 @@ class EdgeClient:
                                {**model.expected(), **extra})
         tensors = {name: state.pop(name) for name in extra}
         model.load_adapter_state(state)
-        terms = terms_for(a.train, a.objectives, state, tensors, self._term_memory)
+        terms = terms_for(a.train, a.objectives, state, tensors, self._term_memory, val_items)
         for t in terms:
             t.before_training(model)
 

@@ -12,7 +12,8 @@ import torch
 from cloud.service import StrategyConfig
 from cloud.strategies import Composed, get_strategy
 from protocol.codec import decode_tensors
-from protocol.messages import PROTOCOL_MINOR, Hello, MessageError, Objective, Stats, encode, parse_message
+from cloud.strategy import Setup
+from protocol.messages import PROTOCOL_MINOR, Hello, MessageError, Objective, Stats, TrainConfig, encode, parse_message
 from tests import toy_strategy  # noqa: F401  (registers the toy strategy and its objective term)
 from tests.federation import Federation
 from tests.test_bounds import _offline, _send, _stats, _upload
@@ -213,3 +214,79 @@ def test_the_round_engine_has_no_method_specific_branch():
     source = (ROOT / "cloud" / "rounds.py").read_text()
     for word in ("private", "prox", "flex", "fedmoe", "fedalign", "router.", "usage_weighted", "modular"):
         assert word not in source.lower(), word
+
+
+def test_federated_evaluation_reports_what_the_devices_measured(tmp_path, embedded_url):
+    """configure_evaluate: every device (evaluate_fraction 1) evaluates the model it received
+    on its validation split before training; the record holds the sample-weighted result."""
+    fed = Federation(embedded_url, str(tmp_path), rounds=2, experts=(2, 3),
+                     config_kw={"strategy": StrategyConfig(name="composed", params={"evaluate_fraction": 1.0})})
+    records = fed.run()
+    for r in records:
+        fe = r["federated_evaluation"]
+        assert fe["devices"] == ["dev0", "dev1"] and not fe["refused"]
+        assert fe["samples"] == 16 and 0.0 <= fe["accuracy"] <= 1.0 and fe["loss"] > 0   # 2 x 20% of 40 samples
+    off = Federation(embedded_url, str(tmp_path / "off"), rounds=1, experts=(2,))
+    assert "federated_evaluation" not in off.run()[0]
+
+
+def test_federated_evaluation_bounds_what_a_device_claims():
+    from cloud.strategies.base import Strategy
+
+    s = get_strategy("composed")(Setup([1], 4, 0, TrainConfig(), {"t": ["a", "b"]}, ("random_kept", {}),
+                                       ("modular", {})), evaluate_fraction=0.5)
+    out = s.evaluate_federated(3, {"a": {"accuracy": 0.5, "loss": 1.0, "samples": 10},
+                                   "b": {"accuracy": 1.0, "loss": 0.0, "samples": 30},
+                                   "liar": {"accuracy": 7.0, "loss": 1.0, "samples": 10},
+                                   "huge": {"accuracy": 1.0, "loss": 0.0, "samples": 2**50},
+                                   "nan": {"accuracy": float("nan"), "loss": 1.0, "samples": 5},
+                                   "partial": {"accuracy": 0.9}})
+    assert out["devices"] == ["a", "b"] and set(out["refused"]) == {"liar", "huge", "nan", "partial"}
+    assert out["accuracy"] == pytest.approx((0.5 * 10 + 30) / 40) and out["samples"] == 40
+    assert Strategy.evaluate_federated(s, 1, {}) is None
+    views = [type("V", (), {"device_id": f"d{i}"})() for i in range(5)]
+    assert len(s.configure_evaluate(1, views)) == 3 and s.configure_evaluate(1, views) == s.configure_evaluate(1, views)
+    with pytest.raises(ValueError, match="evaluate_fraction"):
+        get_strategy("composed")(s.setup, evaluate_fraction=2)
+
+
+class _Chooser(Composed):
+    """Samples the last candidate (or an unknown id) and sends it a personalised state."""
+
+    name = "chooser_for_test"
+    pick = "last"
+
+    def sample_devices(self, round, candidates, count, rng):
+        return [candidates[-1]] if self.pick == "last" else ["nobody"]
+
+    def state_for(self, device, experts, model):
+        return {k: v + 1.0 for k, v in model.state_for(experts, device.task).items()}
+
+
+def test_a_strategy_samples_the_devices_and_decides_what_they_are_sent(tmp_path, monkeypatch):
+    from protocol.chunking import split_blob
+    from protocol.codec import ENCODING_KEY, encode_tensors
+
+    agg, _ = _offline(str(tmp_path), monkeypatch, strategy={"name": "chooser_for_test"}, clients_per_round=2)
+    for d in ("a", "b", "c"):
+        _hello(agg, d)
+    assert agg.engine.start_round() and set(agg.engine.current.selected) == {"c"}
+    rnd = agg.engine.current
+    personal = agg.engine._sent_state("c", rnd.selected["c"])
+    base = agg.model.state_for(rnd.selected["c"], "bbc")
+    assert all(torch.equal(personal[k], base[k] + 1.0) for k in base)
+    # a zero delta decodes to exactly what this strategy sent, not to the global state
+    data = encode_tensors({k: torch.zeros_like(v) for k, v in base.items()}, "fp16", {ENCODING_KEY: "delta"})
+    chunks, _ = split_blob(data, 4096, "u-c", "update", rnd.number)
+    for c in chunks:
+        agg._handle("fl/v1/bd/dev/c/up/update", c)
+    got = rnd.updates["c"][1]
+    assert all(torch.allclose(got[k], personal[k]) for k in base)
+    agg.store.close()
+
+    monkeypatch.setattr(_Chooser, "pick", "unknown")
+    agg, _ = _offline(str(tmp_path / "2"), monkeypatch, strategy={"name": "chooser_for_test"}, clients_per_round=2)
+    for d in ("a", "b", "c"):
+        _hello(agg, d)
+    assert not agg.engine.start_round() and "could not sample" in agg.engine.plan_error
+    agg.store.close()

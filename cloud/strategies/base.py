@@ -2,16 +2,20 @@
 
 The round engine calls, per round (DESIGN.md data flow):
 
+0. :meth:`Strategy.sample_devices` -> which of the eligible devices take part;
 1. :meth:`Strategy.configure_round` with the selected devices -> a :class:`Plan`: each
    device's experts, training overrides, objective terms and extra tensors;
 2. :meth:`Strategy.on_refusal` when a device refuses its assignment (its memory plan
    exceeds its budget) -> a smaller expert set or None;
 3. :meth:`Strategy.stats_problem` for each statistics message (after the engine's own
    bounds) -> a reason to refuse it or None;
+   :meth:`Strategy.state_for` -> the adapter state each device is sent;
 4. :meth:`Strategy.aggregate` with the screened, accepted updates -> the next global
    state, the strategy's own tensors and metrics (:class:`Aggregated`);
 5. :meth:`Strategy.observe` with every result and failure (also without a quorum);
-6. :meth:`Strategy.evaluate` -> the round's evaluation figures.
+6. :meth:`Strategy.evaluate` -> the round's evaluation figures on the cloud's test data;
+   :meth:`Strategy.evaluate_federated` -> the figures the devices chosen by
+   :meth:`Strategy.configure_evaluate` measured on their own validation data.
 
 What a strategy learns in one round and needs in the next (a routing distribution, a
 trust score) it keeps: small JSON in :meth:`state_dict`, tensors in the global model's
@@ -20,10 +24,12 @@ trust score) it keeps: small JSON in :meth:`state_dict`, tensors in the global m
 
 from __future__ import annotations
 
+import math
+import random
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
-from protocol.messages import Ack, Stats
+from protocol.messages import MAX_SAMPLES, Ack, Stats
 
 from ..aggregation.base import AggregationStrategy
 from ..strategy import Aggregated, ClientResult, DeviceView, Experts, Failure, Plan, Registered, Setup
@@ -38,10 +44,14 @@ class Strategy(Registered):
     Args:
         setup: layers, experts, seed, training configuration, tasks and the configured
             assignment/aggregation parts.
+        evaluate_fraction: share of each round's devices asked to evaluate the global
+            model they receive on their validation split (:meth:`configure_evaluate`);
+            default 0 (none).
         **params: the method's parameters from the config (``strategy.params``).
 
     Raises:
         TypeError: unknown parameters.
+        ValueError: ``evaluate_fraction`` outside [0, 1].
 
     Attributes:
         aggregation: the aggregation part, if the method has one; the engine wraps it in
@@ -53,15 +63,43 @@ class Strategy(Registered):
     _package: ClassVar[str] = "cloud.strategies"
     aggregation: AggregationStrategy | None = None
 
-    def __init__(self, setup: Setup, **params: Any):
+    EVALUATION_TERM: ClassVar[str] = "evaluate_received"
+    """The device objective term that evaluates the received model (its statistics:
+    ``evaluate_received.accuracy``, ``.loss``, ``.samples``)."""
+
+    def __init__(self, setup: Setup, evaluate_fraction: float = 0.0, **params: Any):
         if params:
             raise TypeError(f"{type(self).__name__} got unknown parameters {sorted(params)}")
-        self.setup = setup
+        if not 0.0 <= float(evaluate_fraction) <= 1.0:
+            raise ValueError(f"evaluate_fraction must be in [0, 1], got {evaluate_fraction!r}")
+        self.setup, self.evaluate_fraction = setup, float(evaluate_fraction)
 
     @property
     def label(self) -> str:
         """The name round records and logs show for this method."""
         return self.name
+
+    def sample_devices(self, round: int, candidates: list[str], count: int, rng: random.Random) -> list[str]:
+        """The devices that take part in ``round``.
+
+        Args:
+            candidates: the eligible devices (online, known task, a weight format the
+                cloud serves), sorted ids.
+            count: how many ``clients_per_round`` asks for (< ``len(candidates)``; with
+                at least as many, every candidate takes part and this is not called).
+            rng: the engine's seeded generator (restarts reproduce the choice).
+
+        Returns:
+            ids among ``candidates`` (default: a uniform sample of ``count``).
+        """
+        return rng.sample(candidates, count)
+
+    def state_for(self, device: DeviceView, experts: Experts, model: "GlobalModel") -> dict:
+        """The adapter state ``device`` holding ``experts`` is sent this round (name ->
+        tensor; exactly the names and shapes of ``model.state_for(experts, task)``, which
+        is the default). Must not change during a round: a restarted aggregator sends it
+        again and decodes delta updates against it."""
+        return model.state_for(experts, device.task)
 
     @abstractmethod
     def configure_round(self, round: int, devices: list[DeviceView], model: "GlobalModel") -> Plan:
@@ -120,6 +158,52 @@ class Strategy(Registered):
         """Why this method cannot accept ``stats`` (e.g. its ``extras`` lack what the
         method asked for or are out of range), or None. Called after the engine's bounds."""
         return None
+
+    def configure_evaluate(self, round: int, devices: list[DeviceView]) -> list[str]:
+        """The devices of this round's plan that first evaluate the global sub-MoE they
+        receive on their local validation split (federated evaluation, Flower's
+        ``configure_evaluate``, done in the training round: the model is loaded anyway,
+        and only accuracy, loss and a sample count leave the device). The engine turns
+        it on with the :attr:`EVALUATION_TERM` objective for devices of protocol minor
+        >= 2. Default: a seeded ``evaluate_fraction`` of ``devices`` (at least one when
+        the fraction is positive).
+
+        Returns:
+            device ids.
+        """
+        if self.evaluate_fraction <= 0 or not devices:
+            return []
+        ids = sorted(d.device_id for d in devices)
+        k = max(1, math.ceil(self.evaluate_fraction * len(ids)))
+        return sorted(random.Random(self.setup.seed * 7919 + round).sample(ids, min(k, len(ids))))
+
+    def evaluate_federated(self, round: int, reports: dict[str, dict[str, float]]) -> dict[str, Any] | None:
+        """Combine the devices' own evaluations of the model they received.
+
+        Args:
+            reports: device id -> ``{"accuracy", "loss", "samples"}`` as the device sent
+                them (unchecked: a device may lie).
+
+        Returns:
+            ``{"accuracy", "loss", "samples", "devices", "refused"}``: sample-weighted
+            means over the reports within bounds (accuracy in [0, 1], finite loss >= 0,
+            1..MAX_SAMPLES whole samples); ``refused``: device -> why. None without reports.
+        """
+        if not reports:
+            return None
+        good, refused = {}, {}
+        for d, r in sorted(reports.items()):
+            acc, loss, n = r.get("accuracy"), r.get("loss"), r.get("samples")
+            if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (acc, loss, n)):
+                refused[d] = "missing or non-finite accuracy, loss or samples"
+            elif not (0.0 <= acc <= 1.0 and loss >= 0.0 and 1 <= n <= MAX_SAMPLES and n == int(n)):
+                refused[d] = f"out of bounds (accuracy {acc}, loss {loss}, samples {n})"
+            else:
+                good[d] = (acc, loss, int(n))
+        total = sum(n for _, _, n in good.values())
+        return {"accuracy": sum(a * n for a, _, n in good.values()) / total if total else None,
+                "loss": sum(lo * n for _, lo, n in good.values()) / total if total else None,
+                "samples": total, "devices": sorted(good), "refused": refused}
 
     def evaluate(self, round: int, model: "GlobalModel", eval_data: dict[str, Sequence[tuple[Any, int]]],
                  batch_size: int = 32) -> dict[str, Any]:

@@ -24,12 +24,14 @@ class TermContext:
         train: the round's training configuration.
         memory: the device's per-term memory across rounds (term name -> dict; in RAM,
             lost when the device restarts), e.g. a client-private router.
+        val_items: the local validation samples ``(input, label id)`` (stay on the device).
     """
 
     start_state: dict[str, torch.Tensor]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: dict[str, dict] = field(default_factory=dict)
+    val_items: list = field(default_factory=list)
 
 
 class ObjectiveTerm(Registered):
@@ -117,7 +119,7 @@ def check_objectives(objectives: Sequence[Objective]) -> None:
 
 def terms_for(train: TrainConfig, objectives: Sequence[Objective], start_state: dict[str, torch.Tensor],
               tensors: dict[str, torch.Tensor] | None = None, memory: dict[str, dict] | None = None,
-              ) -> list[ObjectiveTerm]:
+              val_items: list | None = None) -> list[ObjectiveTerm]:
     """The round's terms: ``fedprox`` when ``train.prox_mu > 0`` and ``private_router``
     when ``train.router == "private"`` (the pre-minor-2 ways to ask for them), then each
     of ``objectives`` in order.
@@ -125,13 +127,14 @@ def terms_for(train: TrainConfig, objectives: Sequence[Objective], start_state: 
     Args:
         memory: the device's per-term memory (:attr:`TermContext.memory`), kept by the
             caller across rounds.
+        val_items: the local validation samples (:attr:`TermContext.val_items`).
 
     Raises:
         ValueError: see :func:`check_objectives` and :class:`ObjectiveTerm`.
     """
     check_objectives(objectives)
     ctx = TermContext({k: v.detach().clone() for k, v in start_state.items()}, dict(tensors or {}), train,
-                      memory if memory is not None else {})
+                      memory if memory is not None else {}, list(val_items or []))
     wanted = list(objectives)
     names = {o.name for o in wanted}
     if train.router == "private" and "private_router" not in names:

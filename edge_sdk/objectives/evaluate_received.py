@@ -1,0 +1,39 @@
+"""``evaluate_received``: federated evaluation. Before local training, the device
+evaluates the global sub-MoE it received on its local validation split and reports
+accuracy, loss and the number of samples (``Stats.extras``: ``evaluate_received.accuracy``,
+``.loss``, ``.samples``; one value each). The cloud asks for it through
+``Strategy.configure_evaluate``; nothing else about the data leaves the device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe_model.train import evaluate
+
+from .base import ObjectiveTerm
+
+
+class EvaluateReceived(ObjectiveTerm):
+    """Accuracy and mean cross-entropy loss of the received model on the validation split.
+
+    Params: none. Reports nothing when the device holds no validation samples.
+    """
+
+    name = "evaluate_received"
+    adds_loss = False
+
+    def __init__(self, params: dict[str, Any], ctx):
+        super().__init__(params, ctx)
+        self._result: dict[str, list[float]] = {}
+
+    def before_training(self, model: Any) -> None:
+        if not self.ctx.val_items:
+            return
+        with torch.no_grad():
+            r = evaluate(model, self.ctx.val_items)
+        self._result = {"accuracy": [r.accuracy], "loss": [r.loss], "samples": [float(r.samples)]}
+
+    def statistics(self) -> dict[str, list[float]]:
+        return dict(self._result)
