@@ -9,6 +9,7 @@ from moe_model.shards import decode_shard
 from moe_model.submoe import SubMoE
 from protocol import keys
 from protocol.codec import decode_tensors
+from protocol.experts import Experts
 
 from .global_model import GlobalModel
 from .store import Store
@@ -35,7 +36,7 @@ def model_from_store(config: Any, store_url: str, task: str, device_id: str | No
             prev = store.get_json("previous_assignment", {})
             if device_id not in prev:
                 raise KeyError(f"no assignment recorded for device {device_id!r}")
-            experts = {int(k): v for k, v in prev[device_id].items()}
+            experts = Experts.from_json(prev[device_id])
     finally:
         store.close()
     shards = {sid: decode_shard(gm.shard_bytes[sid]) for sid in ["backbone"] + [

@@ -15,6 +15,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from protocol.experts import layers_from_json, layers_to_json
+
 
 def coefficient_of_variation(load: Sequence[float]) -> float:
     """CV of a load vector (eq. 8); 0.0 for an all-zero or empty vector."""
@@ -84,14 +86,14 @@ class LoadWindow:
         return {
             "cv": float(np.mean(list(cv.values()))) if cv else 0.0,
             "max_min_gap": float(np.mean(list(gap.values()))) if gap else 0.0,
-            "cv_per_layer": {str(k): v for k, v in cv.items()},
-            "max_min_gap_per_layer": {str(k): v for k, v in gap.items()},
+            "cv_per_layer": layers_to_json(cv),
+            "max_min_gap_per_layer": layers_to_json(gap),
         }
 
     def state_dict(self) -> dict:
         """JSON-serialisable ``{"history": [{str(layer): [E counts]} per round]}``."""
-        return {"history": [{str(k): v for k, v in h.items()} for h in self._history]}
+        return {"history": [layers_to_json(h) for h in self._history]}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore the history :meth:`state_dict` returned (replacing the current one)."""
-        self._history = [{int(k): v for k, v in h.items()} for h in d.get("history", [])]
+        self._history = [layers_from_json(h) for h in d.get("history", [])]

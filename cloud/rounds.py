@@ -55,6 +55,7 @@ from moe_model.budget import (
 from moe_model.train import num_steps
 from protocol.chunking import Blob
 from protocol.codec import EXTRA_DTYPES, CodecError, decode_tensors, encode_tensors, extra_tensor_problem, sha256_hex
+from protocol.experts import experts_by_device_from_json, experts_by_device_to_json, layers_to_json
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
     MIN_MINOR_FOR_EXTENSIONS, Ack, Assignment, BlobRef, Command, ExtraName, Objective, Stats, TensorSpec,
@@ -194,9 +195,7 @@ class RoundEngine:
         self.completed = int(store.get_json("last_round", 0))
         self.window = LoadWindow(model.layers, model.spec.num_experts)
         self.window.load_state_dict(store.get_json("load_window", {}))
-        self.previous: dict[str, Experts] = {
-            d: {int(k): v for k, v in e.items()} for d, e in store.get_json("previous_assignment", {}).items()
-        }
+        self.previous: dict[str, Experts] = experts_by_device_from_json(store.get_json("previous_assignment", {}))
         self._rng = random.Random(settings.seed + self.completed)
         self._idle_round = -1
         self.excluded: dict[str, str] = {}
@@ -311,7 +310,7 @@ class RoundEngine:
             return False
         now = time.time()
         rnd = _Round(number, now, now + self.settings.round_timeout_s,
-                     {d: {k: sorted(v) for k, v in e.items()} for d, e in plan.assignments.items()},
+                     {d: Experts(e) for d, e in plan.assignments.items()},
                      plan.info, seconds, excluded=dict(self.excluded))
         rnd.train = {d: t for d, t in plan.train.items() if d in rnd.selected}
         rnd.objectives = {d: list(o) for d, o in plan.objectives.items() if d in rnd.selected and o}
@@ -324,7 +323,7 @@ class RoundEngine:
         self.store.put_json("current_round", {
             "number": number, "started": rnd.started, "deadline": rnd.deadline, "plan_info": _jsonable(plan.info),
             "assignment_seconds": seconds, "train": rnd.train, "excluded": rnd.excluded,
-            "selected": {d: {str(k): v for k, v in e.items()} for d, e in rnd.selected.items()},
+            "selected": experts_by_device_to_json(rnd.selected),
             "objectives": {d: [o.model_dump(mode="json") for o in x] for d, x in rnd.objectives.items()},
         })
         for device_id, experts in rnd.selected.items():
@@ -366,7 +365,8 @@ class RoundEngine:
                 bad[d] = f"{who} names {d}, which was not selected"
                 continue
             layers_ok = set(experts) == set(self.model.layers) and all(
-                v and len(set(v)) == len(v) and all(isinstance(e, int) and 0 <= e < E for e in v)
+                v and len(set(v)) == len(v)
+                and all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < E for e in v)
                 for v in experts.values())
             if not layers_ok:
                 bad[d] = f"{who} gives it experts {experts}, not 1..{E} distinct ids for each of layers " \
@@ -505,10 +505,9 @@ class RoundEngine:
             if self._invalid_entries(Plan({device_id: experts}), [view]):
                 experts = None
         fits = experts is not None and need(experts) <= dev.budget_bytes
-        experts = experts if fits else before
+        experts = Experts(experts) if fits else before
         info = {"attempt": attempt, "reason": ack.reason, "budget_bytes": dev.budget_bytes,
-                "needed_bytes": ack.needed_bytes, "from": {str(k): v for k, v in before.items()},
-                "to": {str(k): v for k, v in experts.items()} if fits else None}
+                "needed_bytes": ack.needed_bytes, "from": before.to_json(), "to": experts.to_json() if fits else None}
         rnd.reassigned[device_id] = info
         if not fits or attempt > self.MAX_ATTEMPTS or experts == before:
             log.warning("round %d: %s cannot be reassigned within %.0f MiB; it sits this round out", rnd.number,
@@ -521,7 +520,7 @@ class RoundEngine:
         rnd.selected[device_id] = experts
         cur = self.store.get_json("current_round")
         if cur is not None and cur.get("number") == rnd.number:
-            cur["selected"][device_id] = {str(k): v for k, v in experts.items()}
+            cur["selected"][device_id] = experts.to_json()
             cur.setdefault("attempts", {})[device_id] = attempt
             self.store.put_json("current_round", cur)
         log.info("round %d: %s reassigned within its budget (%s -> %s experts per layer, attempt %d)", rnd.number,
@@ -825,7 +824,7 @@ class RoundEngine:
                 "task": r.task, "bytes_up": st.bytes_up, "bytes_down": st.bytes_down,
                 "payload_up": st.payload_up, "payload_down": st.payload_down,
                 "peak_rss_bytes": st.peak_rss_bytes, "baseline_rss_bytes": st.baseline_rss_bytes,
-                "budget_bytes": dev.budget_bytes, "experts": {str(k): v for k, v in r.experts.items()},
+                "budget_bytes": dev.budget_bytes, "experts": Experts(r.experts).to_json(),
                 "shards_fetched": st.shards_fetched, "samples": st.num_samples, "val_accuracy": st.val_accuracy,
                 "train_loss": st.train_loss, "train_seconds": st.train_seconds,
                 "predicted_peak_bytes": st.predicted_peak_bytes, "weight_format": st.weight_format,
@@ -842,7 +841,7 @@ class RoundEngine:
             "seconds": time.time() - rnd.started,
             "bytes_up": sum(d["bytes_up"] for d in devices.values()),
             "bytes_down": sum(d["bytes_down"] for d in devices.values()),
-            "expert_load": {str(k): v for k, v in load.items()},
+            "expert_load": layers_to_json(load),
             **self.window.summary(),
             "strategy": self.strategy.name,
             "assignment": {"strategy": self.strategy.label, "seconds": rnd.assignment_seconds, **rnd.plan_info},
@@ -862,8 +861,7 @@ class RoundEngine:
         self.store.put_json("strategy_state", self.strategy.state_dict())
         self.store.put_json("defences_state", self.defences.state_dict())
         self.store.put_json("load_window", self.window.state_dict())
-        self.store.put_json("previous_assignment",
-                            {d: {str(k): v for k, v in e.items()} for d, e in self.previous.items()})
+        self.store.put_json("previous_assignment", experts_by_device_to_json(self.previous))
         self.store.save_round(record)
         self.store.put_json("last_round", record["round"])
         self.store.delete("current_round")
@@ -904,7 +902,7 @@ class RoundEngine:
             self.store.delete_prefix(f"inflight/{cur['number']}/")
             return
         rnd = _Round(cur["number"], cur["started"], cur["deadline"],
-                     {d: {int(k): v for k, v in e.items()} for d, e in cur["selected"].items()},
+                     experts_by_device_from_json(cur["selected"]),
                      cur.get("plan_info", {}), cur.get("assignment_seconds", 0.0), train=cur.get("train", {}),
                      attempts={d: int(a) for d, a in cur.get("attempts", {}).items()},
                      excluded=cur.get("excluded", {}),

@@ -10,6 +10,10 @@ global state. Failures and dropouts are inputs, never exceptions. A new paper is
 module in ``cloud/strategies/``, ``cloud/assignment/`` or ``cloud/aggregation/`` (or a
 third-party package's entry point, :meth:`Registered.lookup`), never a branch inside the
 engine.
+
+An assignment is an :class:`~protocol.experts.Experts` (MoE layer index -> sorted global
+expert ids, re-exported here); strategies may return plain ``dict[int, list[int]]`` of
+that shape, the engine validates them.
 """
 
 from __future__ import annotations
@@ -20,10 +24,8 @@ from typing import Any, Callable
 import torch
 
 from protocol import plugins
+from protocol.experts import Experts
 from protocol.messages import PROTOCOL_MINOR, Objective, Stats, TrainConfig
-
-Experts = dict[int, list[int]]
-"""MoE layer index -> sorted global expert ids."""
 
 
 @dataclass

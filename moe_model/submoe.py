@@ -20,6 +20,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from protocol import keys
+from protocol.experts import Experts
 from protocol.messages import ModelSpec
 
 from .models.base import MoEModel, get_adapter, trains_all_weights
@@ -69,7 +70,8 @@ class SubMoE(nn.Module):
 
     Args:
         spec: the model spec from the assignment.
-        experts: layer -> global expert ids held.
+        experts: layer -> global expert ids held (kept as an :class:`protocol.experts.Experts`:
+            int keys, sorted ids).
         task: task name (keys the head).
         num_labels: classes of the task.
         base_shards: shard id -> decoded fp32 tensors (``moe_model.shards``), where an
@@ -81,7 +83,8 @@ class SubMoE(nn.Module):
 
     Raises:
         KeyError: a needed shard or tensor is missing from ``base_shards``.
-        ValueError: unknown ``quant_backend``; ImportError: bitsandbytes missing for it.
+        ValueError: ``experts`` is not a valid :class:`protocol.experts.Experts`; unknown
+            ``quant_backend``; ImportError: bitsandbytes missing for it.
     """
 
     def __init__(self, spec: ModelSpec, experts: dict[int, list[int]], task: str, num_labels: int,
@@ -91,7 +94,7 @@ class SubMoE(nn.Module):
         self.task = task
         self.num_labels = num_labels
         self.adapter = get_adapter(spec.family)
-        self.experts = {int(k): sorted(int(e) for e in v) for k, v in experts.items()}
+        self.experts = Experts(experts)
         quantized: dict[str, QuantLinear] = {}
         if base_shards is None:
             model = self.adapter.build(spec, self.experts, num_labels)

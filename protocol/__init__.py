@@ -2,5 +2,6 @@
 
 Topic names (:mod:`.topics`), versioned message schemas (:mod:`.messages`), the
 tensor codec (:mod:`.codec`), blob chunking (:mod:`.chunking`), adapter-state key
-names (:mod:`.keys`) and the MQTT transport (:mod:`.transport`).
+names (:mod:`.keys`), expert assignments and their JSON form (:mod:`.experts`) and the
+MQTT transport (:mod:`.transport`).
 """

@@ -27,6 +27,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, \
     model_validator
 
+from .experts import layers_from_json
+
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
@@ -439,11 +441,9 @@ class Assignment(_Message):
     @field_validator("experts", mode="before")
     @classmethod
     def _layer_keys(cls, v: Any) -> Any:
-        """JSON object keys are strings: read ``"1"`` as layer 1 (strict parsing would not)."""
-        if isinstance(v, dict):
-            return {int(k) if isinstance(k, str) and 0 < len(k) <= 9 and k.isascii() and k.isdigit() else k: x
-                    for k, x in v.items()}
-        return v
+        """JSON object keys are strings: read ``"1"`` as layer 1 (strict parsing would not); a key
+        that names no layer is refused (:func:`protocol.experts.layer_key`)."""
+        return layers_from_json(v) if isinstance(v, dict) else v
 
     @model_validator(mode="after")
     def _check(self) -> "Assignment":

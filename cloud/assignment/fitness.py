@@ -19,6 +19,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from protocol.experts import layers_from_json, layers_to_json
+
 from ..strategy import ClientResult
 
 
@@ -80,13 +82,13 @@ class Fitness:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable ``{"q": {str(layer): {device_id: [E floats]}}}``."""
-        return {"q": {str(layer): rows for layer, rows in self.q.items()}}
+        return {"q": layers_to_json(self.q)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s rows; layers this instance does not have are ignored."""
-        for layer, rows in state.get("q", {}).items():
-            if int(layer) in self.q:
-                self.q[int(layer)] = {d: list(map(float, v)) for d, v in rows.items()}
+        for layer, rows in layers_from_json(state.get("q", {})).items():
+            if layer in self.q:
+                self.q[layer] = {d: list(map(float, v)) for d, v in rows.items()}
 
 
 def top_k_rows(q: np.ndarray, k: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:

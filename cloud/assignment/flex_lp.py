@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from protocol.experts import layers_from_json, layers_to_json
+
 from ..strategy import ClientResult, DeviceView, Failure, Plan
 from .base import AssignmentStrategy
 from .fitness import Fitness, top_k_rows
@@ -336,10 +338,10 @@ class Flex(AssignmentStrategy):
 
     def state_dict(self) -> dict[str, Any]:
         return {"fitness": self.fitness.state_dict(),
-                "loads": {str(layer): lb.state_dict() for layer, lb in self.loads.items()}}
+                "loads": layers_to_json({layer: lb.state_dict() for layer, lb in self.loads.items()})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.fitness.load_state_dict(state.get("fitness", {}))
-        for layer, d in state.get("loads", {}).items():
-            if int(layer) in self.loads:
-                self.loads[int(layer)].load_state_dict(d)
+        for layer, d in layers_from_json(state.get("loads", {})).items():
+            if layer in self.loads:
+                self.loads[layer].load_state_dict(d)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from protocol.experts import experts_by_device_from_json, experts_by_device_to_json
+
 from ..strategy import DeviceView, Experts, Plan
 from .base import AssignmentStrategy
 
@@ -45,7 +47,7 @@ class RandomMoE(AssignmentStrategy):
         return Plan(out)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kept": {d: {str(k): v for k, v in e.items()} for d, e in self._kept.items()}}
+        return {"kept": experts_by_device_to_json(self._kept)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._kept = {d: {int(k): v for k, v in e.items()} for d, e in state.get("kept", {}).items()}
+        self._kept = experts_by_device_from_json(state.get("kept", {}))

@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Sequence
 
+from protocol.experts import Experts
+
 Probs = Mapping[int, Sequence[float]]
-Experts = dict[int, list[int]]
 
 
 def flatten(p: Probs) -> list[float]:
@@ -87,7 +88,7 @@ def recommend(
     own_count = sum(len(v) for v in own.values())
     n = round(sum(counts[d] for d, _ in sim) / len(sim) - own_count)
     hat = estimate_hat(sim, pool)
-    new: Experts = {int(layer): sorted(v) for layer, v in own.items()}
+    new = Experts(own).as_dict()
 
     def score(layer: int, e: int) -> float:
         row = hat.get(layer, ())

@@ -42,6 +42,9 @@ import logging
 import random
 from typing import Any, Callable, Mapping, Sequence
 
+from protocol.experts import experts_by_device_from_json, experts_by_device_to_json, layers_from_json, \
+    layers_to_json
+
 from ..strategy import ClientResult, DeviceView, Experts, Failure, Plan
 from . import recommendation as R
 from .base import AssignmentStrategy
@@ -349,7 +352,7 @@ class FedMoE(AssignmentStrategy):
                     self.best[dev], self.stale[dev] = score, 0
                     events.append({"device": dev, "event": "kept", "score": score})
                 else:
-                    self.map[dev] = {int(k): v for k, v in pend["previous"].items()}
+                    self.map[dev] = Experts.from_json(pend["previous"])
                     self.frozen.add(dev)
                     events.append({"device": dev, "event": "reverted", "score": score,
                                    "score_before": pend["score_before"]})
@@ -380,32 +383,29 @@ class FedMoE(AssignmentStrategy):
         new = R.recommend(self.p[dev], own, others, counts, self.similar, fits, self.min_experts)
         if new is None or new == own:
             return None
-        self.pending[dev] = {"previous": {str(k): v for k, v in own.items()}, "score_before": self.best.get(dev, 0.0)}
+        self.pending[dev] = {"previous": Experts(own).to_json(), "score_before": self.best.get(dev, 0.0)}
         self.map[dev] = new
         log.info("fedmoe: recommendation for %s: %d -> %d experts", dev, _count(own), _count(new))
         return {"before": _count(own), "after": _count(new)}
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
-        enc = lambda m: {d: {str(k): v for k, v in e.items()} for d, e in m.items()}  # noqa: E731
-        encp = lambda m: {str(k): v for k, v in m.items()}  # noqa: E731
         return {
-            "map": enc(self.map), "initial": enc(self.initial), "theta": self.theta,
-            "provisional": sorted(self.provisional),
-            "probes": {d: {**r, "p": encp(r["p"])} for d, r in self.probes.items()},
-            "p": {d: encp(p) for d, p in self.p.items()}, "meta": self.meta, "best": self.best,
+            "map": experts_by_device_to_json(self.map), "initial": experts_by_device_to_json(self.initial),
+            "theta": self.theta, "provisional": sorted(self.provisional),
+            "probes": {d: {**r, "p": layers_to_json(r["p"])} for d, r in self.probes.items()},
+            "p": {d: layers_to_json(p) for d, p in self.p.items()}, "meta": self.meta, "best": self.best,
             "stale": self.stale, "pending": self.pending, "frozen": sorted(self.frozen),
             "probing": sorted(self._probing), "history": self.history[-200:],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        dec = lambda m: {d: {int(k): v for k, v in e.items()} for d, e in m.items()}  # noqa: E731
-        decp = lambda m: {int(k): v for k, v in m.items()}  # noqa: E731
-        self.map, self.initial = dec(state.get("map", {})), dec(state.get("initial", {}))
+        self.map = experts_by_device_from_json(state.get("map", {}))
+        self.initial = experts_by_device_from_json(state.get("initial", {}))
         self.theta = dict(state.get("theta", {}))
         self.provisional = set(state.get("provisional", []))
-        self.probes = {d: {**r, "p": decp(r["p"])} for d, r in state.get("probes", {}).items()}
-        self.p = {d: decp(p) for d, p in state.get("p", {}).items()}
+        self.probes = {d: {**r, "p": layers_from_json(r["p"])} for d, r in state.get("probes", {}).items()}
+        self.p = {d: layers_from_json(p) for d, p in state.get("p", {}).items()}
         self.meta, self.best = dict(state.get("meta", {})), dict(state.get("best", {}))
         self.stale, self.pending = dict(state.get("stale", {})), dict(state.get("pending", {}))
         self.frozen, self._probing = set(state.get("frozen", [])), set(state.get("probing", []))
