@@ -164,14 +164,16 @@ def test_device_sigkill_will_marks_offline_round_closes_with_quorum_and_device_r
            str(budget), "--data", str(data), "--task", "bbc", "--federation", fed.federation, "--threads", "1",
            "--cache-dir", str(tmp_path / "cache2"), "--idle-timeout", "120"]
     t = Topics(fed.federation)
-    obs = Observer(broker.url(), t.up("dev2", "ack"), t.up("dev2", "status"))
+    obs = Observer(broker.url(), t.down("dev2", "assignment"), t.up("dev2", "status"))
     procs = []
     events = {}
 
     def extra(f: Federation):
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=open(tmp_path / "dev2a.log", "w"),
                                       stderr=subprocess.STDOUT))
-        obs.wait(lambda: any(tp.endswith("/ack") for tp, _ in obs.seen), 120, "dev2's round-1 ack")
+        # killed as its round-1 assignment goes out: before it can fetch, train and upload
+        # (after its ack, a fast round could finish first under load)
+        obs.wait(lambda: any(tp.endswith("/assignment") for tp, _ in obs.seen), 120, "dev2's round-1 assignment")
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait(10)
         reg = f.aggregator.registry
