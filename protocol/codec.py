@@ -281,6 +281,11 @@ def decode_tensors(
         dequantize: turn ``int8`` / ``nf4`` tensors back into fp32 (else return them as
             stored: ``q`` and ``{name}::scale``, or packed ``U8`` and ``{name}::absmax``;
             :func:`nf4_shapes` gives the logical shapes).
+        as_float: in an ``fp16``/``bf16`` payload, cast the tensors stored in that dtype
+            to this one before the ``expected`` check (an fp16 update checked against an
+            fp32 model); a tensor whose dtype is not its payload's format stays as it is
+            (and fails the check).
+        metadata_out: if given, filled with the payload's safetensors metadata.
 
     Returns:
         name -> tensor (CPU). Floating tensors are checked finite.
@@ -323,7 +328,7 @@ def decode_tensors(
             t = dequantize_int8(t, scale)
         elif name in shapes and dequantize:
             t = dequantize_nf4(t, raw[name + ABSMAX_SUFFIX], shapes[name])
-        if as_float is not None and t.is_floating_point():
+        if as_float is not None and fmt in ("fp16", "bf16") and t.dtype == _CAST[fmt]:
             t = t.to(as_float)
         out[name] = t
     for name, t in out.items():
