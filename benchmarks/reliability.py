@@ -58,6 +58,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
@@ -83,13 +84,11 @@ FAULTS = ("device_kill", "straggler", "duplicate", "aggregator_kill", "broker_re
 
 
 def rss_bytes(pid: int) -> int | None:
+    """Resident set size of process ``pid`` in bytes (``psutil``); None if it is gone or unreadable."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
+        return int(psutil.Process(pid).memory_info().rss)
+    except (psutil.Error, OSError):
         return None
-    return None
 
 
 class Bench:

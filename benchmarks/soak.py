@@ -50,15 +50,14 @@ def device_run(rounds: int, work: Path) -> dict:
     """Federation 1 (module docstring): per device, peak RSS and experts held per round."""
     from moe_model.budget import estimate
     from fedmoe.datasets import load_task
-    from fedmoe.simulate import SimulationConfig, _model_dict, device_baseline_bytes, simulate
-    from protocol.messages import ModelSpec
+    from fedmoe.simulate import SimulationConfig, device_baseline_bytes, simulate
 
     cfg = SimulationConfig(out=str(work / "devices"), devices=2, rounds=rounds, max_steps=12,
                            eval_max_samples=200, max_samples_per_task=1200)
     base = device_baseline_bytes()
-    spec, labels = ModelSpec(**_model_dict(cfg)), len(load_task("bbc")[1])
+    labels = len(load_task("bbc")[1])
     slack = 8 * MIB  # the device's data and tokenizer state, measured after the probe
-    cfg.budgets = [str(estimate(spec, k, cfg.batch_size, labels, base, cfg.weight_format).total + slack)
+    cfg.budgets = [estimate(cfg.model, k, cfg.train.batch_size, labels, base, cfg.weight_format).total + slack
                    for k in (4, 8)]
     return simulate(cfg)
 

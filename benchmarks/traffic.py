@@ -47,7 +47,6 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,18 +59,16 @@ MiB = 2**20
 def sim_config(args, out: Path, full: bool):
     from fedmoe.simulate import SimulationConfig
 
-    cfg = SimulationConfig(out=str(out), devices=args.devices, rounds=args.rounds, max_steps=args.steps,
-                           max_seq_len=args.seq_len, broker=args.broker_url, eval_max_samples=args.eval_samples,
-                           max_samples_per_task=args.samples, budget_range=tuple(args.budget_range.split(":")))
+    kw = dict(out=str(out), devices=args.devices, rounds=args.rounds, max_steps=args.steps,
+              max_seq_len=args.seq_len, broker=args.broker_url, eval_max_samples=args.eval_samples,
+              max_samples_per_task=args.samples, budget_range=tuple(args.budget_range.split(":")))
     if args.quick:
-        cfg.base = None
-        cfg.model_config = {"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2,
-                            "num_attention_heads": 2, "intermediate_size": 128}
-        cfg.budget_range = ("700MiB", "700MiB")
-    if full:
-        cfg.assignment, cfg.weight_format, cfg.full_finetune = "full", "fp32", True
-        cfg.budget_range = ("6GiB", "6GiB")  # every device holds the whole fp32 MoE with AdamW state
-    return cfg
+        kw.update(base=None, model_config={"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2,
+                                           "num_attention_heads": 2, "intermediate_size": 128},
+                  budget_range=("700MiB", "700MiB"))
+    if full:  # every device holds the whole fp32 MoE with AdamW state
+        kw.update(assignment="full", weight_format="fp32", full_finetune=True, budget_range=("6GiB", "6GiB"))
+    return SimulationConfig(**kw)
 
 
 def per_device_rounds(report: dict) -> list[dict]:
@@ -112,7 +109,7 @@ def run_system(args, name: str, full: bool) -> dict:
     report = simulate(cfg)
     rows = per_device_rounds(report)
     res = summarise(rows, [r["accuracy"] for r in report["rounds"]])
-    res.update(rows=rows, seconds=time.time() - t0, config=asdict(cfg))
+    res.update(rows=rows, seconds=time.time() - t0, config=cfg.model_dump(mode="json"))
     log.info("[%s] %.1f MiB per device per round (steady %.2f MiB), %.0f s", name, res["all"]["bytes_total"] / MiB,
              res["steady"]["bytes_total"] / MiB, res["seconds"])
     return res

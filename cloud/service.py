@@ -1,4 +1,5 @@
-"""The aggregator service: configuration, MQTT wiring, message validation, main loop.
+"""The aggregator service: MQTT wiring, message validation, main loop (its configuration
+schema is :mod:`cloud.config`; ``AggregatorConfig`` & co. are re-exported here).
 
 ``fedmoe aggregator --broker mqtt://HOST:PORT --config aggregator.yaml`` runs
 :class:`Aggregator`. Every incoming message is validated before it reaches the round
@@ -28,31 +29,26 @@ import logging
 import re
 import threading
 import time
-from pathlib import Path
 from typing import Any, Sequence
-
-import yaml
-from pydantic import BaseModel, ConfigDict, Field
 
 from moe_model.budget import tune_allocator
 from edge_sdk.data import encode_labels, load_text_file
-from protocol.chunking import DEFAULT_CHUNK_BYTES, MAX_HEADER, ChunkError, Reassembler, parse_chunk
+from protocol.chunking import MAX_HEADER, ChunkError, Reassembler, parse_chunk
 from protocol.logsafe import LogLimiter, RateLimiter, clip
 from protocol.signing import SignatureError
 from protocol.messages import (
-    MAX_CONTROL_BYTES, MAX_SAMPLES, Ack, Command, Hello, MessageError, ModelSpec, Progress, Stats, Status,
-    TrainConfig, WeightFormat, encode, parse_message,
+    MAX_CONTROL_BYTES, Ack, Command, Hello, MessageError, Progress, Stats, Status, encode, parse_message,
 )
 from protocol.topics import UP_KINDS, Topics
 from protocol.transport import Transport, TlsConfig
 
+from .config import AggregatorConfig, FederationSettings, StrategyConfig, TaskConfig  # noqa: F401  (re-exported)
 from .filters import InboundFilter, Verification
 from .global_model import GlobalModel
 from .registry import Registry
-from .robust.config import DefenceConfig
 from .robust.defences import Defences
 from .rounds import RoundEngine, RoundSettings
-from .store import Store, url_problem
+from .store import Store
 from .strategies import get_strategy
 from .strategy import Setup
 
@@ -67,126 +63,6 @@ let round-sized buffers land in the heap and fragment it: with 16 MiB and a
 instead of 2.2 MiB (tiny model, 2 devices), for 5% slower evaluation of the real
 MiniLM-MoE (5.47 vs 5.19 s for BBC's test split; a 1 MiB threshold: 0.4 MiB, but 38%
 slower)."""
-
-
-class StrategyConfig(BaseModel):
-    """A strategy by registered name, with its parameters."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    params: dict[str, Any] = Field(default_factory=dict)
-
-
-class TaskConfig(BaseModel):
-    """A task: its class labels (ids follow this order) and an optional test file."""
-
-    model_config = ConfigDict(extra="forbid")
-    labels: list[str] = Field(min_length=2)
-    eval_data: str | None = None
-    """CSV/JSONL ``text,label`` file the cloud evaluates the global model on."""
-
-
-class AggregatorConfig(BaseModel):
-    """Everything the aggregator needs; loadable from YAML (:meth:`load`)."""
-
-    model_config = ConfigDict(extra="forbid")
-    federation: str = "default"
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    tasks: dict[str, TaskConfig]
-    rounds: int = Field(10, ge=1)
-    min_devices: int = Field(1, ge=1)
-    """Devices that must have joined before round 1 starts."""
-    start_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
-    """Give up if fewer than ``min_devices`` joined by then."""
-    clients_per_round: float = Field(1.0, gt=0, allow_inf_nan=False)
-    quorum: float = Field(0.5, gt=0, le=1)
-    round_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
-    strategy: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="composed"))
-    """The federated method (:mod:`cloud.strategies`): ``composed`` (the default) is the
-    ``assignment`` part plus the ``aggregation`` part; other methods may use those parts
-    too."""
-    assignment: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="random_kept"))
-    aggregation: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="modular"))
-    defences: DefenceConfig = Field(default_factory=DefenceConfig)
-    """Update screening, a robust rule or DP-FedAvg around ``aggregation``, and the
-    pre-commit guard (:mod:`cloud.robust`); screening and the guard are on by default."""
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    weight_format: WeightFormat = "int8"
-    """Primary format of the base shards (the cloud evaluates with these weights)."""
-    weight_formats: list[WeightFormat] = Field(default_factory=list)
-    """Further formats served to devices that prefer them (published on first use)."""
-    max_payload: int = Field(DEFAULT_CHUNK_BYTES, ge=4096)
-    max_update_bytes: int = Field(256 * 1024**2, gt=0)
-    store: str = "sqlite:///fedmoe-aggregator.db"
-    eval_batch_size: int = Field(32, ge=1)
-    eval_max_samples: int | None = Field(None, ge=1)
-    seed: int = 0
-    max_samples_per_device: int = Field(1_000_000, ge=1, le=MAX_SAMPLES)
-    """Largest ``num_samples`` a device's statistics may claim, whatever its hello said:
-    its weight in |D_c|-weighted aggregation. Statistics claiming more (or more than the
-    device's hello declared) are refused."""
-    threads: int | None = None
-    stop_devices_when_done: bool = True
-    clear_retained_on_exit: bool = False
-    """Remove the retained shard messages on exit (simulations, tests)."""
-    protocol: str = "auto"
-    username: str | None = None
-    password: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    credentials: str | None = None
-    """JSON file with ``username``/``password`` (and optionally ``tls_ca``) for the broker
-    (``aggregator.json`` from ``fedmoe provision``)."""
-    device_keys: str | None = None
-    """JSON file device id -> Ed25519 public key; when set, signatures are required."""
-    session_expiry_s: int = Field(7 * 24 * 3600, ge=0)
-    """How long the broker keeps the aggregator's session (and queued messages) while it is down."""
-    resume_drain_s: float = Field(3.0, ge=0, allow_inf_nan=False)
-    """After a restart the resumed round stays open at least this many seconds, so the
-    messages the broker queued for the session are handled before it closes."""
-
-    @classmethod
-    def load(cls, path: str | Path, **overrides: Any) -> "AggregatorConfig":
-        """Read YAML and apply top-level overrides. Raises pydantic ValidationError."""
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(data)
-
-    def check_paths(self, eval_given: Any = ()) -> "AggregatorConfig":
-        """Check what the config names outside itself, before anything is built (the
-        model takes seconds to set up): each task's ``eval_data`` file exists, unless the
-        task is in ``eval_given`` (tasks whose items the caller passes as
-        ``Aggregator(eval_data=...)``); ``eval_data: builtin:NAME`` (a built-in data set)
-        must be among those, as only the ``fedmoe`` command can load it; the
-        ``credentials``, ``device_keys``, ``tls_ca``, ``tls_cert`` and ``tls_key`` files
-        exist; the store URL has a supported scheme. Relative paths are relative to the
-        working directory. Returns ``self``.
-
-        Raises:
-            ValueError: every problem found, in one line.
-        """
-        bad, given = [], set(eval_given)
-        for name, task in self.tasks.items():
-            ref = task.eval_data
-            if not ref or name in given:
-                continue
-            if ref.startswith("builtin:"):
-                bad.append(f"tasks.{name}.eval_data {ref!r} names a built-in data set, which only the fedmoe "
-                           f"command resolves (`fedmoe aggregator --config ...`); elsewhere pass the items as "
-                           f"Aggregator(eval_data={{{name!r}: [(text, label), ...]}})")
-            elif not Path(ref).is_file():
-                bad.append(f"tasks.{name}.eval_data: no such file {ref!r} (in {Path.cwd()})")
-        for key in ("credentials", "device_keys", "tls_ca", "tls_cert", "tls_key"):
-            path = getattr(self, key)
-            if path and not Path(path).is_file():
-                bad.append(f"{key}: no such file {path!r}")
-        problem = url_problem(self.store)
-        if problem:
-            bad.append(f"store: {problem}")
-        if bad:
-            raise ValueError("; ".join(bad))
-        return self
 
 
 class Aggregator:

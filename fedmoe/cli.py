@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-from dataclasses import fields
 
 log = logging.getLogger("fedmoe")
 
@@ -33,44 +32,22 @@ def _setup_logging(verbose: bool) -> None:
         pass
 
 
-def _kv(text: str) -> dict:
-    """``a=1,b=x`` -> {"a": 1, "b": "x"} (YAML-typed values)."""
-    import yaml
-
-    out = {}
-    for part in filter(None, text.split(",")):
-        k, _, v = part.partition("=")
-        out[k.strip()] = yaml.safe_load(v)
-    return out
+TINY_MODEL = {"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 128}
+"""``fedmoe simulate --tiny``: the architecture overrides of its randomly initialised model."""
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .simulate import SimulationConfig, SimulationConfigError, simulate
+    from .options import given
+    from .simulate import OPTIONS, SimulationConfig, SimulationConfigError, simulate
 
-    cfg = SimulationConfig()
-    names = {f.name for f in fields(SimulationConfig)}
-    for k, v in vars(args).items():
-        if k in names and v is not None:
-            setattr(cfg, k, v)
-    cfg.tasks = args.tasks.split(",") if args.tasks else cfg.tasks
-    if args.budget_range:
-        lo, _, hi = args.budget_range.partition(":")
-        cfg.budget_range = (lo, hi or lo)
-    cfg.budgets = args.budgets.split(",") if args.budgets else None
-    if args.strategy_params:
-        cfg.strategy_params = _kv(args.strategy_params)
-    if args.assignment_params:
-        cfg.assignment_params = _kv(args.assignment_params)
-    if args.aggregation_params:
-        cfg.aggregation_params = _kv(args.aggregation_params)
+    settings = given(args, OPTIONS)
     if args.tiny:
-        cfg.base = None
-        cfg.model_config = {"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2,
-                            "num_attention_heads": 2, "intermediate_size": 128}
-        cfg.budget_range = ("700MiB", "700MiB") if not args.budget_range else cfg.budget_range
+        settings.update(base=None, model_config=TINY_MODEL)
+        settings.setdefault("budget_range", ("700MiB", "700MiB"))
     try:
-        cfg.validate()  # within a second; simulate() then checks strategies and budgets before any process
-        simulate(cfg)
+        cfg = SimulationConfig(**settings).validate()  # within a second
+        simulate(cfg)  # checks the strategies and budgets before any process starts
     except SimulationConfigError as e:
         raise UsageError(str(e)) from None
     return 0
@@ -113,10 +90,10 @@ def _aggregator(args: argparse.Namespace) -> int:
 
     from cloud.service import Aggregator, AggregatorConfig
 
+    from .options import given
+
     try:  # every problem of the config and the files it names, before the model is set up
-        cfg = AggregatorConfig.load(args.config, store=args.store, rounds=args.rounds, protocol=args.protocol,
-                                    username=args.username, password=args.password, tls_ca=args.tls_ca,
-                                    credentials=args.credentials, device_keys=args.device_keys)
+        cfg = AggregatorConfig.load(args.config, **given(args, _aggregator_options()))
         eval_data = _builtin_eval_data(cfg)
         cfg.check_paths(eval_given=eval_data)
     except (OSError, ValueError, yaml.YAMLError) as e:
@@ -142,26 +119,28 @@ def _aggregator(args: argparse.Namespace) -> int:
 
 
 def _device(args: argparse.Namespace) -> int:
-    from edge_sdk import EdgeClient
-    from moe_model.budget import parse_bytes
-    from edge_sdk.data import load_text_file
-    from protocol.transport import TlsConfig
+    import yaml
+    from edge_sdk.config import DeviceConfig
+    from pydantic import ValidationError
 
-    tls = TlsConfig(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
-    common = dict(federation=args.federation, budget_bytes=args.budget, task=args.task, cache_dir=args.cache_dir,
-                  val_fraction=args.val_fraction, seed=args.seed, threads=args.threads, protocol=args.protocol,
-                  tls=tls, weight_formats=args.formats.split(","), cache_max=args.cache_max,
-                  quant_backend=args.quant_backend,
-                  headroom_bytes=parse_bytes(args.headroom) if args.headroom is not None else None)
-    data = load_text_file(args.data)
-    if args.credentials:
-        client = EdgeClient.from_credentials(args.broker, args.credentials, data, **common)
-    else:
-        if not args.device_id:
-            raise ValueError("give --device-id or --credentials")
-        client = EdgeClient(args.broker, args.device_id, data, username=args.username, password=args.password,
-                            **common)
-    client.run(max_rounds=args.max_rounds, idle_timeout=args.idle_timeout)
+    from .options import explain, flag, given, schema_options
+
+    where = f"{args.config}: " if args.config else ""
+    settings = given(args, schema_options(DeviceConfig))
+    try:  # the config, its files and the data, before the client connects
+        cfg = DeviceConfig.load(args.config, **settings) if args.config else DeviceConfig(**settings)
+        client = cfg.check_paths().client()
+    except ValidationError as e:  # fields named as options, unless they come from the file
+
+        def name(loc: tuple) -> str:
+            return "" if not loc else flag(loc[0]) if loc[0] in settings or not args.config else str(loc[0])
+
+        raise UsageError(where + explain(e, name)) from None
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        from protocol.messages import error_summary
+
+        raise UsageError(where + error_summary(e)) from None
+    client.run(max_rounds=cfg.max_rounds, idle_timeout=cfg.idle_timeout)
     return 0
 
 
@@ -193,54 +172,33 @@ def _provision(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mqtt_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--protocol", default="auto", choices=["auto", "5", "3.1.1"], help="MQTT protocol version")
-    p.add_argument("--username")
-    p.add_argument("--password")
-    p.add_argument("--tls-ca", help="CA certificate (PEM) for TLS")
-    p.add_argument("--credentials", help="credentials JSON from `fedmoe provision` (account, signing key, CA)")
+def _aggregator_options() -> dict:
+    """``fedmoe aggregator``'s options: each overrides the config field of its name."""
+    from protocol.config import BrokerSettings
+
+    from .options import Option, schema_options
+
+    return {"store": Option("store", "store URL (overrides the config)"), "rounds": Option("rounds"),
+            "device_keys": Option("device_keys", "device_keys.json from `fedmoe provision`: require signed updates"),
+            **schema_options(BrokerSettings)}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, provision,
-    each with ``func`` set to its handler."""
+    each with ``func`` set to its handler. The options of simulate, aggregator and device
+    are generated from their config schemas (``fedmoe.options``)."""
+    from cloud.config import AggregatorConfig
+    from edge_sdk.config import DeviceConfig
+
+    from .options import add_options, schema_options
+    from .simulate import OPTIONS, SimulationConfig
+
     p = argparse.ArgumentParser(prog="fedmoe", description="Federated MoE fine-tuning over MQTT")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("simulate", help="run a whole federation on this machine")
-    s.add_argument("--out", help="output directory (default runs/demo)")
-    s.add_argument("--devices", type=int)
-    s.add_argument("--rounds", type=int)
-    s.add_argument("--tasks", help="comma-separated built-in tasks: bbc, tweets")
-    s.add_argument("--partition", help="iid | dirichlet:ALPHA | classes:K")
-    s.add_argument("--strategy", help="federated method (composed: --assignment + --aggregation; default)")
-    s.add_argument("--strategy-params", help="k=v,... method parameters")
-    s.add_argument("--assignment", help="assignment strategy (random_kept, full, fedmoe, flex, ...)")
-    s.add_argument("--assignment-params", help="k=v,... strategy parameters")
-    s.add_argument("--aggregation", help="aggregation strategy (modular, ...)")
-    s.add_argument("--aggregation-params", help="k=v,... strategy parameters")
-    s.add_argument("--budgets", help="per-device memory budgets, e.g. 700MiB,1GiB (device i gets the i-th, "
-                                     "cycling; devices numbered task by task); overrides --budget-range")
-    s.add_argument("--budget-range", help="device memory budgets LO:HI, e.g. 0.7GiB:0.75GiB (default: from 2 to all "
-                                          "experts per layer by the memory plan, on top of a device process's "
-                                          "baseline measured on this machine)")
-    s.add_argument("--broker", help="use this broker instead of the embedded one")
-    s.add_argument("--seed", type=int)
-    s.add_argument("--num-experts", type=int)
-    s.add_argument("--top-k", type=int)
-    s.add_argument("--max-seq-len", type=int)
-    s.add_argument("--local-epochs", type=float)
-    s.add_argument("--max-steps", type=int)
-    s.add_argument("--batch-size", type=int)
-    s.add_argument("--lr", type=float)
-    s.add_argument("--prox-mu", type=float)
-    s.add_argument("--lora-rank", type=int)
-    s.add_argument("--weight-format")
-    s.add_argument("--full-finetune", action="store_true", default=None,
-                   help="train and ship every weight, no LoRA (full-model FedAvg baseline; needs --weight-format fp32)")
-    s.add_argument("--eval-max-samples", type=int)
-    s.add_argument("--max-samples-per-task", type=int, help="seeded random subset of each task's data")
+    add_options(s, OPTIONS, SimulationConfig)  # --devices, --lr, ...: fedmoe.simulate.OPTIONS
     s.add_argument("--tiny", action="store_true", help="a tiny randomly initialised model (quick checks)")
     s.set_defaults(func=_simulate)
 
@@ -248,34 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--broker", help="broker URL; omitted: start an embedded broker (see --listen)")
     a.add_argument("--listen", help="HOST:PORT of the embedded broker when --broker is omitted")
     a.add_argument("--config", required=True, help="aggregator YAML config")
-    a.add_argument("--store", help="store URL (overrides the config)")
-    a.add_argument("--rounds", type=int)
-    a.add_argument("--device-keys", help="device_keys.json from `fedmoe provision`: require signed updates")
-    _mqtt_args(a)
+    add_options(a, _aggregator_options(), AggregatorConfig)
     a.set_defaults(func=_aggregator)
 
-    d = sub.add_parser("device", help="run one edge device")
-    d.add_argument("--broker", required=True)
-    d.add_argument("--device-id", help="device id (or take it from --credentials)")
-    d.add_argument("--budget", required=True, help="memory budget, e.g. 1.5GiB")
-    d.add_argument("--data", required=True, help="CSV or JSONL file with text,label")
-    d.add_argument("--task", default="default")
-    d.add_argument("--federation", default="default")
-    d.add_argument("--cache-dir")
-    d.add_argument("--cache-max", help="shard cache size limit, e.g. 2GiB (least recently used evicted)")
-    d.add_argument("--threads", type=int)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--val-fraction", type=float, default=0.2)
-    d.add_argument("--formats", default="int8,fp32", help="weight formats this device loads")
-    d.add_argument("--headroom", help="memory kept free below the plan for allocator growth, e.g. 32MiB "
-                                      "(default: moe_model.budget.DEFAULT_HEADROOM_BYTES)")
-    d.add_argument("--quant-backend", default="torch", choices=["torch", "bitsandbytes"],
-                   help="kernels for int8/nf4 expert linears (bitsandbytes needs the quant extra)")
-    d.add_argument("--max-rounds", type=int)
-    d.add_argument("--idle-timeout", type=float)
-    d.add_argument("--tls-cert")
-    d.add_argument("--tls-key")
-    _mqtt_args(d)
+    d = sub.add_parser("device", help="run one edge device",
+                       description="Options override the --config file's fields of the same name "
+                                   "(edge_sdk.config.DeviceConfig); byte sizes as 1.5GiB, 800MB or bytes.")
+    d.add_argument("--config", help="device YAML config (fields as the options below, e.g. examples/device.yaml)")
+    add_options(d, schema_options(DeviceConfig), DeviceConfig)
     d.set_defaults(func=_device)
 
     x = sub.add_parser("export", help="export the global MoE or a device's sub-MoE to ONNX for onnxruntime")

