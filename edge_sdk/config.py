@@ -51,6 +51,12 @@ class DeviceSettings(BaseModel):
     """return after this many rounds (default: until the aggregator says stop)"""
     idle_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
     """return if no assignment arrives for this many seconds"""
+    update_precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    """precision the update is uploaded in (edge_sdk.filters.UpdateEncoding; fp16/bf16 halve
+    the upload, int8 quarters it)"""
+    update_delta: bool = False
+    """upload the update as its difference from the state the cloud sent (fewer bits lost
+    at fp16/int8)"""
 
 
 class DeviceConfig(DeviceSettings, BrokerSettings):
@@ -106,6 +112,15 @@ class DeviceConfig(DeviceSettings, BrokerSettings):
             raise ValueError("; ".join(bad))
         return self
 
+    def filters(self) -> list:
+        """The outgoing filters these settings ask for: an
+        :class:`edge_sdk.filters.UpdateEncoding` unless the update goes as fp32 state."""
+        if self.update_precision == "fp32" and not self.update_delta:
+            return []
+        from .filters import UpdateEncoding
+
+        return [UpdateEncoding(self.update_precision, delta=self.update_delta)]
+
     def client(self) -> EdgeClient:
         """Load ``data`` and build the :class:`edge_sdk.EdgeClient` (imports torch); run
         it with ``client.run(max_rounds=cfg.max_rounds, idle_timeout=cfg.idle_timeout)``.
@@ -125,7 +140,7 @@ class DeviceConfig(DeviceSettings, BrokerSettings):
             val_fraction=self.val_fraction, seed=self.seed, threads=self.threads, protocol=self.protocol, tls=tls,
             weight_formats=list(self.formats), quant_backend=self.quant_backend,
             cache_max=int(self.cache_max) if self.cache_max is not None else None,
-            headroom_bytes=int(self.headroom) if self.headroom is not None else None)
+            headroom_bytes=int(self.headroom) if self.headroom is not None else None, filters=self.filters())
         data = load_text_file(self.data)
         if self.credentials:
             return EdgeClient.from_credentials(self.broker, self.credentials, data, **common)

@@ -103,6 +103,8 @@ OPTIONS: dict[str, Option] = {
                                                    "baseline; needs --weight-format fp32)", switch=True),
     "eval_max_samples": Option("eval_max_samples"),
     "max_samples_per_task": Option("max_samples_per_task", "seeded random subset of each task's data"),
+    "update_precision": Option("device.update_precision"),
+    "update_delta": Option("device.update_delta", switch=True),
 }
 """The ``fedmoe simulate`` options: ``--NAME`` (``_`` as ``-``) sets the field at the
 option's path; ``SimulationConfig(NAME=...)`` does the same (:data:`ALIASES`)."""

@@ -255,3 +255,15 @@ def test_current_rss_is_psutils():
     rss = current_rss_bytes()
     assert abs(rss - psutil.Process(os.getpid()).memory_info().rss) < 64 * 2**20
     assert 0 < rss <= peak_rss_bytes()
+
+
+def test_device_config_turns_update_encoding_into_a_filter():
+    from edge_sdk.config import DeviceConfig
+    from edge_sdk.filters import UpdateEncoding
+
+    base = dict(broker="mqtt://127.0.0.1:1", device_id="d", budget="1GiB", data="x.csv")
+    assert DeviceConfig(**base).filters() == []
+    (f,) = DeviceConfig(**base, update_precision="fp16", update_delta=True).filters()
+    assert isinstance(f, UpdateEncoding) and (f.precision, f.delta) == ("fp16", True)
+    with pytest.raises(ValueError):
+        DeviceConfig(**base, update_precision="nf4")
