@@ -470,12 +470,15 @@ class RoundEngine:
     def on_ack(self, device_id: str, ack: Ack) -> None:
         """A device accepted or refused its assignment (``ack.attempt`` must be the current
         one; repeats are ignored). A refusal that reports a budget and the memory needed
-        asks the strategy for a smaller assignment (:meth:`_reassign`). Never raises for
+        asks the strategy for a smaller assignment (:meth:`_reassign`). A refusal after an
+        acceptance is a device that failed during the round (its training raised): it
+        counts as finished, so the round need not wait for its deadline. Never raises for
         bad input: a stale round or an unselected device gets a reject reply."""
         rnd = self._check_current(device_id, ack.round, "ack")
         if rnd is None or ack.attempt != rnd.attempts.get(device_id, 0):
             return
-        if device_id in rnd.acks:
+        prev = rnd.acks.get(device_id)
+        if prev is not None and not (prev.accepted and not ack.accepted and device_id not in rnd.updates):
             return
         rnd.acks[device_id] = ack
         self.store.put_json(f"inflight/{rnd.number}/ack/{device_id}", ack.model_dump(mode="json"))

@@ -192,3 +192,15 @@ def test_private_router_term_keeps_this_devices_router_rows_across_rounds():
     t.before_training(fresh)
     assert torch.equal(fresh.p["router.0.w"], torch.ones(3)) and torch.equal(fresh.p["expert.0.w"], torch.zeros(3))
     assert terms_for(TrainConfig(), [], fresh.p, memory=memory) == []
+
+
+def test_terms_named_by_train_config_load_in_a_fresh_process():
+    """prox_mu / router=private name terms whose modules nothing imported yet (the FedProx
+    baseline failed every round with KeyError 'fedprox' when the registry was read directly)."""
+    import subprocess
+    import sys
+
+    code = ("from edge_sdk.objectives import terms_for; from protocol.messages import TrainConfig; "
+            "print(','.join(t.name for t in terms_for(TrainConfig(prox_mu=0.1, router='private'), [], {})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "fedprox,private_router", out.stderr[-500:]

@@ -290,3 +290,31 @@ def test_a_strategy_samples_the_devices_and_decides_what_they_are_sent(tmp_path,
         _hello(agg, d)
     assert not agg.engine.start_round() and "could not sample" in agg.engine.plan_error
     agg.store.close()
+
+
+def test_a_device_that_fails_after_accepting_finishes_the_round_early(tmp_path, monkeypatch):
+    """The device acks, then its training raises and it sends a refusal: the round counts
+    it as finished with the device's reason instead of waiting for the deadline."""
+    from protocol.messages import Ack
+
+    agg, _ = _offline(str(tmp_path), monkeypatch)
+    for d in ("a", "b"):
+        _hello(agg, d)
+    assert agg.engine.start_round()
+    rnd = agg.engine.current
+
+    def ack(d, ok, reason=None):
+        msg = Ack(device_id=d, round=rnd.number, accepted=ok, reason=reason)
+        agg._handle(f"fl/v1/bd/dev/{d}/up/ack", encode(msg))
+
+    ack("a", True)
+    ack("b", True)
+    _send(agg, "b", _stats(agg, "b", _upload(agg, "b", 0.01), 10))
+    assert not rnd.finished("a")
+    ack("a", False, "round failed on device: 'fedprox'")
+    ack("a", True)                                   # a late repeat of the acceptance changes nothing
+    ack("b", False, "too late")                      # b already reported: its result stands
+    assert rnd.finished("a") and rnd.reported("b") and rnd.acks["b"].accepted
+    record = agg.engine.close_round()
+    assert record["status"] == "ok" and record["failures"] == {"a": "round failed on device: 'fedprox'"}
+    agg.store.close()
