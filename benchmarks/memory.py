@@ -3,8 +3,10 @@
 For every budget in {0.5, 1, 2, 4} GiB and weight format in {fp32, int8, nf4}, a fresh
 device process (``--cell``) does what ``EdgeClient`` does in a round, without the
 network: it measures its baseline RSS, asks the memory plan (``moe_model.budget.plan``)
-how many experts per layer fit the budget, memory-maps those expert shards from a shard
-cache (``moe_model.shards.ShardCache``), builds the sub-MoE (expert linears held in the
+how many experts per layer fit the budget with the device's default headroom
+(``DEFAULT_HEADROOM_BYTES``, 32 MiB) kept free above that baseline, as ``EdgeClient``
+does (the predicted peak reported is the plan without the headroom), memory-maps those
+expert shards from a shard cache (``moe_model.shards.ShardCache``), builds the sub-MoE (expert linears held in the
 shard format), trains LoRA for a few steps, and reports the RSS high-water mark
 (``VmHWM``). Model: all-MiniLM-L6-v2 upcycled to 128 experts in layers 1, 3, 5 (so
 budgets matter), T = 64, batch 8, LoRA rank 8, BBC News.
@@ -83,8 +85,10 @@ def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int) 
     train = [(x, labels.index(y)) for x, y in items[: steps * BATCH]]
     s = spec()
     baseline = B.current_rss_bytes()
-    k = B.max_experts_per_layer(s, budget, BATCH, LABELS, baseline, fmt)
-    out = {"format": fmt, "budget_bytes": budget, "baseline_rss_bytes": baseline, "experts_per_layer": k}
+    # as EdgeClient does: the plan keeps the default headroom free above the measured baseline
+    k = B.max_experts_per_layer(s, budget, BATCH, LABELS, baseline + B.DEFAULT_HEADROOM_BYTES, fmt)
+    out = {"format": fmt, "budget_bytes": budget, "baseline_rss_bytes": baseline, "experts_per_layer": k,
+           "headroom_bytes": B.DEFAULT_HEADROOM_BYTES}
     if k == 0:
         out.update(predicted_peak_bytes=None, peak_rss_bytes=baseline, note="not even one expert per layer fits")
         return out
