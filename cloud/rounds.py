@@ -54,12 +54,12 @@ from moe_model.budget import (
 )
 from moe_model.train import num_steps
 from protocol.chunking import Blob
-from protocol.codec import EXTRA_DTYPES, CodecError, decode_tensors, encode_tensors, extra_tensor_problem, sha256_hex
+from protocol.codec import EXTRA_DTYPES, decode_tensors, encode_tensors, extra_tensor_problem, sha256_hex
 from protocol.experts import experts_by_device_from_json, experts_by_device_to_json, layers_to_json
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
-    MIN_MINOR_FOR_EXTENSIONS, Ack, Assignment, BlobRef, Command, ExtraName, Objective, Stats, TensorSpec,
-    TrainConfig, encode,
+    MAX_OBJECTIVES, MIN_MINOR_FOR_EVALUATION, MIN_MINOR_FOR_EXTENSIONS, Ack, Assignment, BlobRef, Command, ExtraName,
+    Objective, Stats, TensorSpec, TrainConfig, encode,
 )
 from protocol.topics import Topics
 
@@ -124,6 +124,8 @@ class _Round:
     assignment_seconds: float
     train: dict[str, Any] = field(default_factory=dict)
     objectives: dict[str, list[Objective]] = field(default_factory=dict)
+    unsent: set[str] = field(default_factory=set)
+    """Devices the round could not send an assignment to (finished: nothing to wait for)."""
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     acks: dict[str, Ack] = field(default_factory=dict)
     updates: dict[str, tuple[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
@@ -140,7 +142,7 @@ class _Round:
 
     def finished(self, device_id: str) -> bool:
         ack = self.acks.get(device_id)
-        return self.reported(device_id) or (ack is not None and not ack.accepted)
+        return self.reported(device_id) or (ack is not None and not ack.accepted) or device_id in self.unsent
 
 
 class RoundEngine:
@@ -346,10 +348,10 @@ class RoundEngine:
             return
         term = self.strategy.EVALUATION_TERM
         for v in planned:
-            objectives = plan.objectives.setdefault(v.device_id, [])
-            if v.device_id in ask and v.protocol_minor >= MIN_MINOR_FOR_EXTENSIONS and \
-                    all(getattr(o, "name", None) != term for o in objectives):
-                objectives.append(Objective(name=term))
+            objectives = list(plan.objectives.get(v.device_id) or [])
+            if v.device_id in ask and v.protocol_minor >= MIN_MINOR_FOR_EVALUATION and \
+                    len(objectives) < MAX_OBJECTIVES and all(getattr(o, "name", None) != term for o in objectives):
+                plan.objectives[v.device_id] = [*objectives, Objective(name=term)]
 
     def _invalid_entries(self, plan: Plan, views: list[DeviceView]) -> dict[str, str]:
         """device -> why the strategy's plan for it cannot be sent: not a selected device,
@@ -391,7 +393,9 @@ class RoundEngine:
                           f"{MIN_MINOR_FOR_EXTENSIONS} or later")
                 continue
             problem = _tensors_problem(tensors) or next(
-                (f"objective {o!r} is not an Objective" for o in objectives if not isinstance(o, Objective)), None)
+                (f"objective {o!r} is not an Objective" for o in objectives if not isinstance(o, Objective)), None) or (
+                f"{len(objectives)} objective terms, more than {MAX_OBJECTIVES}" if len(objectives) > MAX_OBJECTIVES
+                else None)
             if problem:
                 bad[d] = f"{who} for it is ill-formed: {problem}"
         return bad
@@ -439,6 +443,7 @@ class RoundEngine:
         except Exception as e:  # a strategy bug: this device sits the round out, the round goes on
             log.exception("round %d: no state to send %s", rnd.number, device_id)
             rnd.rejected[device_id] = f"the strategy gave no valid state to send: {type(e).__name__}: {e}"[:500]
+            rnd.unsent.add(device_id)
             return
         state = encode_tensors({**sent, **tensors}, "fp32")
         ref = self.wire.publish_blob(self.topics.down(device_id, "state"), state, "state", rnd.number,
@@ -545,7 +550,7 @@ class RoundEngine:
             return
         try:
             tensors = self._decode_update(device_id, rnd.selected[device_id], blob.data)
-        except CodecError as e:
+        except Exception as e:  # CodecError, or the strategy's sent state failing its layout check
             rnd.rejected[device_id] = str(e)
             self.reject(device_id, rnd.number, f"update rejected: {e}")
             return
@@ -777,7 +782,7 @@ class RoundEngine:
             record["aggregation_report"] = _jsonable(report)
         if metrics:
             record["strategy_metrics"] = _jsonable(metrics)
-        fed_eval = self._federated_evaluation(rnd.number, accepted)
+        fed_eval = self._federated_evaluation(rnd, accepted)
         if fed_eval is not None:
             record["federated_evaluation"] = fed_eval
         if error is not None:
@@ -799,15 +804,32 @@ class RoundEngine:
                                                                          "seconds", "status", "cv")})
         return record
 
-    def _federated_evaluation(self, number: int, results: list[ClientResult]) -> dict[str, Any] | None:
+    def _federated_evaluation(self, rnd: _Round, results: list[ClientResult]) -> dict[str, Any] | None:
         """The strategy's combination of what the devices asked to evaluate reported
-        (``Stats.extras`` of :attr:`Strategy.EVALUATION_TERM`), or None."""
-        prefix = self.strategy.EVALUATION_TERM + "."
-        reports = {r.device_id: {k[len(prefix):]: v[0] for k, v in r.stats.extras.items()
-                                 if k.startswith(prefix) and len(v) == 1}
-                   for r in results if any(k.startswith(prefix) for k in r.stats.extras)}
+        (``Stats.extras`` of :attr:`Strategy.EVALUATION_TERM`), or None. Reports from
+        devices that were not asked, or claiming more samples than the device declared
+        in its hello, are refused (listed under ``refused``), never combined."""
+        term = self.strategy.EVALUATION_TERM
+        prefix, number, reports, refused = term + ".", rnd.number, {}, {}
+        for r in results:
+            if not any(k.startswith(prefix) for k in r.stats.extras):
+                continue
+            if all(o.name != term for o in rnd.objectives.get(r.device_id, [])):
+                refused[r.device_id] = "reported an evaluation it was not asked for"
+                continue
+            report = {k[len(prefix):]: v[0] for k, v in r.stats.extras.items() if k.startswith(prefix) and len(v) == 1}
+            declared = self.registry.get(r.device_id).num_samples
+            if not isinstance(report.get("samples"), (int, float)) or report["samples"] > declared:
+                refused[r.device_id] = f"claims {report.get('samples')} validation samples of its {declared}"
+                continue
+            reports[r.device_id] = report
         try:
-            return _jsonable(self.strategy.evaluate_federated(number, reports))
+            out = self.strategy.evaluate_federated(number, reports)
+            if out is None and refused:
+                out = {"accuracy": None, "loss": None, "samples": 0, "devices": [], "refused": {}}
+            if out is not None:
+                out["refused"] = {**out.get("refused", {}), **refused}
+            return _jsonable(out)
         except Exception:
             log.exception("round %d: the strategy's evaluate_federated failed", number)
             return None
@@ -940,7 +962,12 @@ class RoundEngine:
                     rnd.stats[d] = stats
             data = self.store.get_blob(f"{prefix}update/{d}")
             if data is not None and dev is not None:
-                rnd.updates[d] = (sha256_hex(data), self._decode_update(d, rnd.selected[d], data))
+                try:
+                    rnd.updates[d] = (sha256_hex(data), self._decode_update(d, rnd.selected[d], data))
+                except Exception as e:  # decodable once, not now (a strategy's sent state changed): drop, not crash
+                    log.warning("round %d: dropped the stored update of %s: %s", rnd.number, d, e)
+                    rnd.rejected[d] = f"stored update no longer decodes: {type(e).__name__}: {e}"[:500]
+                    self.store.delete(f"{prefix}update/{d}")
         self.current = rnd
         closing = self.store.get_json("closing_round", {})
         if closing.get("round") == rnd.number and closing.get("attempts", 0) >= MAX_CLOSE_ATTEMPTS:

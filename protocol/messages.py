@@ -32,15 +32,24 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 2
+PROTOCOL_MINOR = 3
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
-state blob) and ``Stats.extras``. A peer ignores unknown fields and unknown commands of a
-newer minor version, so the cloud sends objectives and extra tensors only to devices that
-announced minor 2 or later (an older device would silently train without them)."""
+state blob) and ``Stats.extras``; 3 added the objective terms ``private_router`` and
+``evaluate_received`` and delta-encoded updates (``fedmoe.encoding: delta``; an
+aggregator older than minor 3 would read a delta as a state: configure
+``update_delta`` only against a minor-3 aggregator). A peer ignores unknown fields and
+unknown commands of a newer minor version, so the cloud sends objectives and extra
+tensors only to devices that announced minor 2 or later (an older device would silently
+train without them) and the evaluation term only to minor 3 or later."""
 MIN_MINOR_FOR_EXTENSIONS = 2
 """Lowest ``Hello.protocol_minor`` that understands objectives, extra tensors and extras."""
+MIN_MINOR_FOR_EVALUATION = 3
+"""Lowest ``Hello.protocol_minor`` whose SDK has the ``evaluate_received`` term (a minor-2
+device would refuse the whole assignment over the unknown term)."""
+MAX_OBJECTIVES = 16
+"""Most objective terms one assignment may name."""
 WIRE_CONTEXT = {"unknown_fields": "ignore"}
 """Validation context :func:`parse_message` uses: unknown fields are dropped at every
 nesting level instead of being errors."""
@@ -432,7 +441,7 @@ class Assignment(_Message):
     train: TrainConfig
     deadline: float
     """Unix time (seconds) by which the update must have arrived."""
-    objectives: list[Objective] = Field(default_factory=list, max_length=16)
+    objectives: list[Objective] = Field(default_factory=list, max_length=MAX_OBJECTIVES)
     """Terms added to the local objective this round, besides ``train.prox_mu`` (minor 2)."""
     tensors: dict[ExtraName, TensorSpec] = Field(default_factory=dict, max_length=64)
     """Named extra tensors the state blob carries besides the adapter state (for the

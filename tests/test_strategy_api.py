@@ -318,3 +318,25 @@ def test_a_device_that_fails_after_accepting_finishes_the_round_early(tmp_path, 
     record = agg.engine.close_round()
     assert record["status"] == "ok" and record["failures"] == {"a": "round failed on device: 'fedprox'"}
     agg.store.close()
+
+
+def test_federated_evaluation_only_from_asked_devices_within_their_declared_data(tmp_path, monkeypatch):
+    agg, _ = _offline(str(tmp_path), monkeypatch, strategy={"name": "composed", "params": {"evaluate_fraction": 1.0}})
+    _hello(agg, "a")
+    _hello(agg, "b")
+    _hello(agg, "old", minor=2)          # a minor-2 SDK lacks the term: not asked (it would refuse the round)
+    assert agg.engine.start_round()
+    rnd = agg.engine.current
+    term = agg.engine.strategy.EVALUATION_TERM
+    assert [o.name for o in rnd.objectives["a"]] == [term] and "old" not in rnd.objectives
+
+    def ev(acc, n):
+        return {f"{term}.accuracy": [acc], f"{term}.loss": [0.5], f"{term}.samples": [n]}
+
+    _send(agg, "a", _stats(agg, "a", _upload(agg, "a", 0.01), 10, extras=ev(0.8, 4)))
+    _send(agg, "b", _stats(agg, "b", _upload(agg, "b", 0.01), 10, extras=ev(0.0, 2**40)))   # > its 10 samples
+    _send(agg, "old", _stats(agg, "old", _upload(agg, "old", 0.01), 10, extras=ev(0.0, 5)))  # never asked
+    fe = agg.engine.close_round()["federated_evaluation"]
+    assert fe["devices"] == ["a"] and fe["accuracy"] == pytest.approx(0.8) and fe["samples"] == 4
+    assert set(fe["refused"]) == {"b", "old"}
+    agg.store.close()

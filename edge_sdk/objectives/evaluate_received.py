@@ -1,5 +1,7 @@
 """``evaluate_received``: federated evaluation. Before local training, the device
-evaluates the global sub-MoE it received on its local validation split and reports
+evaluates the sub-MoE it starts the round from (the global state it received; with
+FLEX-MoE's ``private_router``, which runs first, its own router rows) on its local
+validation split and reports
 accuracy, loss and the number of samples (``Stats.extras``: ``evaluate_received.accuracy``,
 ``.loss``, ``.samples``; one value each). The cloud asks for it through
 ``Strategy.configure_evaluate``; nothing else about the data leaves the device."""
