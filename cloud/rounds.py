@@ -565,8 +565,9 @@ class RoundEngine:
         Raises:
             ValueError: the strategy's state has other names or shapes.
         """
-        expected = self.model.expected_for(experts, self.registry.get(device_id).task)
-        state = self.strategy.state_for(self._view(self.registry.get(device_id)), experts, self.model)
+        task = self.registry.get(device_id).task
+        expected = self.model.expected_for(experts, task)
+        state = self.strategy.state_for(device_id, task, experts, self.model)
         if set(state) != set(expected) or any(tuple(state[k].shape) != expected[k][0] for k in expected):
             raise ValueError(f"strategy {self.strategy.name!r} sends {device_id} a state that is not the model's "
                              f"layout for its experts")

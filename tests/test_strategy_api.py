@@ -259,8 +259,8 @@ class _Chooser(Composed):
     def sample_devices(self, round, candidates, count, rng):
         return [candidates[-1]] if self.pick == "last" else ["nobody"]
 
-    def state_for(self, device, experts, model):
-        return {k: v + 1.0 for k, v in model.state_for(experts, device.task).items()}
+    def state_for(self, device_id, task, experts, model):
+        return {k: v + 1.0 for k, v in model.state_for(experts, task).items()}
 
 
 def test_a_strategy_samples_the_devices_and_decides_what_they_are_sent(tmp_path, monkeypatch):

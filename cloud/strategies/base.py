@@ -94,12 +94,15 @@ class Strategy(Registered):
         """
         return rng.sample(candidates, count)
 
-    def state_for(self, device: DeviceView, experts: Experts, model: "GlobalModel") -> dict:
-        """The adapter state ``device`` holding ``experts`` is sent this round (name ->
-        tensor; exactly the names and shapes of ``model.state_for(experts, task)``, which
-        is the default). Must not change during a round: a restarted aggregator sends it
-        again and decodes delta updates against it."""
-        return model.state_for(experts, device.task)
+    def state_for(self, device_id: str, task: str, experts: Experts, model: "GlobalModel") -> dict:
+        """The adapter state device ``device_id`` (of ``task``) holding ``experts`` is sent
+        this round (name -> tensor; exactly the names and shapes of
+        ``model.state_for(experts, task)``, which is the default). Called for every
+        assignment sent and every delta update decoded, so it gets ids, not a
+        :class:`DeviceView` (whose capacity costs a memory plan per expert count). Must
+        not change during a round: a restarted aggregator sends it again and decodes delta
+        updates against it."""
+        return model.state_for(experts, task)
 
     @abstractmethod
     def configure_round(self, round: int, devices: list[DeviceView], model: "GlobalModel") -> Plan:
