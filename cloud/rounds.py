@@ -54,7 +54,9 @@ from moe_model.budget import (
 )
 from moe_model.train import num_steps
 from protocol.chunking import Blob
-from protocol.codec import EXTRA_DTYPES, decode_tensors, encode_tensors, extra_tensor_problem, sha256_hex
+from protocol.codec import (
+    EXTRA_DTYPES, CodecError, check_expected, decode_tensors, encode_tensors, extra_tensor_problem, sha256_hex,
+)
 from protocol.experts import experts_by_device_from_json, experts_by_device_to_json, layers_to_json
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
@@ -338,7 +340,7 @@ class RoundEngine:
 
     def _ask_evaluation(self, number: int, plan: Plan, views: list[DeviceView]) -> None:
         """Add the evaluation term to the plan of the devices the strategy's
-        :meth:`Strategy.configure_evaluate` names (those of protocol minor >= 2; a
+        :meth:`Strategy.configure_evaluate` names (those of protocol minor >= 3; a
         strategy bug there is logged and evaluation skipped for the round)."""
         planned = [v for v in views if v.device_id in plan.assignments]
         try:
@@ -566,11 +568,12 @@ class RoundEngine:
             ValueError: the strategy's state has other names or shapes.
         """
         task = self.registry.get(device_id).task
-        expected = self.model.expected_for(experts, task)
         state = self.strategy.state_for(device_id, task, experts, self.model)
-        if set(state) != set(expected) or any(tuple(state[k].shape) != expected[k][0] for k in expected):
+        try:
+            check_expected(state, self.model.expected_for(experts, task))
+        except CodecError as e:
             raise ValueError(f"strategy {self.strategy.name!r} sends {device_id} a state that is not the model's "
-                             f"layout for its experts")
+                             f"layout for its experts: {e}") from None
         return state
 
     def _decode_update(self, device_id: str, experts: Experts, data: bytes) -> dict[str, torch.Tensor]:
