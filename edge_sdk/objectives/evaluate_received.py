@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from moe_model.train import evaluate
 
 from .base import ObjectiveTerm
@@ -33,8 +31,7 @@ class EvaluateReceived(ObjectiveTerm):
     def before_training(self, model: Any) -> None:
         if not self.ctx.val_items:
             return
-        with torch.no_grad():
-            r = evaluate(model, self.ctx.val_items)
+        r = evaluate(model, self.ctx.val_items)  # no_grad inside
         self._result = {"accuracy": [r.accuracy], "loss": [r.loss], "samples": [float(r.samples)]}
 
     def statistics(self) -> dict[str, list[float]]:
