@@ -168,7 +168,7 @@ class Strategy(Registered):
         ``configure_evaluate``, done in the training round: the model is loaded anyway,
         and only accuracy, loss and a sample count leave the device). The engine turns
         it on with the :attr:`EVALUATION_TERM` objective for devices of protocol minor
-        >= 2. Default: a seeded ``evaluate_fraction`` of ``devices`` (at least one when
+        >= 3. Default: a seeded ``evaluate_fraction`` of ``devices`` (at least one when
         the fraction is positive).
 
         Returns:
