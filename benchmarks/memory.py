@@ -9,9 +9,12 @@ does (the predicted peak reported is the plan without the headroom), memory-maps
 expert shards from a shard cache (``moe_model.shards.ShardCache``), builds the sub-MoE (expert linears held in the
 shard format), trains LoRA for a few steps, and reports the RSS high-water mark
 (``VmHWM``). Model: all-MiniLM-L6-v2 upcycled to 128 experts in layers 1, 3, 5 (so
-budgets matter), T = 64, batch 8, LoRA rank 8, BBC News.
+budgets matter), T = 64, batch 8, LoRA rank 8, BBC News; or, with ``--model DIR``, a local
+Hugging Face MoE checkpoint (``family = "hf-moe"``, e.g. SmolLM2 upcycled by ``fedmoe
+upcycle``) trained as a causal LM on BBC News texts, every MoE layer holding k experts.
 
     python benchmarks/memory.py [--steps 3] [--out results/memory]
+    python benchmarks/memory.py --model runs/smollm2-moe --budgets 1,1.5,2,3 --out results/llm/memory
 
 Writes ``memory.json``, ``memory.md`` and ``memory.png``; checks measured <= budget in
 every cell and |predicted - measured| / measured.
@@ -32,11 +35,17 @@ sys.path.insert(0, str(ROOT))
 BUDGETS_GIB = (0.5, 1, 2, 4)
 FORMATS = ("fp32", "int8", "nf4")
 E, T, BATCH, LABELS = int(os.environ.get("FEDMOE_BENCH_EXPERTS", 128)), 64, 8, 5
+MODEL: str | None = None
+"""``--model DIR``: a Hugging Face MoE checkpoint instead of the upcycled MiniLM."""
 
 
 def spec():
     from protocol.messages import ModelSpec
 
+    if MODEL is not None:
+        from moe_model.models.hf_moe import checkpoint_model
+
+        return ModelSpec(**checkpoint_model(MODEL), max_seq_len=T, objective="causal-lm")
     return ModelSpec(num_experts=E, top_k=2, max_seq_len=T)
 
 
@@ -45,24 +54,21 @@ def prepare(cache_root: Path, formats=FORMATS) -> dict:
     import torch
 
     from moe_model.models import all_experts, get_adapter
-    from moe_model.shards import ShardCache, encode_shard, split_base
+    from moe_model.shards import ShardCache, encode_shard
     from protocol.codec import sha256_hex
 
     s = spec()
     adapter = get_adapter(s.family)
     skeleton = adapter.build(s, all_experts(adapter, s), 2, device="meta")
-    shards = split_base(adapter.base_state(s), skeleton)
-    index = {}
-    for fmt in formats:
-        cache = ShardCache(cache_root / fmt)
-        index[fmt] = {}
-        for sid, t in shards.items():
+    index = {fmt: {} for fmt in formats}
+    caches = {fmt: ShardCache(cache_root / fmt) for fmt in formats}
+    for sid, t in adapter.base_shards(s, skeleton):  # one shard in memory at a time
+        for fmt in formats:
             data = encode_shard(t, fmt)
             sha = sha256_hex(data)
-            if not cache.has(sha):
-                cache.put(sha, data)
+            if not caches[fmt].has(sha):
+                caches[fmt].put(sha, data)
             index[fmt][sid] = sha
-    del shards
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return index
 
@@ -95,10 +101,13 @@ def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int) 
     p = B.plan(s, k, fmt, batch=BATCH, num_labels=LABELS, runtime_bytes=baseline)
     B.reset_peak_rss()
     index = json.loads(index_file.read_text())[fmt]
-    experts = {layer: list(range(k)) for layer in (1, 3, 5)}
+    from moe_model.models import get_adapter
+
+    experts = {layer: list(range(k)) for layer in get_adapter(s.family).moe_layers(s)}
     cache = ShardCache(cache_root / fmt)
     held = {sid: cache.load(index[sid], keep_quantized=sid != "backbone")
             for sid in ["backbone"] + [f"L{layer}.E{e}" for layer in experts for e in experts[layer]]}
+    B.release_free_memory()
     model = SubMoE(s, experts, "bbc", LABELS, held)
     t0 = time.perf_counter()
     r = train_local(model, train, TrainConfig(max_steps=steps, batch_size=BATCH, lr=1e-3), seed=0)
@@ -109,12 +118,19 @@ def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int) 
 
 
 def main() -> None:
+    global MODEL, T
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results/memory")
     ap.add_argument("--work", default="runs/bench-memory")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cell", nargs=2, metavar=("FORMAT", "BUDGET"))
+    ap.add_argument("--model", help="a Hugging Face MoE checkpoint directory (causal LM) instead of MiniLM")
+    ap.add_argument("--budgets", help="comma-separated budgets in GiB (default 0.5,1,2,4)")
+    ap.add_argument("--seq-len", type=int, default=T, help="tokens per sample (default 64)")
     args = ap.parse_args()
+    MODEL, T = args.model, args.seq_len
+    budgets = tuple(float(x) for x in args.budgets.split(",")) if args.budgets else BUDGETS_GIB
+    extra = (["--model", args.model] if args.model else []) + ["--seq-len", str(T)]
     work = Path(args.work)
     if args.cell:
         res = cell(args.cell[0], int(args.cell[1]), work / "index.json", work / "cache", args.steps)
@@ -122,16 +138,16 @@ def main() -> None:
         return
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "index.json").exists():
-        print("preparing shards (128 experts x 3 layers x 3 formats) ...", flush=True)
+        print("preparing shards (every expert of every MoE layer x 3 formats) ...", flush=True)
         (work / "index.json").write_text(json.dumps(prepare(work / "cache")))
     rows = []
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
-    for gib in BUDGETS_GIB:
+    for gib in budgets:
         for fmt in FORMATS:
             budget = int(gib * 2**30)
             proc = subprocess.run([sys.executable, __file__, "--cell", fmt, str(budget), "--work", str(work),
-                                   "--steps", str(args.steps)], capture_output=True, text=True, env=env)
+                                   "--steps", str(args.steps), *extra], capture_output=True, text=True, env=env)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 raise RuntimeError(f"cell {fmt} {gib} GiB failed:\n{proc.stderr[-3000:]}")
@@ -152,8 +168,9 @@ def write(rows: list[dict], out: Path) -> None:
     errs = [abs(r["error"]) for r in rows if "error" in r]
     summary = {"cells": len(rows), "all_within_budget": all(r["within_budget"] for r in rows),
                "max_abs_error": max(errs) if errs else None,
-               "setup": {"experts": E, "moe_layers": [1, 3, 5], "seq_len": T, "batch": BATCH, "lora_rank": 8,
-                         "model": "all-MiniLM-L6-v2 upcycled", "threads": 1}}
+               "setup": {"experts": spec().num_experts, "seq_len": T, "batch": BATCH, "lora_rank": 8,
+                         "model": MODEL or "all-MiniLM-L6-v2 upcycled, MoE layers 1, 3, 5",
+                         "objective": spec().objective, "threads": 1}}
     (out / "memory.json").write_text(json.dumps({"summary": summary, "cells": rows}, indent=1))
     lines = ["| budget | format | experts/layer | predicted MiB | measured peak MiB | baseline MiB | error | <= budget |",
              "|---|---|---|---|---|---|---|---|"]

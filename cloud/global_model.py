@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from moe_model.models import all_experts, get_adapter
-from moe_model.shards import decode_shard, encode_shard, shards_for, split_base
+from moe_model.shards import decode_shard, encode_shard, shards_for
 from moe_model.submoe import SubMoE
 from moe_model.train import EvalResult, evaluate
 from protocol import keys
@@ -54,14 +54,14 @@ class GlobalModel:
         self.layers = adapter.moe_layers(spec)
         self.all_experts = all_experts(adapter, spec)
         skeleton = adapter.build(spec, self.all_experts, 2, device="meta")
-        shards = split_base(adapter.base_state(spec), skeleton)
-        self.encoded: dict[str, dict[str, bytes]] = {
-            fmt: {sid: encode_shard(t, fmt) for sid, t in shards.items()} for fmt in self.formats}
+        self.encoded: dict[str, dict[str, bytes]] = {fmt: {} for fmt in self.formats}
+        for sid, tensors in adapter.base_shards(spec, skeleton):  # one shard in memory at a time
+            for fmt in self.formats:
+                self.encoded[fmt][sid] = encode_shard(tensors, fmt)
         self.sha: dict[str, dict[str, str]] = {
             fmt: {sid: sha256_hex(b) for sid, b in enc.items()} for fmt, enc in self.encoded.items()}
         self.shard_bytes: dict[str, bytes] = self.encoded[weight_format]
         self.shard_sha = self.sha[weight_format]
-        del shards
         decoded = {sid: decode_shard(b) for sid, b in self.shard_bytes.items()}
         self.models: dict[str, SubMoE] = {
             task: SubMoE(spec, self.all_experts, task, len(labels), decoded) for task, labels in self.tasks.items()

@@ -146,6 +146,8 @@ class EdgeClient:
         quant_backend: ``"torch"`` (default: dequantize per matmul, plain torch) or
             ``"bitsandbytes"`` (its int8/nf4 layers on the same shards,
             :mod:`moe_model.quant_bnb`; needs the ``quant`` extra).
+        model_dir: this device's copy of an ``hf-moe`` checkpoint directory (config.json and
+            tokenizer; no weights needed), used instead of the cloud's path in the assignment.
         filters: the outgoing filter chain (:mod:`edge_sdk.filters`), applied in order to
             ``hello``, the update and ``stats``; signing (with ``signing_key``) comes last.
 
@@ -182,8 +184,10 @@ class EdgeClient:
         cache_max: int | str | None = None,
         quant_backend: str = "torch",
         filters: Sequence[Filter] = (),
+        model_dir: str | Path | None = None,
     ):
         self.device_id = T.check_id(device_id, "device id")
+        self.model_dir = None if model_dir is None else str(model_dir)
         self.topics = T.Topics(federation)
         self.budget_bytes = B.parse_bytes(budget_bytes)
         self.task = task
@@ -420,6 +424,8 @@ class EdgeClient:
 
     def _train_round(self, a: Assignment) -> None:
         t0 = time.perf_counter()
+        if self.model_dir is not None and a.model.family == "hf-moe":  # this device's copy of config + tokenizer
+            a = a.model_copy(update={"model": a.model.model_copy(update={"base": self.model_dir, "tokenizer": None})})
         B.reset_peak_rss()
         labels = list(a.labels)
         plan = B.estimate(a.model, a.experts, a.train.batch_size, len(labels), self.runtime_bytes, a.weight_format)

@@ -57,6 +57,10 @@ class DeviceSettings(BaseModel):
     update_delta: bool = False
     """upload the update as its difference from the state the cloud sent (fewer bits lost
     at fp16/int8)"""
+    model_dir: str | None = None
+    """local copy of the checkpoint directory of an hf-moe model (its config.json and
+    tokenizer; the weights still come as shards from the cloud), used instead of the path
+    in the assignment"""
 
 
 class DeviceConfig(DeviceSettings, BrokerSettings):
@@ -140,7 +144,8 @@ class DeviceConfig(DeviceSettings, BrokerSettings):
             val_fraction=self.val_fraction, seed=self.seed, threads=self.threads, protocol=self.protocol, tls=tls,
             weight_formats=list(self.formats), quant_backend=self.quant_backend,
             cache_max=int(self.cache_max) if self.cache_max is not None else None,
-            headroom_bytes=int(self.headroom) if self.headroom is not None else None, filters=self.filters())
+            headroom_bytes=int(self.headroom) if self.headroom is not None else None, filters=self.filters(),
+            model_dir=self.model_dir)
         data = load_text_file(self.data)
         if self.credentials:
             return EdgeClient.from_credentials(self.broker, self.credentials, data, **common)

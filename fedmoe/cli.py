@@ -42,6 +42,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from .simulate import OPTIONS, SimulationConfig, SimulationConfigError, simulate
 
     settings = given(args, OPTIONS)
+    if args.model is not None:
+        settings = {**_checkpoint_model(args.model), **settings}
     if args.tiny:
         settings.update(base=None, model_config=TINY_MODEL)
         settings.setdefault("budget_range", ("700MiB", "700MiB"))
@@ -51,6 +53,18 @@ def _simulate(args: argparse.Namespace) -> int:
     except SimulationConfigError as e:
         raise UsageError(str(e)) from None
     return 0
+
+
+def _checkpoint_model(path: str) -> dict:
+    """``--model PATH``: the model fields of a local Hugging Face MoE checkpoint
+    (``moe_model.models.hf_moe.checkpoint_model``); a missing or unusable checkpoint is a
+    ``UsageError`` naming it."""
+    from moe_model.models.hf_moe import checkpoint_model
+
+    try:
+        return checkpoint_model(path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {path}: {e}") from None
 
 
 def _builtin_eval_data(cfg) -> dict[str, list[tuple[str, str]]]:
@@ -92,8 +106,12 @@ def _aggregator(args: argparse.Namespace) -> int:
 
     from .options import given
 
+    overrides = given(args, _aggregator_options())
+    if args.model is not None:
+        model = (yaml.safe_load(open(args.config)) or {}).get("model") or {} if os.path.isfile(args.config) else {}
+        overrides["model"] = {**model, **_checkpoint_model(args.model)}
     try:  # every problem of the config and the files it names, before the model is set up
-        cfg = AggregatorConfig.load(args.config, **given(args, _aggregator_options()))
+        cfg = AggregatorConfig.load(args.config, **overrides)
         eval_data = _builtin_eval_data(cfg)
         cfg.check_paths(eval_given=eval_data)
     except (OSError, ValueError, yaml.YAMLError) as e:
@@ -200,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="run a whole federation on this machine")
     add_options(s, OPTIONS, SimulationConfig)  # --devices, --lr, ...: fedmoe.simulate.OPTIONS
     s.add_argument("--tiny", action="store_true", help="a tiny randomly initialised model (quick checks)")
+    s.add_argument("--model", help="a local Hugging Face MoE checkpoint directory (config.json + safetensors + "
+                                   "tokenizer): family hf-moe, its experts and top-k")
     s.set_defaults(func=_simulate)
 
     a = sub.add_parser("aggregator", help="run the cloud aggregator service")
@@ -207,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--listen", help="HOST:PORT of the embedded broker when --broker is omitted")
     a.add_argument("--config", required=True, help="aggregator YAML config")
     add_options(a, _aggregator_options(), AggregatorConfig)
+    a.add_argument("--model", help="a local Hugging Face MoE checkpoint directory (overrides the config's model)")
     a.set_defaults(func=_aggregator)
 
     d = sub.add_parser("device", help="run one edge device",

@@ -18,9 +18,42 @@ def _plt():
 
 
 def plot_all(report: dict[str, Any], out: Path) -> list[Path]:
-    """Write accuracy.png, bytes.png and expert_load.png into ``out``; return their paths."""
-    return [plot_accuracy(report, out / "accuracy.png"), plot_bytes(report, out / "bytes.png"),
-            plot_expert_load(report, out / "expert_load.png")]
+    """Write accuracy.png, bytes.png and expert_load.png (and perplexity.png for a
+    causal-LM run) into ``out``; return their paths."""
+    paths = [plot_accuracy(report, out / "accuracy.png"), plot_bytes(report, out / "bytes.png"),
+             plot_expert_load(report, out / "expert_load.png")]
+    if _is_lm(report):
+        paths.append(plot_perplexity(report, out / "perplexity.png"))
+    return paths
+
+
+def _is_lm(report: dict[str, Any]) -> bool:
+    return any("perplexity" in r for r in report["rounds"]) or report.get("initial_perplexity") is not None
+
+
+def plot_perplexity(report: dict[str, Any], path: Path) -> Path:
+    """Held-out perplexity of the global model per round (round 0 = before training), per
+    task and overall (log scale)."""
+    plt = _plt()
+    rounds = report["rounds"]
+    xs = [0] + [r["round"] for r in rounds]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    tasks = sorted({t for r in rounds for t in (r.get("per_task") or {})})
+    initial = report.get("initial_per_task") or {}
+    for t in tasks:
+        ys = [initial.get(t, {}).get("perplexity")] + [(r.get("per_task") or {}).get(t, {}).get("perplexity")
+                                                      for r in rounds]
+        ax.plot(xs, [np.nan if y is None else y for y in ys], "o-", label=f"{t} (test split)")
+    ax.set_yscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel("perplexity")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    ax.set_title("Held-out perplexity per round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
@@ -90,15 +123,20 @@ def plot_expert_load(report: dict[str, Any], path: Path) -> Path:
 
 def table(report: dict[str, Any]) -> str:
     """A fixed-width per-round table."""
-    head = f"{'round':>5} {'acc':>6} {'local':>6} {'loss':>6} {'sec':>6} {'MiB up':>8} {'MiB down':>9} " \
+    lm = _is_lm(report)
+    ppl_head = f"{'ppl':>8} " if lm else ""
+    head = f"{'round':>5} {ppl_head}{'acc':>6} {'local':>6} {'loss':>6} {'sec':>6} {'MiB up':>8} {'MiB down':>9} " \
            f"{'CV':>6} {'gap':>9} {'devs':>5} {'experts':>8} {'out':>4}"
     lines = [head, "-" * len(head)]
-    ia = report.get("initial_accuracy")
-    lines.append(f"{0:>5} {ia if ia is not None else float('nan'):>6.3f} {'':>6} {'':>6} {'':>6} {'':>8} {'':>9}")
     f = lambda v, spec: format(v, spec) if v is not None else format(float("nan"), spec)  # noqa: E731
+    ia = report.get("initial_accuracy")
+    ippl = f"{f(report.get('initial_perplexity'), '8.2f')} " if lm else ""
+    lines.append(f"{0:>5} {ippl}{ia if ia is not None else float('nan'):>6.3f} {'':>6} {'':>6} {'':>6} {'':>8} "
+                 f"{'':>9}")
     for r in report["rounds"]:
+        ppl = f"{f(r.get('perplexity'), '8.2f')} " if lm else ""
         lines.append(
-            f"{r['round']:>5} {f(r['accuracy'], '6.3f')} {f(r['mean_local_accuracy'], '6.3f')} "
+            f"{r['round']:>5} {ppl}{f(r['accuracy'], '6.3f')} {f(r['mean_local_accuracy'], '6.3f')} "
             f"{f(r['loss'], '6.3f')} {r['seconds']:>6.1f} {r['bytes_up'] / 2**20:>8.2f} "
             f"{r['bytes_down'] / 2**20:>9.2f} {r['cv']:>6.3f} {r['max_min_gap']:>9.0f} {len(r['devices']):>5} "
             f"{_held_range(r):>8} {len(r.get('excluded') or {}) + len(r.get('failures') or {}):>4}"

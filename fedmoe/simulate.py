@@ -92,6 +92,7 @@ OPTIONS: dict[str, Option] = {
     "num_experts": Option("model.num_experts"),
     "top_k": Option("model.top_k"),
     "max_seq_len": Option("model.max_seq_len"),
+    "objective": Option("model.objective", "classification (task head) or causal-lm (next-token loss, perplexity)"),
     "local_epochs": Option("train.local_epochs"),
     "max_steps": Option("train.max_steps"),
     "batch_size": Option("train.batch_size"),
@@ -112,6 +113,7 @@ option's path; ``SimulationConfig(NAME=...)`` does the same (:data:`ALIASES`).""
 ALIASES: dict[str, str] = {
     **{name: o.path for name, o in OPTIONS.items() if o.path.split(".")[0] != name},  # not --strategy: a str
     "base": "model.base", "model_config": "model.config", "aggregator_threads": "threads",
+    "family": "model.family", "tokenizer": "model.tokenizer",
     "device_threads": "device.threads", "val_fraction": "device.val_fraction",
 }
 """Flat keyword -> field path: ``SimulationConfig(lr=0.01, lora_rank=4)`` is
@@ -648,6 +650,7 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     report = {
         "config": {"simulation": cfg.model_dump(mode="json"), "aggregator": agg_cfg, "devices": devices},
         "initial_accuracy": initial.get("accuracy"),
+        "initial_perplexity": initial.get("perplexity"),
         "initial_per_task": initial.get("per_task"),
         "rounds": rounds,
         "wall_seconds": time.time() - t_start,

@@ -104,7 +104,7 @@ def _param_counts(spec_json: str) -> ParamCounts:
     blocks = model.moe_blocks()
     expert_ids = {id(p) for b in blocks.values() for p in b.experts.parameters()}
     router_ids = {id(p) for b in blocks.values() for p in b.router.parameters()}
-    head_ids = {id(p) for p in model.head.parameters()}
+    head_ids = {id(p) for p in model.head.parameters()} if model.head is not None else set()
     backbone = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids | router_ids | head_ids)
     first = next(iter(blocks.values()))
     expert = sum(p.numel() for p in first.experts.parameters())
@@ -116,12 +116,12 @@ def _param_counts(spec_json: str) -> ParamCounts:
     att = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
     bb_lora = sum(r * (m.in_features + m.out_features) for m in att)
     bb_lora_tr = sum(r * m.out_features for m in att) if not spec.lora.train_a else bb_lora
-    hidden = model.head.in_features
+    hidden = model.head.in_features if model.head is not None else 0  # causal-lm: no task head
     if trains_all_weights(spec):  # no LoRA: every weight trains
         expert_lora, expert_lora_tr, bb_lora, bb_lora_tr = 0, expert, 0, backbone
     linears = tuple((m.out_features, m.in_features, m.bias is not None) for m in lin)
     other = expert - sum(o * i + (o if b else 0) for o, i, b in linears)
-    return ParamCounts(backbone, expert, expert_lora, expert_lora_tr, bb_lora, bb_lora_tr, hidden, hidden + 1,
+    return ParamCounts(backbone, expert, expert_lora, expert_lora_tr, bb_lora, bb_lora_tr, hidden, hidden + bool(hidden),
                        len(layers), linears, other)
 
 

@@ -29,7 +29,7 @@ from protocol.codec import (
 )
 from protocol.topics import parse_shard_id, shard_id
 
-from .models.moe import SparseMoeBlock
+from .models.moe import MoELayer
 
 log = logging.getLogger(__name__)
 BACKBONE = "backbone"
@@ -38,7 +38,7 @@ MAX_SHARD_BYTES = 2 * 1024**3
 
 def block_paths(model: nn.Module) -> dict[str, int]:
     """Module path of every MoE block -> its MoE layer index."""
-    return {name: m.layer for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+    return {name: m.layer for name, m in model.named_modules() if isinstance(m, MoELayer)}
 
 
 def _expert_of(name: str, paths: dict[str, int]) -> tuple[int, int, str] | None:

@@ -26,7 +26,7 @@ import torch
 
 from protocol.messages import LayerStats
 
-from .models.moe import SparseMoeBlock
+from .models.moe import MoELayer
 
 
 @dataclass
@@ -60,7 +60,7 @@ class ActivationStats:
         hidden: also accumulate per-expert mean hidden states.
     """
 
-    blocks: dict[int, SparseMoeBlock]
+    blocks: dict[int, MoELayer]
     num_experts: int
     hidden: bool = False
     _layers: dict[int, _Layer] = field(default_factory=dict)

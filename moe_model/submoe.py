@@ -106,12 +106,14 @@ class SubMoE(nn.Module):
                     _placeholder(model, name, t)
                 else:
                     _assign(model, name, t)
+            model.finish_loading()
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.is_meta and not self._is_adapter_slot(name):
                 raise KeyError(f"base shards lack tensor {name!r}")
         for block in model.moe_blocks().values():
             block.router.to_empty(device="cpu")
-        model.head.to_empty(device="cpu")
+        if model.head is not None:
+            model.head.to_empty(device="cpu")
         self.model: MoEModel = model
         self.full = trains_all_weights(spec)
         if self.full and quantized:
@@ -140,7 +142,9 @@ class SubMoE(nn.Module):
 
     def _inject_lora(self) -> None:
         lora = self.spec.lora
-        targets = [r"experts\.\d+\.(fc1|fc2)"]
+        linears = sorted({name.rsplit(".", 1)[-1] for block in self.model.moe_blocks().values()
+                          for name, m in block.experts.named_modules() if isinstance(m, (nn.Linear, QuantLinear))})
+        targets = [rf"experts\.\d+\.({'|'.join(linears)})"]
         if lora.attention:
             targets += [rf"{t}" for t in get_adapter(self.spec.family).attention_targets]
         regex = rf".*\.({'|'.join(targets)})$"
@@ -214,9 +218,11 @@ class SubMoE(nn.Module):
                 p.copy_(t.to(p.dtype))
 
     def reset_adapter_state(self) -> None:
-        """Initial values, identical on every machine: LoRA B = 0, router rows
+        """Initial values, identical on every machine: LoRA B = 0, router rows from the
+        checkpoint where its MoE layer has them (``MoELayer.initial_router_row``), else
         N(0, 0.02²), head like ``nn.Linear`` (uniform ±1/sqrt(hidden), bias 0), each
         drawn from a generator seeded by ``(spec.seed, key)``."""
+        blocks = self.model.moe_blocks()
         with torch.no_grad():
             for k, p in self._keys.items():
                 gen = torch.Generator().manual_seed(key_seed(self.spec.seed, k))
@@ -224,7 +230,8 @@ class SubMoE(nn.Module):
                 if k in self._initial:
                     p.copy_(self._initial[k])
                 elif kind.group == "router":
-                    p.copy_(torch.randn(p.shape, generator=gen) * ROUTER_INIT_STD)
+                    row = blocks[kind.layer].initial_router_row(kind.expert)
+                    p.copy_(row if row is not None else torch.randn(p.shape, generator=gen) * ROUTER_INIT_STD)
                 elif kind.group == "head" and kind.path == "weight":
                     bound = 1.0 / math.sqrt(p.shape[1])
                     p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
@@ -232,8 +239,13 @@ class SubMoE(nn.Module):
                     p.zero_()
 
     # ------------------------------------------------------------------ forward
+    @property
+    def objective(self) -> str:
+        """The model's objective (``moe_model.objectives``): ``classification`` or ``causal-lm``."""
+        return self.model.objective
+
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``batch`` -> logits ``(B, num_labels)``."""
+        """``batch`` -> logits: ``(B, num_labels)`` (classification) or ``(B, T, V)`` (causal-lm)."""
         return self.model(batch)
 
     def collate(self, items):

@@ -1,6 +1,7 @@
 """Local training and evaluation of a sub-MoE.
 
-The local objective is composed (DESIGN.md "Seams"): the task loss (cross-entropy)
+The local objective is composed (DESIGN.md "Seams"): the task loss of the model's
+objective (``moe_model.objectives``: cross-entropy over classes or over next tokens)
 plus the terms the assignment names, each a small callable
 ``term(model, batch, logits) -> scalar`` (:mod:`edge_sdk.objectives`, e.g. FedProx).
 """
@@ -15,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from protocol.messages import TrainConfig
 
+from . import objectives
 from .stats import ActivationStats
 from .submoe import SubMoE
 
@@ -38,11 +39,19 @@ class TrainResult:
 
 @dataclass
 class EvalResult:
-    """Mean cross-entropy and accuracy over ``samples`` samples."""
+    """Mean cross-entropy (nats) and accuracy over ``samples`` samples; for ``causal-lm``
+    both are token-weighted means over the next-token targets (``tokens`` of them) and
+    accuracy is top-1 next-token accuracy."""
 
     loss: float
     accuracy: float
     samples: int
+    tokens: int = 0
+
+    @property
+    def perplexity(self) -> float:
+        """``exp(loss)`` (meaningful for ``causal-lm``; inf when the loss overflows)."""
+        return math.exp(self.loss) if self.loss < 700 else float("inf")
 
 
 def num_steps(cfg: TrainConfig, samples: int) -> int:
@@ -89,7 +98,7 @@ def train_local(
         for chunk in _batches(items, cfg.batch_size, order):
             batch, labels = model.collate(chunk)
             logits = model(batch)
-            per_sample = F.cross_entropy(logits.float(), labels, reduction="none")
+            per_sample = objectives.sample_loss(model.objective, logits, labels)
             loss = per_sample.mean()
             for term in terms:
                 loss = loss + term(model, batch, logits)
@@ -99,7 +108,8 @@ def train_local(
             loss.backward()
             opt.step()
             if stats is not None:
-                stats.add_train(model.model.token_mask(batch), per_sample.detach(), logits.argmax(-1) == labels)
+                stats.add_train(model.model.token_mask(batch), per_sample.detach(),
+                                objectives.sample_correct(model.objective, logits, labels))
             done += 1
             seen += len(chunk)
             loss_sum += loss.item() * len(chunk)
@@ -114,17 +124,22 @@ def train_local(
 def evaluate(
     model: SubMoE, items: Sequence[tuple[Any, int]], batch_size: int = 32, stats: ActivationStats | None = None
 ) -> EvalResult:
-    """Mean loss and accuracy of ``model`` on ``items``; optionally feeds validation
-    activation statistics. Returns zeros for an empty set."""
+    """Mean loss and accuracy of ``model`` on ``items`` (weighted by
+    ``moe_model.objectives.sample_weight``: per sample, or per target token for
+    ``causal-lm``); optionally feeds validation activation statistics. Returns zeros for an
+    empty set."""
     model.eval()
-    n, loss_sum, correct = 0, 0.0, 0
+    n, weight_sum, loss_sum, correct = 0, 0.0, 0.0, 0.0
     for chunk in _batches(items, batch_size, list(range(len(items)))):
         batch, labels = model.collate(chunk)
         logits = model(batch)
-        loss_sum += float(F.cross_entropy(logits.float(), labels, reduction="sum"))
-        correct += int((logits.argmax(-1) == labels).sum())
+        w = objectives.sample_weight(model.objective, labels)
+        loss_sum += float((objectives.sample_loss(model.objective, logits, labels) * w).sum())
+        correct += float((objectives.sample_correct(model.objective, logits, labels) * w).sum())
+        weight_sum += float(w.sum())
         n += len(chunk)
         if stats is not None:
             stats.add_validation(model.model.token_mask(batch))
     model.train()
-    return EvalResult(loss_sum / max(n, 1), correct / max(n, 1), n)
+    tokens = int(weight_sum) if model.objective == "causal-lm" else 0
+    return EvalResult(loss_sum / max(weight_sum, 1.0), correct / max(weight_sum, 1.0), n, tokens)

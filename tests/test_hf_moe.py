@@ -1,0 +1,160 @@
+"""Hugging Face MoE checkpoints (``family = "hf-moe"``): tiny random-init models of four
+families written with ``save_pretrained`` load through ``model.base = DIR``, cut into
+per-expert shards bit-exactly, reproduce transformers' logits with every expert held, and
+train LoRA on a sub-MoE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from moe_model.models import all_experts, get_adapter
+from moe_model.shards import BACKBONE, decode_shard, encode_shard, shards_for
+from moe_model.submoe import SubMoE
+from moe_model.train import evaluate, train_local
+from protocol import keys
+from protocol.messages import LoraSpec, ModelSpec, TrainConfig
+from protocol.topics import shard_id
+
+E = 4
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "mixtral": lambda: MixtralConfig(**BASE, num_local_experts=E),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**BASE, num_experts=E, moe_intermediate_size=16, norm_topk_prob=True,
+                                        head_dim=8),
+    "olmoe": lambda: OlmoeConfig(**BASE, num_experts=E),
+    "deepseek_v3": lambda: DeepseekV3Config(**{**BASE, "num_key_value_heads": 4}, n_routed_experts=E, moe_intermediate_size=16,
+                                            n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                                            qk_nope_head_dim=4, v_head_dim=8),
+    "qwen2_moe": lambda: Qwen2MoeConfig(**BASE, num_experts=E, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=32),
+}
+WORDS = "the a bank rate market team match goal film music vote minister growth shares player award".split()
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """(family, checkpoint dir, the transformers model loaded back from it)."""
+    family = request.param
+    d = tmp_path_factory.mktemp(family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family]())
+    with torch.no_grad():  # give routers (and DeepSeek's correction bias) non-trivial values
+        for name, p in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] == E:
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.1, 0.1)
+    model.save_pretrained(d)
+    _tokenizer().save_pretrained(d)
+    loaded = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return family, d, loaded
+
+
+def _spec(d, **kw) -> ModelSpec:
+    return ModelSpec(family="hf-moe", base=str(d), tokenizer=None, num_experts=E, top_k=2, max_seq_len=16,
+                     objective=kw.pop("objective", "causal-lm"), upcycle_noise=0.0,
+                     lora=LoraSpec(rank=2, alpha=4, attention=True), **kw)
+
+
+def _shards(spec, fmt="fp32"):
+    ad = get_adapter("hf-moe")
+    skel = ad.build(spec, all_experts(ad, spec), 2, device="meta")
+    raw = dict(ad.base_shards(spec, skel))
+    return raw, {sid: decode_shard(encode_shard(t, fmt)) for sid, t in raw.items()}
+
+
+TEXTS = [("the bank rate market growth", 0), ("a team match goal player award the", 1), ("film music", 0)]
+
+
+def test_layers_and_shards_are_cut_bit_exactly(checkpoint):
+    family, d, hf = checkpoint
+    spec = _spec(d)
+    ad = get_adapter("hf-moe")
+    layers = ad.moe_layers(spec)
+    assert layers == ([1] if family == "deepseek_v3" else [0, 1])
+    raw, decoded = _shards(spec)
+    assert list(raw)[0] == BACKBONE and set(raw) == set(shards_for(all_experts(ad, spec)))
+    for layer in layers:
+        block = hf.model.layers[layer].mlp
+        experts = block.experts
+        router = getattr(block, "gate", None) or block.router
+        for e in range(E):
+            sh = decoded[shard_id(layer, e)]
+            assert torch.equal(torch.cat([sh["gate_proj.weight"], sh["up_proj.weight"]]), experts.gate_up_proj[e])
+            assert torch.equal(sh["down_proj.weight"], experts.down_proj[e])
+            assert torch.equal(sh["router_init"], router.weight[e].float())
+            if family == "deepseek_v3":
+                assert torch.equal(sh["router_e_score_correction_bias"], router.e_score_correction_bias[e:e + 1])
+
+
+def test_all_experts_reproduce_transformers_logits(checkpoint):
+    family, d, hf = checkpoint
+    spec = _spec(d)
+    _, decoded = _shards(spec)
+    ad = get_adapter("hf-moe")
+    sub = SubMoE(spec, all_experts(ad, spec), "news", 0, decoded).eval()
+    batch, targets = sub.collate(TEXTS)
+    assert targets.shape == batch["input_ids"].shape and int((targets == -100).sum()) > 0
+    with torch.no_grad():
+        ours = sub(batch)
+        theirs = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+    routers = [k for k in sub.trainable() if k.startswith("router.")]
+    assert len(routers) == len(ad.moe_layers(spec)) * E
+
+
+def test_sub_moe_trains_one_lora_step_and_keys_are_per_expert(checkpoint):
+    family, d, _ = checkpoint
+    spec = _spec(d)
+    _, decoded = _shards(spec, "int8")
+    ad = get_adapter("hf-moe")
+    held = {layer: [0, 3] for layer in ad.moe_layers(spec)}
+    sub = SubMoE(spec, held, "news", 0, {s: decoded[s] for s in shards_for(held)})
+    state = sub.trainable()
+    experts = {(keys.parse(k).layer, keys.parse(k).expert) for k in state if k.startswith("expert.")}
+    assert experts == {(layer, e) for layer in held for e in (0, 3)}
+    assert any(k.endswith("gate_proj.lora_B") for k in state) and not any(k.startswith("head.") for k in state)
+    before = {k: p.detach().clone() for k, p in state.items()}
+    res = train_local(sub, TEXTS, TrainConfig(local_epochs=2, batch_size=3, lr=1e-2))
+    assert res.steps == 2 and res.loss > 0
+    changed = [k for k, p in state.items() if not torch.equal(p, before[k])]
+    assert any(".lora_B" in k and k.startswith("expert.") for k in changed)
+    ev = evaluate(sub, TEXTS)
+    assert ev.tokens > 0 and ev.perplexity > 1.0
+
+
+def test_classification_objective_uses_a_task_head(checkpoint):
+    _, d, _ = checkpoint
+    spec = _spec(d, objective="classification")
+    _, decoded = _shards(spec)
+    ad = get_adapter("hf-moe")
+    sub = SubMoE(spec, all_experts(ad, spec), "news", 2, decoded)
+    batch, labels = sub.collate(TEXTS)
+    assert sub(batch).shape == (3, 2) and labels.tolist() == [0, 1, 0]
+    assert any(k.startswith("head.news.") for k in sub.trainable())
+
+
+def test_bad_checkpoints_fail_with_the_reason(tmp_path, checkpoint):
+    _, d, _ = checkpoint
+    ad = get_adapter("hf-moe")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ad.moe_layers(_spec(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="experts per MoE layer"):
+        ad.moe_layers(_spec(d).model_copy(update={"num_experts": 8}))
