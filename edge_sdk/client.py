@@ -462,7 +462,9 @@ class EdgeClient:
         result = train_local(model, train_items, a.train, terms=[t for t in terms if t.adds_loss], stats=stats,
                              seed=self.seed * 100_003 + a.round)
         extras = {f"{t.name}.{k}": [float(x) for x in v] for t in terms for k, v in t.statistics().items()}
-        val = evaluate(model, val_items, stats=stats) if val_items else None
+        # at the training batch size, which the memory plan covers (a causal LM's (B, T, vocab) logits at
+        # evaluate's default batch of 32 took 2.1 GiB where the plan said 1.6 GiB)
+        val = evaluate(model, val_items, a.train.batch_size, stats=stats) if val_items else None
         log.info("%s round %d: %d steps, loss %.4f, val acc %s (%.1f s)", self.device_id, a.round, result.steps,
                  result.loss, f"{val.accuracy:.3f}" if val else "n/a", result.seconds)
 

@@ -121,7 +121,8 @@ def _param_counts(spec_json: str) -> ParamCounts:
         expert_lora, expert_lora_tr, bb_lora, bb_lora_tr = 0, expert, 0, backbone
     linears = tuple((m.out_features, m.in_features, m.bias is not None) for m in lin)
     other = expert - sum(o * i + (o if b else 0) for o, i, b in linears)
-    return ParamCounts(backbone, expert, expert_lora, expert_lora_tr, bb_lora, bb_lora_tr, hidden, hidden + bool(hidden),
+    head_per_label = hidden + 1 if hidden else 0
+    return ParamCounts(backbone, expert, expert_lora, expert_lora_tr, bb_lora, bb_lora_tr, hidden, head_per_label,
                        len(layers), linears, other)
 
 

@@ -27,7 +27,8 @@ FAMILIES = {
     "qwen3_moe": lambda: Qwen3MoeConfig(**BASE, num_experts=E, moe_intermediate_size=16, norm_topk_prob=True,
                                         head_dim=8),
     "olmoe": lambda: OlmoeConfig(**BASE, num_experts=E),
-    "deepseek_v3": lambda: DeepseekV3Config(**{**BASE, "num_key_value_heads": 4}, n_routed_experts=E, moe_intermediate_size=16,
+    "deepseek_v3": lambda: DeepseekV3Config(**{**BASE, "num_key_value_heads": 4}, n_routed_experts=E,
+                                            moe_intermediate_size=16,
                                             n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
                                             kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
                                             qk_nope_head_dim=4, v_head_dim=8),
@@ -158,3 +159,34 @@ def test_bad_checkpoints_fail_with_the_reason(tmp_path, checkpoint):
         ad.moe_layers(_spec(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="experts per MoE layer"):
         ad.moe_layers(_spec(d).model_copy(update={"num_experts": 8}))
+
+
+def test_cli_model_option_names_a_missing_checkpoint(tmp_path, capsys):
+    from fedmoe.cli import main
+
+    assert main(["simulate", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "does not exist" in err
+
+
+@pytest.mark.slow
+def test_causal_lm_federation_over_mqtt_lowers_perplexity(tmp_path):
+    """``fedmoe simulate --model DIR --objective causal-lm``: an aggregator and two device
+    processes over the embedded broker, 2 rounds; held-out perplexity is reported and falls."""
+    import json
+
+    from fedmoe.cli import main
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES["mixtral"]())
+    model.save_pretrained(tmp_path / "ckpt")
+    _tokenizer().save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "run"
+    assert main(["simulate", "--model", str(tmp_path / "ckpt"), "--objective", "causal-lm", "--tasks", "bbc",
+                 "--devices", "2", "--rounds", "2", "--max-samples-per-task", "60", "--lr", "1e-2",
+                 "--budget-range", "600MiB:700MiB", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    ppl = [report["initial_perplexity"]] + [r["perplexity"] for r in report["rounds"]]
+    assert all(p is not None and p > 1 for p in ppl) and ppl[-1] < ppl[0], ppl
+    assert all(len(r["devices"]) == 2 for r in report["rounds"])
+    assert (out / "perplexity.png").exists() and "ppl" in (out / "rounds.md").read_text()

@@ -385,7 +385,8 @@ class HFMoEAdapter(ModelAdapter):
         cfg = self.config(spec)
         t, h = spec.max_seq_len, cfg.hidden_size
         inter = max((i for _, i in self._layout(spec).values()), default=cfg.intermediate_size)
-        per_layer = batch_size * t * (14 * h + 3 * inter * spec.top_k) + 2 * batch_size * cfg.num_attention_heads * t * t
+        per_layer = (batch_size * t * (14 * h + 3 * inter * spec.top_k)
+                     + 2 * batch_size * cfg.num_attention_heads * t * t)
         logits = 3 * batch_size * t * cfg.vocab_size if spec.objective == "causal-lm" else 0
         return 4 * (per_layer * cfg.num_hidden_layers + logits)
 
@@ -405,7 +406,8 @@ def _skeleton(cfg, experts: dict[int, list[int]], top_k: int, device: Any) -> nn
         if not held:
             continue
         inter, hidden = fused.down_proj.shape[2], fused.down_proj.shape[1]
-        buffers = tuple(n for n, b in router.named_buffers(recurse=False) if b.dim() == 1 and b.shape[0] == fused.num_experts)
+        buffers = tuple(n for n, b in router.named_buffers(recurse=False)
+                        if b.dim() == 1 and b.shape[0] == fused.num_experts)
         new = HFExperts(layer, hidden, inter, fused.act_fn, held, router, buffers, device=device)
         setattr(block, name, new)
         _restrict(block, router, fused.num_experts, held, top_k)
@@ -574,8 +576,10 @@ def checkpoint_model(path: str | Path) -> dict[str, Any]:
     base = str(checkpoint_dir(path).resolve())
     layout = _layout(base, "{}")
     counts = {e for e, _ in layout.values()}
-    if len(counts) != 1:
-        raise ValueError(f"checkpoint {base!r}: {'no MoE block with fused experts' if not counts else 'MoE layers with different expert counts ' + str(sorted(counts))}")
+    if not counts:
+        raise ValueError(f"checkpoint {base!r} has no MoE block with fused experts")
+    if len(counts) > 1:
+        raise ValueError(f"checkpoint {base!r}: MoE layers with different expert counts {sorted(counts)}")
     num_experts = counts.pop()
     top_k = int(getattr(_config(base, "{}"), "num_experts_per_tok", 2) or 2)
     return {"family": HFMoEAdapter.family, "base": base, "tokenizer": None, "num_experts": num_experts,
