@@ -118,10 +118,15 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> "AggregatorConfig":
-        """Read YAML and apply top-level overrides (None values are ignored). Raises
-        pydantic ValidationError, OSError or yaml.YAMLError."""
+        """Read YAML and apply top-level overrides (None values are ignored; a dict merges
+        into the YAML's section of that name, e.g. ``model={...}``). Raises pydantic
+        ValidationError, OSError or yaml.YAMLError."""
         data = yaml.safe_load(Path(path).read_text()) or {}
-        data.update({k: v for k, v in overrides.items() if v is not None})
+        for k, v in overrides.items():
+            if isinstance(v, dict) and isinstance(data.get(k), dict):
+                data[k] = {**data[k], **v}
+            elif v is not None:
+                data[k] = v
         return cls.model_validate(data)
 
     def check_paths(self, eval_given: Any = ()) -> "AggregatorConfig":

@@ -107,9 +107,8 @@ def _aggregator(args: argparse.Namespace) -> int:
     from .options import given
 
     overrides = given(args, _aggregator_options())
-    if args.model is not None:
-        model = (yaml.safe_load(open(args.config)) or {}).get("model") or {} if os.path.isfile(args.config) else {}
-        overrides["model"] = {**model, **_checkpoint_model(args.model)}
+    if args.model is not None:  # merged into the config's model section
+        overrides["model"] = _checkpoint_model(args.model)
     try:  # every problem of the config and the files it names, before the model is set up
         cfg = AggregatorConfig.load(args.config, **overrides)
         eval_data = _builtin_eval_data(cfg)

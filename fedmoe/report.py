@@ -17,6 +17,14 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Lay out, write (120 dpi) and close ``fig``; return ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_all(report: dict[str, Any], out: Path) -> list[Path]:
     """Write accuracy.png, bytes.png and expert_load.png (and perplexity.png for a
     causal-LM run) into ``out``; return their paths."""
@@ -50,10 +58,7 @@ def plot_perplexity(report: dict[str, Any], path: Path) -> Path:
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     ax.set_title("Held-out perplexity per round")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
@@ -72,10 +77,7 @@ def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("Accuracy per round")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_bytes(report: dict[str, Any], path: Path) -> Path:
@@ -95,10 +97,7 @@ def plot_bytes(report: dict[str, Any], path: Path) -> Path:
         ax.set_title(f"{'received' if key == 'bytes_down' else 'published'} per device (on the wire)")
         ax.grid(alpha=0.3, which="both")
     axes[1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_expert_load(report: dict[str, Any], path: Path) -> Path:
@@ -115,10 +114,7 @@ def plot_expert_load(report: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel("expert")
         ax.set_title(f"MoE layer {layer}: tokens per expert")
         fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def table(report: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ Both return float32 ``(B,)`` tensors; the loss keeps its graph.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -63,3 +64,9 @@ def sample_weight(objective: str, targets: torch.Tensor) -> torch.Tensor:
     if objective == "causal-lm":
         return (targets[:, 1:] != IGNORE).sum(1).float()
     return torch.ones(targets.shape[0])
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)`` of a mean next-token loss in nats, the loss capped at 700 so the result
+    stays a finite float (JSON stores reject infinity)."""
+    return math.exp(min(loss, 700.0))

@@ -50,8 +50,8 @@ class EvalResult:
 
     @property
     def perplexity(self) -> float:
-        """``exp(loss)`` (meaningful for ``causal-lm``; inf when the loss overflows)."""
-        return math.exp(self.loss) if self.loss < 700 else float("inf")
+        """``exp(loss)`` (meaningful for ``causal-lm``; :func:`moe_model.objectives.perplexity`)."""
+        return objectives.perplexity(self.loss)
 
 
 def num_steps(cfg: TrainConfig, samples: int) -> int:

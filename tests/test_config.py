@@ -267,3 +267,14 @@ def test_device_config_turns_update_encoding_into_a_filter():
     assert isinstance(f, UpdateEncoding) and (f.precision, f.delta) == ("fp16", True)
     with pytest.raises(ValueError):
         DeviceConfig(**base, update_precision="nf4")
+
+
+def test_aggregator_config_load_merges_a_section_override(tmp_path):
+    """``fedmoe aggregator --model DIR`` passes the checkpoint's model fields as a dict: they
+    merge into the YAML's ``model`` section instead of replacing it."""
+    from cloud.config import AggregatorConfig
+
+    path = tmp_path / "agg.yaml"
+    path.write_text("federation: f\nmodel: {num_experts: 8, max_seq_len: 32}\ntasks: {t: {labels: [a, b]}}\n")
+    cfg = AggregatorConfig.load(path, model={"num_experts": 4, "top_k": 1}, rounds=None)
+    assert (cfg.model.num_experts, cfg.model.top_k, cfg.model.max_seq_len) == (4, 1, 32)

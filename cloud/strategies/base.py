@@ -29,6 +29,7 @@ import random
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
+from moe_model.objectives import perplexity
 from protocol.messages import MAX_SAMPLES, Ack, Stats
 
 from ..aggregation.base import AggregationStrategy
@@ -233,7 +234,7 @@ class Strategy(Registered):
             return {"accuracy": None, "loss": None, "per_task": {}}
         out = {"accuracy": acc / n_total, "loss": loss / n_total, "per_task": per_task}
         if lm:
-            out["perplexity"] = math.exp(min(out["loss"], 700.0))
+            out["perplexity"] = perplexity(out["loss"])
         return out
 
 

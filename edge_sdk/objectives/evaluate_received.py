@@ -31,7 +31,7 @@ class EvaluateReceived(ObjectiveTerm):
     def before_training(self, model: Any) -> None:
         if not self.ctx.val_items:
             return
-        r = evaluate(model, self.ctx.val_items)  # no_grad inside
+        r = evaluate(model, self.ctx.val_items, self.ctx.train.batch_size)  # no_grad; the batch the plan covers
         self._result = {"accuracy": [r.accuracy], "loss": [r.loss], "samples": [float(r.samples)]}
 
     def statistics(self) -> dict[str, list[float]]:

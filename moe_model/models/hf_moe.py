@@ -364,7 +364,7 @@ class HFMoEAdapter(ModelAdapter):
         """
         plan = _shard_plan(spec, skeleton)
         for sid, names in plan.items():
-            yield sid, {local: _read(src) for local, src in names.items()}
+            yield sid, _read_shard(names)
 
     # ------------------------------------------------------------------ data
     def collate(self, spec: ModelSpec, items: list[tuple[Any, int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -437,25 +437,33 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 _Source = tuple[Path, str, tuple | None]
-"""(file, tensor name, index into it: ``None`` whole, ``(e,)`` expert row, ``(e, half)``
-half ``0|1`` of a fused gate_up row, ``(e, "row")`` a router row, ``(e, "one")`` one value)."""
+"""(file, tensor name, index into it: ``None`` whole, ``(e,)`` row e (a fused expert's
+``down_proj[e]`` or a router row), ``(e, half)`` half ``0|1`` of a fused ``gate_up_proj[e]``,
+``(e, "one")`` element e of an ``(E,)`` buffer as shape ``(1,)``)."""
 
 
-def _read(src: _Source) -> torch.Tensor:
+def _read_shard(names: dict[str, _Source]) -> dict[str, torch.Tensor]:
+    """One shard's tensors (fp32 where floating), in ``names``' order, each weight file
+    opened once."""
     from safetensors import safe_open
 
-    file, name, where = src
-    with safe_open(str(file), framework="pt") as f:
-        if where is None:
-            t = f.get_tensor(name)
-        else:
-            e = where[0]
-            t = f.get_slice(name)[e]
-            if len(where) > 1 and where[1] in (0, 1):
-                t = t.chunk(2, dim=0)[where[1]]
-            elif len(where) > 1 and where[1] == "one":
-                t = t.reshape(1)
-    return t.to(torch.float32).contiguous() if t.is_floating_point() else t.contiguous()
+    by_file: dict[Path, list[tuple[str, str, tuple | None]]] = {}
+    for local, (file, name, where) in names.items():
+        by_file.setdefault(file, []).append((local, name, where))
+    out = {}
+    for file, entries in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for local, name, where in entries:
+                if where is None:
+                    t = f.get_tensor(name)
+                else:
+                    t = f.get_slice(name)[where[0]]
+                    if len(where) > 1 and where[1] in (0, 1):
+                        t = t.chunk(2, dim=0)[where[1]]
+                    elif len(where) > 1 and where[1] == "one":
+                        t = t.reshape(1)
+                out[local] = t.to(torch.float32).contiguous() if t.is_floating_point() else t.contiguous()
+    return {local: out[local] for local in names}
 
 
 def _shard_plan(spec: ModelSpec, skeleton: nn.Module) -> dict[str, dict[str, _Source]]:
