@@ -37,6 +37,8 @@ FORMATS = ("fp32", "int8", "nf4")
 E, T, BATCH, LABELS = int(os.environ.get("FEDMOE_BENCH_EXPERTS", 128)), 64, 8, 5
 MODEL: str | None = None
 """``--model DIR``: a Hugging Face MoE checkpoint instead of the upcycled MiniLM."""
+CHECKPOINTING = False
+"""``--gradient-checkpointing``: ``ModelSpec.gradient_checkpointing`` (recompute activations)."""
 
 
 def spec():
@@ -45,8 +47,9 @@ def spec():
     if MODEL is not None:
         from moe_model.models.hf_moe import checkpoint_model
 
-        return ModelSpec(**checkpoint_model(MODEL), max_seq_len=T, objective="causal-lm")
-    return ModelSpec(num_experts=E, top_k=2, max_seq_len=T)
+        return ModelSpec(**checkpoint_model(MODEL), max_seq_len=T, objective="causal-lm",
+                         gradient_checkpointing=CHECKPOINTING)
+    return ModelSpec(num_experts=E, top_k=2, max_seq_len=T, gradient_checkpointing=CHECKPOINTING)
 
 
 def prepare(cache_root: Path, formats=FORMATS) -> dict:
@@ -118,7 +121,7 @@ def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int) 
 
 
 def main() -> None:
-    global MODEL, T
+    global MODEL, T, CHECKPOINTING
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results/memory")
     ap.add_argument("--work", default="runs/bench-memory")
@@ -127,10 +130,13 @@ def main() -> None:
     ap.add_argument("--model", help="a Hugging Face MoE checkpoint directory (causal LM) instead of MiniLM")
     ap.add_argument("--budgets", help="comma-separated budgets in GiB (default 0.5,1,2,4)")
     ap.add_argument("--seq-len", type=int, default=T, help="tokens per sample (default 64)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="recompute activations in backward (ModelSpec.gradient_checkpointing)")
     args = ap.parse_args()
-    MODEL, T = args.model, args.seq_len
+    MODEL, T, CHECKPOINTING = args.model, args.seq_len, args.gradient_checkpointing
     budgets = tuple(float(x) for x in args.budgets.split(",")) if args.budgets else BUDGETS_GIB
-    extra = (["--model", args.model] if args.model else []) + ["--seq-len", str(T)]
+    extra = ((["--model", args.model] if args.model else []) + ["--seq-len", str(T)]
+             + (["--gradient-checkpointing"] if CHECKPOINTING else []))
     work = Path(args.work)
     if args.cell:
         res = cell(args.cell[0], int(args.cell[1]), work / "index.json", work / "cache", args.steps)
@@ -170,7 +176,8 @@ def write(rows: list[dict], out: Path) -> None:
                "max_abs_error": max(errs) if errs else None,
                "setup": {"experts": spec().num_experts, "seq_len": T, "batch": BATCH, "lora_rank": 8,
                          "model": MODEL or "all-MiniLM-L6-v2 upcycled, MoE layers 1, 3, 5",
-                         "objective": spec().objective, "threads": 1}}
+                         "objective": spec().objective, "threads": 1,
+                         "gradient_checkpointing": CHECKPOINTING}}
     (out / "memory.json").write_text(json.dumps({"summary": summary, "cells": rows}, indent=1))
     lines = ["| budget | format | experts/layer | predicted MiB | measured peak MiB | baseline MiB | error | <= budget |",
              "|---|---|---|---|---|---|---|---|"]

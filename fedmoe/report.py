@@ -122,7 +122,7 @@ def table(report: dict[str, Any]) -> str:
     lm = _is_lm(report)
     ppl_head = f"{'ppl':>8} " if lm else ""
     head = f"{'round':>5} {ppl_head}{'acc':>6} {'local':>6} {'loss':>6} {'sec':>6} {'MiB up':>8} {'MiB down':>9} " \
-           f"{'CV':>6} {'gap':>9} {'devs':>5} {'experts':>8} {'out':>4}"
+           f"{'CV':>6} {'gap':>9} {'devs':>5} {'experts':>8} {'peak%':>6} {'out':>4}"
     lines = [head, "-" * len(head)]
     f = lambda v, spec: format(v, spec) if v is not None else format(float("nan"), spec)  # noqa: E731
     ia = report.get("initial_accuracy")
@@ -135,15 +135,25 @@ def table(report: dict[str, Any]) -> str:
             f"{r['round']:>5} {ppl}{f(r['accuracy'], '6.3f')} {f(r['mean_local_accuracy'], '6.3f')} "
             f"{f(r['loss'], '6.3f')} {r['seconds']:>6.1f} {r['bytes_up'] / 2**20:>8.2f} "
             f"{r['bytes_down'] / 2**20:>9.2f} {r['cv']:>6.3f} {r['max_min_gap']:>9.0f} {len(r['devices']):>5} "
-            f"{_held_range(r):>8} {len(r.get('excluded') or {}) + len(r.get('failures') or {}):>4}"
+            f"{_held_range(r):>8} {f(_peak_share(r), '6.0f')} "
+            f"{len(r.get('excluded') or {}) + len(r.get('failures') or {}):>4}"
         )
     notes = [f"round {r['round']}: {d} {'excluded' if d in (r.get('excluded') or {}) else 'failed'}: {why}"
              for r in report["rounds"] for d, why in sorted({**(r.get("failures") or {}),
                                                              **(r.get("excluded") or {})}.items())]
+    lines += ["", "experts = held per device, of all layers; peak% = the highest peak RSS as % of its device's "
+                  "budget; out = devices excluded + failed"]
     if notes:
-        lines += ["", "devices left out (experts = held per device, of all layers; out = excluded + failed):",
-                  *notes]
+        lines += ["devices left out:", *notes]
     return "\n".join(lines)
+
+
+def _peak_share(record: dict[str, Any]) -> float | None:
+    """The highest measured peak RSS over the round's reporting devices, as % of that
+    device's memory budget (None when no device reported both)."""
+    shares = [100 * d["peak_rss_bytes"] / d["budget_bytes"] for d in record["devices"].values()
+              if d.get("peak_rss_bytes") and d.get("budget_bytes")]
+    return max(shares) if shares else None
 
 
 def _held_range(record: dict[str, Any]) -> str:

@@ -102,6 +102,8 @@ OPTIONS: dict[str, Option] = {
     "weight_format": Option("weight_format"),
     "full_finetune": Option("model.full_finetune", "train and ship every weight, no LoRA (full-model FedAvg "
                                                    "baseline; needs --weight-format fp32)", switch=True),
+    "gradient_checkpointing": Option("model.gradient_checkpointing", "recompute each layer's activations in "
+                                     "backward (less memory, about one more forward pass)", switch=True),
     "eval_max_samples": Option("eval_max_samples"),
     "max_samples_per_task": Option("max_samples_per_task", "seeded random subset of each task's data"),
     "update_precision": Option("device.update_precision"),

@@ -84,7 +84,8 @@ class SubMoE(nn.Module):
     Raises:
         KeyError: a needed shard or tensor is missing from ``base_shards``.
         ValueError: ``experts`` is not a valid :class:`protocol.experts.Experts`; unknown
-            ``quant_backend``; ImportError: bitsandbytes missing for it.
+            ``quant_backend``; ``spec.gradient_checkpointing`` for a family without it.
+            ImportError: bitsandbytes missing for it.
     """
 
     def __init__(self, spec: ModelSpec, experts: dict[int, list[int]], task: str, num_labels: int,
@@ -124,6 +125,8 @@ class SubMoE(nn.Module):
         swap_in_quantized(self.model, convert(quantized, quant_backend))
         for p in self.model.parameters():
             p.requires_grad_(False)
+        if spec.gradient_checkpointing:
+            self.model.enable_gradient_checkpointing()
         self._keys = self._map_keys()
         self._initial: dict[str, torch.Tensor] = {}
         if self.full:  # own copies (shards may be shared), and the base values are the initial state

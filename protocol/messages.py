@@ -193,6 +193,12 @@ class ModelSpec(_Strict):
     """Train every weight of the sub-MoE (no LoRA): the update is the whole sub-MoE in fp32,
     the full-model FedAvg baseline (needs ``fp32`` base shards). ``None``: the model
     family's default (LoRA for the transformer families)."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer layer's activations during backward instead of keeping
+    them (transformers' gradient checkpointing, non-reentrant): the memory plan then
+    counts one layer's activations plus every layer's input, for about one more forward
+    pass of compute. A device whose SDK predates the field ignores it and plans without
+    it (so it refuses what does not fit rather than running out of memory)."""
 
     @field_validator("config")
     @classmethod

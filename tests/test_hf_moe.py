@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers import DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from moe_model.models import all_experts, get_adapter
+from moe_model.objectives import sample_loss
 from moe_model.shards import BACKBONE, decode_shard, encode_shard, shards_for
 from moe_model.submoe import SubMoE
 from moe_model.train import evaluate, train_local
@@ -69,8 +70,9 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _spec(d, **kw) -> ModelSpec:
-    return ModelSpec(family="hf-moe", base=str(d), tokenizer=None, num_experts=E, top_k=2, max_seq_len=16,
-                     objective=kw.pop("objective", "causal-lm"), upcycle_noise=0.0,
+    return ModelSpec(family="hf-moe", base=str(d), tokenizer=None, num_experts=E, top_k=2,
+                     max_seq_len=kw.pop("max_seq_len", 16), objective=kw.pop("objective", "causal-lm"),
+                     upcycle_noise=0.0,
                      lora=LoraSpec(rank=2, alpha=4, attention=True), **kw)
 
 
@@ -139,6 +141,35 @@ def test_sub_moe_trains_one_lora_step_and_keys_are_per_expert(checkpoint):
     assert any(".lora_B" in k and k.startswith("expert.") for k in changed)
     ev = evaluate(sub, TEXTS)
     assert ev.tokens > 0 and ev.perplexity > 1.0
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_in_less_planned_memory(checkpoint):
+    _, d, _ = checkpoint
+    grads = []
+    for ckpt in (False, True):
+        spec = _spec(d, gradient_checkpointing=ckpt)
+        _, decoded = _shards(spec)
+        held = {layer: [1, 2] for layer in get_adapter("hf-moe").moe_layers(spec)}
+        sub = SubMoE(spec, held, "news", 0, {s: decoded[s] for s in shards_for(held)}).train()
+        batch, targets = sub.collate(TEXTS)
+        sample_loss("causal-lm", sub(batch), targets).mean().backward()
+        grads.append({k: p.grad.clone() for k, p in sub.trainable().items() if p.grad is not None})
+        assert any(k.startswith("router.") for k in grads[-1]) and any(".lora_B" in k for k in grads[-1])
+        if ckpt:
+            assert any(getattr(m, "gradient_checkpointing", False) for m in sub.modules())
+    assert grads[0].keys() == grads[1].keys()
+    for k in grads[0]:
+        assert torch.allclose(grads[0][k], grads[1][k], atol=1e-6), k
+    big = get_adapter("hf-moe").activation_bytes(_spec(d, max_seq_len=64), 8)
+    small = get_adapter("hf-moe").activation_bytes(_spec(d, max_seq_len=64, gradient_checkpointing=True), 8)
+    assert small < big
+
+
+def test_gradient_checkpointing_on_a_family_without_it_fails_with_the_reason():
+    spec = ModelSpec(family="conv-moe", base=None, tokenizer=None, num_experts=4, top_k=2,
+                     config={"channels": [4, 8], "hidden": 16, "ffn": 32}, gradient_checkpointing=True)
+    with pytest.raises(ValueError, match="does not support gradient checkpointing"):
+        SubMoE(spec, {0: [0, 1]}, "img", 3, None)
 
 
 def test_classification_objective_uses_a_task_head(checkpoint):

@@ -50,6 +50,24 @@ class MoEModel(nn.Module):
     def finish_loading(self) -> None:
         """Called once the base weights are in place (e.g. to re-tie shared weights)."""
 
+    def enable_gradient_checkpointing(self) -> None:
+        """Turn on transformers' (non-reentrant) gradient checkpointing in every transformers
+        model this model wraps (``ModelSpec.gradient_checkpointing``).
+
+        Raises:
+            ValueError: the model wraps no transformers model that supports it.
+        """
+        from transformers import PreTrainedModel
+
+        found = [m for m in self.modules() if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing]
+        if not found:
+            raise ValueError(f"{type(self).__name__} does not support gradient checkpointing")
+        for m in found:
+            if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.2
+                m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
     def moe_blocks(self) -> dict[int, MoELayer]:
         """This model's :class:`MoELayer` modules by MoE layer index."""
         return moe_blocks(self)
@@ -101,7 +119,8 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def activation_bytes(self, spec: ModelSpec, batch_size: int) -> int:
-        """Estimated bytes of activations kept for backward in one training step."""
+        """Estimated bytes of activations kept for backward in one training step (with
+        ``spec.gradient_checkpointing`` where the family supports it)."""
 
 
 def get_adapter(family: str) -> ModelAdapter:

@@ -160,12 +160,15 @@ class BertUpcycledAdapter(ModelAdapter):
 
         Checked against measured training peaks of all-MiniLM-L6-v2 MoE (1 thread,
         :func:`moe_model.budget.tune_allocator` on): within -3%..+27% for T in {32, 64,
-        128}, batch 8-16, top-1 and top-2 (the estimate errs high).
+        128}, batch 8-16, top-1 and top-2 (the estimate errs high). With
+        ``spec.gradient_checkpointing``: one layer's (recomputed in backward) plus every
+        layer's input ``L·B·T·H``.
         """
         cfg = self.config(spec)
         t, h, f = spec.max_seq_len, cfg.hidden_size, cfg.intermediate_size
         per_layer = batch_size * t * (16 * h + 2 * f * spec.top_k) + batch_size * cfg.num_attention_heads * t * t
-        return 4 * per_layer * cfg.num_hidden_layers
+        layers = cfg.num_hidden_layers
+        return 4 * (per_layer + layers * batch_size * t * h if spec.gradient_checkpointing else per_layer * layers)
 
 
 @lru_cache(maxsize=4)

@@ -380,15 +380,23 @@ class HFMoEAdapter(ModelAdapter):
         return batch, torch.tensor([int(y) for _, y in items], dtype=torch.long)
 
     def activation_bytes(self, spec: ModelSpec, batch_size: int) -> int:
-        """Bytes kept for backward in one step: per decoder layer ``B·T·(14·H + 3·I·k)`` plus
-        attention ``2·B·heads·T²``, and for ``causal-lm`` ``3·B·T·V`` for the logits (fp32)."""
+        """Bytes kept for backward in one step (fp32): per decoder layer ``B·T·(10·H + 3·I·k)``
+        plus attention ``2·B·heads·T²`` for each of the ``L`` layers, or with
+        ``spec.gradient_checkpointing`` for one layer (recomputed in backward) plus every
+        layer's input ``L·B·T·H``; and for ``causal-lm`` ``5·B·T·V`` at the loss's backward
+        (logits, log-softmax, their gradients and a transposed copy).
+
+        Calibrated on SmolLM2-135M upcycled to 4 experts x 30 layers (H 576, I 1536, V 49152,
+        top-2, T 128, batch 8, int8 experts; ``benchmarks/memory.py --model``)."""
         cfg = self.config(spec)
         t, h = spec.max_seq_len, cfg.hidden_size
         inter = max((i for _, i in self._layout(spec).values()), default=cfg.intermediate_size)
-        per_layer = (batch_size * t * (14 * h + 3 * inter * spec.top_k)
+        per_layer = (batch_size * t * (10 * h + 3 * inter * spec.top_k)
                      + 2 * batch_size * cfg.num_attention_heads * t * t)
-        logits = 3 * batch_size * t * cfg.vocab_size if spec.objective == "causal-lm" else 0
-        return 4 * (per_layer * cfg.num_hidden_layers + logits)
+        layers = cfg.num_hidden_layers
+        kept = per_layer + layers * batch_size * t * h if spec.gradient_checkpointing else per_layer * layers
+        logits = 5 * batch_size * t * cfg.vocab_size if spec.objective == "causal-lm" else 0
+        return 4 * (kept + logits)
 
 
 # ---------------------------------------------------------------------- helpers (module level, cached)
