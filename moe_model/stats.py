@@ -5,7 +5,9 @@ Per MoE layer and global expert e, accumulated over the round's training batches
 - ``usage[e]``: training tokens routed to e, top-k counted (FLEX-MoE u[c,e],
   000_5c6cd7a163e9f8d7.txt eq. 4); ``tokens``: training tokens (padding excluded).
 - ``routing_dist[e]``: mean over tokens of the top-k-renormalised routing weight of e
-  (FedAlign-MoE r_c, 002_68975c2dbeecf897.txt eq. 3 as reconstructed in ALGORITHMS.md §3).
+  (FedAlign-MoE r_c, 002_68975c2dbeecf897.txt eq. 3 as reconstructed in ALGORITHMS.md §3;
+  :func:`routing_mass`, so it sums to 1 over the held experts whenever tokens were seen,
+  also for routers that do not renormalise their top-k themselves).
 - ``margin[e]``: mean of p(e|x) - max_{j≠e} p(j|x) over tokens whose top-1 is e
   (FedAlign eq. 5); 0 if e was never top-1.
 - ``expert_loss/acc/samples[e]``: over training samples whose *majority* expert is
@@ -27,6 +29,24 @@ import torch
 from protocol.messages import LayerStats
 
 from .models.moe import MoELayer
+
+
+def routing_mass(idx: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
+    """Each token's top-k routing weights, renormalised to sum to 1 (FedAlign eq. 3's "after
+    top-k renormalisation"; a token whose weights sum to 0 keeps zeros), in expert columns.
+
+    Args:
+        idx: ``(N, k)`` int64 local expert indices (:attr:`RoutingRecord.topk_idx`).
+        weight: ``(N, k)`` their routing weights (:attr:`RoutingRecord.topk_weight`).
+        n: held experts (columns).
+
+    Returns:
+        ``(N, n)`` float64, detached.
+    """
+    w = weight.detach().double()
+    total = w.sum(-1, keepdim=True)
+    w = torch.where(total > 0, w / total.clamp_min(torch.finfo(torch.float64).tiny), w)
+    return torch.zeros(idx.shape[0], n, dtype=torch.float64).scatter_add_(1, idx, w)
 
 
 @dataclass
@@ -90,7 +110,7 @@ class ActivationStats:
             acc.tokens += int(valid.sum())
             onehot = torch.zeros(idx.shape[0], n, dtype=torch.float64).scatter_add_(1, idx, torch.ones_like(w))
             acc.usage += onehot.sum(0).long()
-            acc.route_sum += torch.zeros(idx.shape[0], n, dtype=torch.float64).scatter_add_(1, idx, w).sum(0)
+            acc.route_sum += routing_mass(idx, w, n).sum(0)
             top1 = idx[:, 0]
             if n > 1:
                 top2 = probs.topk(2, dim=-1).values
