@@ -221,3 +221,24 @@ def test_causal_lm_federation_over_mqtt_lowers_perplexity(tmp_path):
     assert all(p is not None and p > 1 for p in ppl) and ppl[-1] < ppl[0], ppl
     assert all(len(r["devices"]) == 2 for r in report["rounds"])
     assert (out / "perplexity.png").exists() and "ppl" in (out / "rounds.md").read_text()
+
+
+@pytest.mark.parametrize("objective", ["causal-lm", "classification"])
+def test_onnx_export_of_a_sub_moe_matches_torch(tmp_path, objective):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from edge_sdk.export import export_onnx, onnx_logits, onnx_session
+
+    d = tmp_path / "mixtral"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(FAMILIES["mixtral"]()).save_pretrained(d)
+    _tokenizer().save_pretrained(d)
+    spec = _spec(d, objective=objective)
+    _, decoded = _shards(spec)
+    held = {layer: [0, 2, 3] for layer in get_adapter("hf-moe").moe_layers(spec)}
+    sub = SubMoE(spec, held, "news", 2, {s: decoded[s] for s in shards_for(held)}).eval()
+    texts = [t for t, _ in TEXTS]
+    got = onnx_logits(onnx_session(export_onnx(sub, tmp_path / "m.onnx")), sub, texts)
+    with torch.no_grad():
+        want = sub(sub.collate(TEXTS)[0])
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
