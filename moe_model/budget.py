@@ -9,7 +9,7 @@ does not fit. The plan is the sum of (:class:`MemoryPlan`):
   MQTT); measured on the device at start-up (resident set size), and sent in its
   ``hello``; :data:`DEFAULT_RUNTIME_BYTES` when unknown (measured here: 445 MiB RSS on
   Linux x86-64, torch 2.13, transformers 5.23);
-- ``tokenizer``: the family's tokenizer once loaded (``ModelAdapter.tokenizer_bytes``);
+- ``tokenizer``: the family's tokenizer once loaded (``ModelAdapter.tokenizer_bytes_for``);
 - ``weights``: base weights as held: the backbone in fp32, each expert linear in the
   shard format (:func:`moe_model.quant.held_bytes`: fp32, bf16, int8 + row scales, nf4
   + block absmax);
@@ -217,7 +217,7 @@ def plan(
     acts = get_adapter(spec.family).activation_bytes(spec, batch)
     work = max([workspace_bytes(o, i, weight_format) for o, i, _ in c.expert_linears] + [2 * FETCH_WINDOW_BYTES])
     return MemoryPlan(runtime_bytes, weights, lora, 4 * trainable, 8 * trainable, acts,
-                      get_adapter(spec.family).tokenizer_bytes if spec.tokenizer or spec.base else 0, work,
+                      get_adapter(spec.family).tokenizer_bytes_for(spec), work,
                       weight_format, n)
 
 

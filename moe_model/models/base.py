@@ -82,7 +82,8 @@ class ModelAdapter(ABC):
     attention_targets: ClassVar[tuple[str, ...]] = ()
     """Names of the non-expert linear modules LoRA adapts (when ``lora.attention``)."""
     tokenizer_bytes: ClassVar[int] = 0
-    """Resident bytes its tokenizer adds once loaded (the memory plan counts them)."""
+    """Resident bytes its tokenizer adds once loaded (the memory plan counts them; see
+    :meth:`tokenizer_bytes_for`)."""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -116,6 +117,11 @@ class ModelAdapter(ABC):
         """Samples ``(input, label)`` -> (batch dict, targets): labels ``(B,)`` int64 for
         ``classification``, token ids ``(B, T)`` int64 (``moe_model.objectives.IGNORE`` at
         padding) for ``causal-lm``."""
+
+    def tokenizer_bytes_for(self, spec: ModelSpec) -> int:
+        """Resident bytes ``spec``'s tokenizer adds once loaded (default :attr:`tokenizer_bytes`;
+        0 without a tokenizer or base)."""
+        return self.tokenizer_bytes if spec.tokenizer or spec.base else 0
 
     @abstractmethod
     def activation_bytes(self, spec: ModelSpec, batch_size: int) -> int:
