@@ -52,6 +52,7 @@ import torch
 
 from edge_sdk.objectives.fedalign import RG_TENSOR, SUM_TOLERANCE, AlignTerm
 from protocol import keys
+from protocol.experts import layers_from_json, layers_to_json
 from protocol.messages import Objective, Stats
 
 from ..strategy import Aggregated, ClientResult, DeviceView, Failure, Plan, Setup
@@ -289,11 +290,11 @@ class FedAlign(Composed):
         return counts
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "hidden": {str(k): v for k, v in self.hidden.items()}}
+        return {**super().state_dict(), "hidden": layers_to_json(self.hidden)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.hidden = {int(k): int(v) for k, v in state.get("hidden", {}).items()}
+        self.hidden = {layer: int(v) for layer, v in layers_from_json(state.get("hidden", {})).items()}
 
 
 def _hidden(stats: Stats, layer: int, expert: int) -> list[float] | None:
