@@ -45,6 +45,9 @@ class TaskConfig(BaseModel):
     labels: list[str] = Field(min_length=2)
     eval_data: str | None = None
     """CSV/JSONL ``text,label`` file the cloud evaluates the global model on."""
+    reserved_data: str | None = None
+    """CSV/JSONL ``text,label`` file of labelled items only the cloud holds (Fed-MoE's
+    server-reserved set D^r, strategy ``fusion``); never sent to a device."""
 
 
 class FederationSettings(BaseModel):
@@ -129,12 +132,13 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
                 data[k] = v
         return cls.model_validate(data)
 
-    def check_paths(self, eval_given: Any = ()) -> "AggregatorConfig":
+    def check_paths(self, eval_given: Any = (), reserved_given: Any = ()) -> "AggregatorConfig":
         """Check what the config names outside itself, before anything is built (the
         model takes seconds to set up): each task's ``eval_data`` file exists, unless the
         task is in ``eval_given`` (tasks whose items the caller passes as
         ``Aggregator(eval_data=...)``); ``eval_data: builtin:NAME`` (a built-in data set)
-        must be among those, as only the ``fedmoe`` command can load it; the
+        must be among those, as only the ``fedmoe`` command can load it; each task's
+        ``reserved_data`` file exists unless the task is in ``reserved_given``; the
         ``credentials``, ``device_keys``, ``tls_ca``, ``tls_cert`` and ``tls_key`` files
         exist; the store URL has a supported scheme. Relative paths are relative to the
         working directory. Returns ``self``.
@@ -155,6 +159,9 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
                            f"Aggregator(eval_data={{{name!r}: [(text, label), ...]}})")
             elif not Path(ref).is_file():
                 bad.append(f"tasks.{name}.eval_data: no such file {ref!r} (in {Path.cwd()})")
+        for name, task in self.tasks.items():
+            if task.reserved_data and name not in set(reserved_given) and not Path(task.reserved_data).is_file():
+                bad.append(f"tasks.{name}.reserved_data: no such file {task.reserved_data!r} (in {Path.cwd()})")
         bad += self.missing_files()
         if self.device_keys and not Path(self.device_keys).is_file():
             bad.append(f"device_keys: no such file {self.device_keys!r}")

@@ -300,6 +300,8 @@ class RoundEngine:
             log.error("round %d: %s; %s sits this round out", number, why, d)
             plan.assignments.pop(d, None)
             excluded[d] = (why, {})
+        for d in plan.assignments:  # a strategy may fit a device below one expert per layer (a smaller batch)
+            excluded.pop(d, None)
         self._ask_evaluation(number, plan, views)
         for v in views:
             if v.device_id not in plan.assignments and v.device_id not in excluded:

@@ -72,11 +72,14 @@ class Aggregator:
         config: the aggregator config.
         broker: broker URL.
         eval_data: task -> test items (overrides each task's ``eval_data`` file).
+        reserved_data: task -> labelled items only the cloud holds (overrides each task's
+            ``reserved_data`` file): ``Setup.reserved``, e.g. Fed-MoE's D^r; never sent.
     """
 
     def __init__(self, config: AggregatorConfig, broker: str,
-                 eval_data: dict[str, Sequence[tuple[Any, Any]]] | None = None):
-        config.check_paths(eval_given=eval_data or ())  # ValueError before the model is set up
+                 eval_data: dict[str, Sequence[tuple[Any, Any]]] | None = None,
+                 reserved_data: dict[str, Sequence[tuple[Any, Any]]] | None = None):
+        config.check_paths(eval_given=eval_data or (), reserved_given=reserved_data or ())  # ValueError before the model is set up
         tune_allocator(SERVICE_MMAP_THRESHOLD)
         self.cfg = config
         if config.threads:
@@ -108,6 +111,7 @@ class Aggregator:
         tasks = {name: t.labels for name, t in config.tasks.items()}
         self.model = GlobalModel(config.model, tasks, config.weight_format, formats=config.weight_formats)
         self.eval_data = self._eval_sets(eval_data or {})
+        reserved = self._item_sets(reserved_data or {}, "reserved_data", limit=False)
         tls = TlsConfig(config.tls_ca, config.tls_cert, config.tls_key) if config.tls_ca else None
         self.transport = Transport(broker, f"fedmoe-aggregator-{config.federation}", protocol=config.protocol,
                                    username=config.username, password=config.password, tls=tls,
@@ -115,7 +119,7 @@ class Aggregator:
                                    session_expiry_s=config.session_expiry_s, manual_ack=True)
         setup = Setup(self.model.layers, config.model.num_experts, config.seed, config.train, tasks,
                       (config.assignment.name, config.assignment.params),
-                      (config.aggregation.name, config.aggregation.params))
+                      (config.aggregation.name, config.aggregation.params), reserved)
         strategy = get_strategy(config.strategy.name)(setup, **config.strategy.params)
         settings = RoundSettings(config.clients_per_round, config.quorum, config.round_timeout_s, config.train,
                                  config.max_update_bytes, config.eval_batch_size, config.seed,
@@ -152,14 +156,21 @@ class Aggregator:
         unsigned chunks, and a burst of one kind of junk does not use up its budget."""
 
     def _eval_sets(self, given: dict[str, Sequence[tuple[Any, Any]]]) -> dict[str, list]:
+        return self._item_sets(given, "eval_data")
+
+    def _item_sets(self, given: dict[str, Sequence[tuple[Any, Any]]], field: str, limit: bool = True
+                   ) -> dict[str, list]:
+        """task -> items ``(input, label id)``: the given ones, else the task's ``field``
+        file; with ``limit``, at most ``eval_max_samples``."""
         out = {}
         for name, task in self.cfg.tasks.items():
             items = given.get(name)
-            if items is None and task.eval_data:
-                items = load_text_file(task.eval_data).items
+            path = getattr(task, field)
+            if items is None and path:
+                items = load_text_file(path).items
             if items:
                 items = encode_labels(items, task.labels)
-                out[name] = items[: self.cfg.eval_max_samples] if self.cfg.eval_max_samples else items
+                out[name] = items[: self.cfg.eval_max_samples] if limit and self.cfg.eval_max_samples else items
         return out
 
     # ------------------------------------------------------------------ Wire (for the engine)

@@ -134,6 +134,9 @@ class Setup:
         tasks: task -> class labels.
         assignment, aggregation: the configured parts, ``(name, params)``; composed
             strategies build them (:class:`cloud.strategies.Composed`).
+        reserved: task -> labelled items ``(input, label id)`` that only the cloud holds
+            (Fed-MoE's server-reserved set D^r, :mod:`cloud.strategies.fusion`); disjoint
+            from every device's data and never sent to a device.
     """
 
     layers: list[int]
@@ -143,6 +146,7 @@ class Setup:
     tasks: dict[str, list[str]] = field(default_factory=dict)
     assignment: tuple[str, dict[str, Any]] = ("random_kept", {})
     aggregation: tuple[str, dict[str, Any]] = ("modular", {})
+    reserved: dict[str, list] = field(default_factory=dict)
 
 
 class Registered(plugins.Registered):

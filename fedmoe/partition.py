@@ -41,6 +41,25 @@ def split_train_test(n: int, test_fraction: float, seed: int) -> tuple[list[int]
     return sorted(order[cut:]), sorted(order[:cut])
 
 
+def reserve(indices: Sequence[int], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Split ``indices`` (a task's training split) into (what the devices share, what the
+    cloud keeps): a seeded random ``fraction`` (at least one item) is reserved, e.g.
+    Fed-MoE's server-reserved set D^r (001_18bef9d5c509c53b.txt Sec. 3: "non-overlapping
+    with client data"). Disjoint by construction, deterministic for a seed; both sorted.
+
+    Raises:
+        ValueError: ``fraction`` outside (0, 1), or fewer than two indices.
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"reserve fraction must be in (0, 1), got {fraction!r}")
+    if len(indices) < 2:
+        raise ValueError(f"cannot reserve part of {len(indices)} items")
+    order = list(indices)
+    random.Random(f"reserve/{seed}").shuffle(order)
+    cut = min(len(order) - 1, max(1, int(round(len(order) * fraction))))
+    return sorted(order[cut:]), sorted(order[:cut])
+
+
 def partition(labels: Sequence[int], num_clients: int, scheme: str, seed: int, min_size: int = 10) -> list[list[int]]:
     """Indices of ``labels`` per client under ``scheme`` (see :func:`parse_partition`).
 

@@ -40,7 +40,7 @@ from protocol.topics import Topics
 from .broker import EmbeddedBroker
 from .datasets import TASKS, load_task
 from .options import Option, comma_list, explain, flag, schema_options
-from .partition import parse_partition, partition, split_train_test
+from .partition import parse_partition, partition, reserve, split_train_test
 
 if TYPE_CHECKING:
     from protocol.transport import Transport
@@ -502,6 +502,7 @@ def builtin_test_set(task: str, seed: int = 0, test_fraction: float = 0.2) -> tu
 
 def _prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], dict[str, dict]]:
     """Write per-device train files and per-task test files; return device specs and task configs."""
+    from cloud.strategies import get_strategy
     from edge_sdk.data import write_jsonl
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -512,11 +513,17 @@ def _prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], di
     if not cfg.budgets and cfg.budget_range is None:
         cfg.budget_range = auto_budget_range(cfg)
     budgets = _device_budgets(cfg)
+    reserve_fraction = get_strategy(cfg.strategy.name).reserve_fraction_of(cfg.strategy.params)
     for t, (task, n_dev) in enumerate(zip(cfg.tasks, per_task)):
         items, labels, train_idx, test_idx = split_task(task, cfg.seed, cfg.test_fraction, cfg.max_samples_per_task)
         test_file = data_dir / f"test-{task}.jsonl"
         write_jsonl(test_file, [items[i] for i in test_idx])
         tasks[task] = {"labels": labels, "eval_data": str(test_file)}
+        if reserve_fraction > 0:  # the cloud-only set (e.g. Fed-MoE's D^r): disjoint from every device's data
+            train_idx, kept = reserve(train_idx, reserve_fraction, cfg.seed + t)
+            reserved_file = data_dir / f"reserved-{task}.jsonl"
+            write_jsonl(reserved_file, [items[i] for i in kept])
+            tasks[task]["reserved_data"] = str(reserved_file)
         label_ids = [labels.index(items[i][1]) for i in train_idx]
         parts = partition(label_ids, n_dev, cfg.partition, cfg.seed + t)
         for k, part in enumerate(parts):

@@ -52,6 +52,8 @@ class Federation:
     secure: object = None
     """A ``fedmoe.provision.Provisioned``: TLS, credentials and signatures for everyone."""
     config_kw: dict = field(default_factory=dict)
+    reserved: list | None = None
+    """Cloud-only labelled items for the task (``Aggregator(reserved_data=...)``, D^r)."""
     client_hook: object = None
     """Called with each EdgeClient before its thread starts (fault injection)."""
     records: list = field(default_factory=list)
@@ -75,7 +77,8 @@ class Federation:
                                          "device_keys": str(self.secure.device_keys_file)})
         if self.config_kw:
             cfg = cfg.model_copy(update=self.config_kw)
-        self.aggregator = Aggregator(cfg, self.url, eval_data={"bbc": self.test_items})
+        self.aggregator = Aggregator(cfg, self.url, eval_data={"bbc": self.test_items},
+                                     reserved_data={"bbc": self.reserved} if self.reserved else None)
 
     def client(self, i: int, experts: int) -> EdgeClient:
         spec = self.aggregator.cfg.model

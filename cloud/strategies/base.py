@@ -75,6 +75,13 @@ class Strategy(Registered):
             raise ValueError(f"evaluate_fraction must be in [0, 1], got {evaluate_fraction!r}")
         self.setup, self.evaluate_fraction = setup, float(evaluate_fraction)
 
+    @classmethod
+    def reserve_fraction_of(cls, params: dict[str, Any]) -> float:
+        """The share of each task's training split a simulator keeps on the cloud as
+        ``Setup.reserved`` for this method with ``params`` (default 0: none; Fed-MoE
+        fusion's D^r, :mod:`cloud.strategies.fusion`)."""
+        return 0.0
+
     @property
     def label(self) -> str:
         """The name round records and logs show for this method."""
