@@ -408,7 +408,8 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
     """Fail unless every device's budget, when given explicitly (``budgets`` or
     ``budget_range``), holds the memory plan of one expert per layer
     (``moe_model.budget.estimate`` at ``cfg``'s model, batch size and weight format, the
-    device task's label count) on top of the device baseline: a device below it is never
+    device task's label count; the batch size is the strategy's smallest,
+    :meth:`cloud.strategies.Strategy.smallest_batch_of`: 1 for ``fusion``) on top of the device baseline: a device below it is never
     assigned anything, and the federation would wait for it forever. The baseline is
     :func:`device_baseline_bytes` with the largest device data file loaded, unless given.
     Auto budgets (neither set) start at 2 experts per layer and are not checked.
@@ -424,7 +425,10 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
         return
     from moe_model.budget import DEFAULT_HEADROOM_BYTES, estimate
 
+    from cloud.strategies import get_strategy
+
     spec, experts, batch = cfg.model, cfg.model.num_experts, cfg.train.batch_size
+    batch = get_strategy(cfg.strategy.name).smallest_batch_of(cfg.strategy.params, batch)  # fusion: down to 1
     if baseline is None:
         baseline = device_baseline_bytes(max((d["data"] for d in devices), key=lambda f: Path(f).stat().st_size))
 

@@ -18,6 +18,7 @@ from cloud.strategies.fusion import (
 )
 from cloud.strategy import ClientResult, DeviceView, Setup
 from fedmoe.partition import partition, reserve
+from fedmoe.simulate import SimulationConfig
 from protocol.messages import Stats, TrainConfig
 from tests.conftest import tiny_spec
 from tests.federation import Federation
@@ -112,7 +113,7 @@ def test_reserve_is_deterministic_disjoint_and_two_percent_by_default():
 
 def test_simulate_writes_a_reserved_split_disjoint_from_every_device(tmp_path):
     from edge_sdk.data import load_text_file
-    from fedmoe.simulate import SimulationConfig, _prepare_data
+    from fedmoe.simulate import _prepare_data
 
     cfg = SimulationConfig(devices=3, tasks=["bbc"], budgets=[10**10] * 3, strategy="fusion",
                            max_samples_per_task=400)
@@ -123,6 +124,21 @@ def test_simulate_writes_a_reserved_split_disjoint_from_every_device(tmp_path):
     assert len(reserved) == round(0.02 * 320) and not {t for t, _ in reserved} & held, train
     again, tasks2 = _prepare_data(cfg, tmp_path / "again")
     assert load_text_file(tasks2["bbc"]["reserved_data"]).items == reserved
+
+
+def test_simulate_admits_a_device_that_fits_the_compact_model_only_with_a_smaller_batch():
+    from fedmoe.simulate import SimulationConfigError, check_budgets
+    from moe_model.budget import estimate
+    from tests.conftest import TINY_CONFIG
+
+    kw = dict(devices=1, budgets=["1GiB"], base=None, model_config=TINY_CONFIG, num_experts=4)
+    spec = SimulationConfig(**kw).model
+    budget = estimate(spec, 1, 1, 5, 400 * 2**20, "int8").total + 1             # < the plan at batch 8
+    assert budget < estimate(spec, 1, 8, 5, 400 * 2**20, "int8").total
+    devices = [{"device_id": "dev-00", "task": "bbc", "data": "-", "budget_bytes": budget}]
+    with pytest.raises(SimulationConfigError):
+        check_budgets(SimulationConfig(**kw), devices, baseline=400 * 2**20)
+    check_budgets(SimulationConfig(**kw, strategy="fusion"), devices, baseline=400 * 2**20)
 
 
 # --------------------------------------------------------------------------- the strategy on a tiny model

@@ -82,6 +82,13 @@ class Strategy(Registered):
         fusion's D^r, :mod:`cloud.strategies.fusion`)."""
         return 0.0
 
+    @classmethod
+    def smallest_batch_of(cls, params: dict[str, Any], batch_size: int) -> int:
+        """The smallest training batch size this method with ``params`` may give a
+        device whose budget does not hold one expert per layer at ``batch_size`` (default
+        ``batch_size``: such a device is left out; Fed-MoE fusion shrinks the batch)."""
+        return batch_size
+
     @property
     def label(self) -> str:
         """The name round records and logs show for this method."""

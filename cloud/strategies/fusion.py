@@ -303,6 +303,12 @@ class Fusion(Strategy):
         """The share of each task's training split a simulator keeps on the cloud as D^r."""
         return float(params.get("reserve_fraction", DEFAULT_RESERVE_FRACTION))
 
+    @classmethod
+    def smallest_batch_of(cls, params: dict[str, Any], batch_size: int) -> int:
+        """``min_batch`` (default 1): a device below the compact model at ``batch_size`` trains it with
+        a halved batch down to this."""
+        return min(batch_size, int(params.get("min_batch", 1)))
+
     # ------------------------------------------------------------------ layout
     def compact(self, model: "GlobalModel") -> dict[int, list[int]]:
         """The compact model's experts: slot :data:`SLOT` in every MoE layer."""
