@@ -331,17 +331,22 @@ class Fusion(Strategy):
             at += n
         return out
 
-    def server(self, model: "GlobalModel") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(experts ``(K+1, P)``, gate weight ``(K, H)``, gate bias ``(K,)``, α logit ``(1,)``),
-        float64: the owned tensors, or the initial server MoE (every expert the compact part
-        of the global state, a seeded N(0, 0.02²) gate, α = 0.5)."""
+    def experts_of(self, model: "GlobalModel") -> torch.Tensor:
+        """``(K+1, P)`` float64 server experts (row 0 E_0): the owned tensor, or K+1 copies
+        of the compact part of the global state before the first round."""
+        if EXPERTS in model.owned:
+            return model.owned[EXPERTS].double()
+        return self.flatten(model.state, model).repeat(self.k + 1, 1)
+
+    def gate_of(self, model: "GlobalModel") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate weight ``(K, H)``, gate bias ``(K,)``, α logit ``(1,)``) float64: the owned
+        tensors, or a seeded N(0, 0.02²) weight, zero bias and α = 0.5 before the first round."""
         o = model.owned
-        if EXPERTS in o:
-            return o[EXPERTS].double(), o[GATE_W].double(), o[GATE_B].double(), o[ALPHA].double()
-        e0 = self.flatten(model.state, model)
+        if GATE_W in o:
+            return o[GATE_W].double(), o[GATE_B].double(), o[ALPHA].double()
         hidden = self._feature_net(model).model.head.in_features
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 17)
-        return (e0.repeat(self.k + 1, 1), torch.randn(self.k, hidden, generator=gen, dtype=torch.float64) * 0.02,
+        return (torch.randn(self.k, hidden, generator=gen, dtype=torch.float64) * 0.02,
                 torch.zeros(self.k, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
 
     # ------------------------------------------------------------------ rounds
@@ -382,25 +387,48 @@ class Fusion(Strategy):
 
     def aggregate(self, round: int, model: "GlobalModel", results: list[ClientResult],
                   failures: list[Failure]) -> Aggregated:
-        """Stage B (Steps 0-4, T times) and Stage C; see the module docstring."""
-        compact = self.compact(model)
-        results = [r for r in results if {int(k): list(v) for k, v in r.experts.items()} == compact
-                   and r.task == self.task]
-        experts, gw, gb, a = self.server(model)
+        """Stage B (Steps 0-4, T times) and Stage C on the compact models (:meth:`fuse`); the
+        global state's compact keys become E_0."""
+        results = self.compact_results(model, results)
         if not results:
             log.warning("round %d: fusion got no compact model; the server MoE is unchanged", round)
             return Aggregated(dict(model.state), None, {"clients": 0})
+        experts, synced, gate, metrics = self.fuse(model, self.experts_of(model), results, self.lam)
+        owned = {**model.owned, EXPERTS: experts.float(), **gate}
+        owned.update({SYNC_PREFIX + r.device_id: synced[j].float() for j, r in enumerate(results)})
+        return Aggregated({**model.state, **self.unflatten(experts[0], model)}, owned, metrics)
+
+    def compact_results(self, model: "GlobalModel", results: list[ClientResult]) -> list[ClientResult]:
+        """The results that are compact models of the task (slot :data:`SLOT` in every layer)."""
+        compact = self.compact(model)
+        return [r for r in results if r.task == self.task
+                and {int(k): list(v) for k, v in r.experts.items()} == compact]
+
+    def fuse(self, model: "GlobalModel", experts: torch.Tensor, results: list[ClientResult], lam: float,
+             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict]:
+        """Stage B and Stage C (eq. 3-13) for the compact models of ``results``.
+
+        Args:
+            experts: ``(K+1, P)`` the server experts before the round.
+            lam: λ of Step 3 (eq. 6); Stage C (eq. 13) uses the configured ``lam``.
+            mask: ``(P,)`` bool: Step 3 moves only these entries (the rest stay shared).
+
+        Returns:
+            (experts ``(K+1, P)`` float64, synchronised client models ``(m, P)`` float64 in
+            ``results`` order, the gate's owned tensors (float32), metrics).
+        """
         models = torch.stack([self.flatten(r.state, model) for r in results])
         feats, labels = self._reserved_features(model), self._reserved_labels()
         p_y = true_label_probs(torch.stack([self._probs(model, m) for m in models]), labels)  # Step 0
-        gw, gb, a = gw.clone().requires_grad_(True), gb.clone().requires_grad_(True), a.clone().requires_grad_(True)
+        gw, gb, a = (t.clone().requires_grad_(True) for t in self.gate_of(model))
         opt = torch.optim.Adam([gw, gb, a], lr=self.gate_lr)
         losses = []
         for _ in range(self.iterations):
             with torch.no_grad():
                 q = torch.softmax(feats @ gw.t() + gb, dim=1)  # Step 1, eq. 3
                 w_r = row_softmax(relevance(q, p_y))  # Step 2, eq. 4-5
-                experts = update_experts(experts, models, w_r, self.lam)  # Step 3, eq. 6
+                moved = update_experts(experts, models, w_r, lam)  # Step 3, eq. 6
+                experts = moved if mask is None else torch.where(mask, moved, experts)
                 p_hat = torch.stack([self._probs(model, e) for e in experts])
             for _ in range(self.gate_steps):  # Step 4, eq. 7-9
                 opt.zero_grad()
@@ -415,15 +443,11 @@ class Fusion(Strategy):
             alpha = torch.sigmoid(a)
             w_c = sync_weights(w, alpha)
             synced = synchronise_clients(models, experts, w_c, self.lam)
-        owned = {k: v for k, v in model.owned.items()}
-        owned.update({EXPERTS: experts.float(), GATE_W: gw.detach().float(), GATE_B: gb.detach().float(),
-                      ALPHA: a.detach().float()})
-        owned.update({SYNC_PREFIX + r.device_id: synced[j].float() for j, r in enumerate(results)})
-        state = {**model.state, **self.unflatten(experts[0], model)}
+        gate = {GATE_W: gw.detach().float(), GATE_B: gb.detach().float(), ALPHA: a.detach().float()}
         metrics = {"clients": len(results), "alpha": float(alpha), "gate_loss": losses,
                    "gate_entropy": float(gating_entropy(q)), "W": w.tolist(), "W_c": w_c.tolist(),
                    "clients_order": [r.device_id for r in results]}
-        return Aggregated(state, owned, metrics)
+        return experts, synced, gate, metrics
 
     def evaluate(self, round: int, model: "GlobalModel", eval_data: dict[str, Sequence[tuple[Any, int]]],
                  batch_size: int = 32) -> dict[str, Any]:
@@ -432,7 +456,7 @@ class Fusion(Strategy):
         items = eval_data.get(self.task) or []
         if not items:
             return {"accuracy": None, "loss": None, "per_task": {}}
-        experts, gw, gb, a = self.server(model)
+        experts, (gw, gb, a) = self.experts_of(model), self.gate_of(model)
         with torch.no_grad():
             feats, labels = self._features_of(model, items, batch_size), torch.tensor([y for _, y in items])
             p = torch.stack([self._probs(model, e, items, batch_size) for e in experts])
@@ -447,6 +471,9 @@ class Fusion(Strategy):
     def _feature_net(self, model: "GlobalModel") -> SubMoE:
         """The compact model on the decoded base shards (built once)."""
         if self._net is None:
+            if model.spec.objective != "classification":
+                raise ValueError(f"fusion needs class probabilities (P_y, eq. 4); the model's objective is "
+                                 f"{model.spec.objective!r}")
             compact = self.compact(model)
             shards = {sid: decode_shard(model.shard_bytes[sid]) for sid in shards_for(compact)}
             self._net = SubMoE(model.spec, compact, self.task, len(model.tasks[self.task]), shards)
