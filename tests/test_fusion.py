@@ -260,3 +260,100 @@ def test_a_fusion_federation_runs_two_rounds_each_device_gets_its_own_model_and_
     texts = [t.encode() for t, _ in reserved]
     leaks = [(t, x[:40]) for t, p in published for x in texts if x in p]
     assert not leaks, leaks
+
+
+# --------------------------------------------------------------------------- the hybrid
+def _hybrid(**params):
+    from cloud.strategies.fusion_hybrid import FusionHybrid
+
+    spec = tiny_spec()
+    model = GlobalModel(spec, {"t": ["a", "b"]}, "fp32")
+    items = [(f"sample text number {i} about {'markets' if i % 2 else 'football'}", i % 2) for i in range(12)]
+    setup = Setup(model.layers, spec.num_experts, 0, TrainConfig(batch_size=8), {"t": ["a", "b"]},
+                  reserved={"t": items})
+    return model, FusionHybrid(setup, iterations=2, gate_steps=3, **params)
+
+
+def _result(model, d, experts, n, seed):
+    base = model.state_for(experts, "t")
+    gen = torch.Generator().manual_seed(seed)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+    return ClientResult(d, "t", n, experts, state, Stats.model_construct(device_id=d, round=1, num_samples=n))
+
+
+def test_hybrid_splits_devices_by_capacity_and_aggregates_what_is_shared_with_what():
+    from cloud.strategies.fusion_hybrid import slot_key
+
+    model, s = _hybrid()
+    assert s.k == 3 and slot_key("expert.1.0.fc1.lora_B", 2) == "expert.1.2.fc1.lora_B"
+    views = [DeviceView(d, "t", 10, 10**12, cap, extra={"runtime_bytes": 0, "weight_format": "fp32"})
+             for d, cap in (("big", 4), ("mid", 2), ("one", 1), ("zero", 0))]
+    plan = s.configure_round(1, views, model)
+    assert s.compact_devices == {"one", "zero"} and plan.info["compact"] == ["one", "zero"]
+    assert plan.assignments["one"] == plan.assignments["zero"] == {1: [0]}
+    assert len(plan.assignments["big"][1]) == 4 and len(plan.assignments["mid"][1]) == 2
+    s.compact_devices = {"c0", "c1"}
+    results = [_result(model, "a", {1: [0, 1]}, 30, 1), _result(model, "b", {1: [2, 3]}, 10, 2),
+               _result(model, "c0", {1: [0]}, 10, 3), _result(model, "c1", {1: [0]}, 10, 4)]
+    out = s.aggregate(1, model, results, [])
+    st, n = out.state, {"a": 30, "b": 10, "c0": 10, "c1": 10}
+    for k in model.state:                                          # backbone and head: FedAvg over all four
+        if keys_group(k) in ("backbone", "head"):
+            expect = sum(n[r.device_id] * r.state[k].double() for r in results) / 60
+            assert torch.allclose(st[k].double(), expect, atol=1e-6), k
+    assert torch.equal(st["router.1.0"], results[0].state["router.1.0"])   # router rows: sub-MoE holders only
+    lam = 0.5 * 20 / 60
+    assert out.metrics["lambda_step3"] == pytest.approx(lam)
+    k0 = next(k for k in model.state if k.startswith("expert.1.0."))        # slot 0 = E_0: eq. 6 twice
+    mean_c = (results[2].state[k0].double() + results[3].state[k0].double()) / 2
+    expect = (1 - lam) ** 2 * results[0].state[k0].double() + (1 - (1 - lam) ** 2) * mean_c
+    assert torch.allclose(st[k0].double(), expect, atol=1e-6)
+    k3 = k0.replace("expert.1.0.", "expert.1.3.")                            # a routed slot moved by W^r
+    assert not torch.allclose(st[k3], results[1].state[k3])
+    sent = s.state_for("c0", "t", {1: [0]}, _committed(model, out))
+    assert torch.allclose(s.flatten(sent, model), out.owned[SYNC_PREFIX + "c0"].double())
+    assert set(s.state_for("a", "t", {1: [0, 1]}, model)) == set(model.state_for({1: [0, 1]}, "t"))
+    ev = s.evaluate(1, model, {"t": [("football", 0), ("markets", 1)]})
+    assert ev["accuracy"] is not None and ev["fused"]["accuracy"] is not None
+
+
+def test_hybrid_without_compact_devices_is_the_aggregation_part():
+    from cloud.aggregation.modular import Modular
+
+    model, s = _hybrid()
+    results = [_result(model, "a", {1: [0, 1]}, 30, 1), _result(model, "b", {1: [2, 3]}, 10, 2)]
+    out = s.aggregate(1, model, results, [])
+    expect = Modular().aggregate(1, model.state, results, [])
+    assert all(torch.equal(out.state[k], expect[k]) for k in expect) and out.owned is None
+    with pytest.raises(ValueError, match="routed_experts must be 3"):
+        _hybrid(routed_experts=2)
+
+
+def keys_group(name: str) -> str:
+    from protocol import keys
+
+    return keys.parse(name).group
+
+
+def _committed(model, out):
+    model.set_state(out.state)
+    model.set_owned(out.owned)
+    return model
+
+
+def test_a_hybrid_federation_trains_a_sub_moe_and_a_compact_device_together(embedded_url, tmp_path):
+    from fedmoe.datasets import bbc_news
+
+    items, _ = bbc_news()
+    reserved = [items[i] for i in range(2, len(items), 7) if i % 40][:24]
+    fed = Federation(embedded_url, str(tmp_path), experts=(2, 0), reserved=reserved,
+                     config_kw={"strategy": StrategyConfig(name="fusion_hybrid", params={
+                         "iterations": 2, "gate_steps": 3})})
+    records = fed.run(timeout=240)
+    assert [r["status"] for r in records] == ["ok", "ok"], records
+    for r in records:
+        assert sorted(r["selected"]) == ["dev0", "dev1"] and r["assignment"]["compact"] == ["dev1"]
+        m = r["strategy_metrics"]
+        assert m["compact_clients"] == 1 and m["sub_moe_clients"] == 1 and 0 < m["lambda_step3"] < 0.5
+    s = fed.aggregator.engine.strategy
+    assert s.compact_devices == {"dev1"} and SYNC_PREFIX + "dev1" in fed.aggregator.model.owned
