@@ -357,3 +357,25 @@ def test_a_hybrid_federation_trains_a_sub_moe_and_a_compact_device_together(embe
         assert m["compact_clients"] == 1 and m["sub_moe_clients"] == 1 and 0 < m["lambda_step3"] < 0.5
     s = fed.aggregator.engine.strategy
     assert s.compact_devices == {"dev1"} and SYNC_PREFIX + "dev1" in fed.aggregator.model.owned
+
+
+def test_the_aggregator_loads_d_r_from_its_config_file_and_checks_the_path(tmp_path):
+    from cloud.service import Aggregator, AggregatorConfig, TaskConfig
+    from edge_sdk.data import write_jsonl
+
+    path = tmp_path / "reserved.jsonl"
+    write_jsonl(path, [("stocks fell", "b"), ("the match ended", "a"), ("rates rose", "b")])
+    kw = dict(federation="fu", model=tiny_spec(), store=f"sqlite:///{tmp_path}/agg.db",
+              strategy=StrategyConfig(name="fusion"))
+    missing = AggregatorConfig(tasks={"bbc": TaskConfig(labels=["a", "b"], reserved_data=str(tmp_path / "no"))}, **kw)
+    with pytest.raises(ValueError, match="tasks.bbc.reserved_data: no such file"):
+        missing.check_paths()
+    cfg = AggregatorConfig(tasks={"bbc": TaskConfig(labels=["a", "b"], reserved_data=str(path))}, **kw)
+    agg = Aggregator(cfg, "mqtt://127.0.0.1:1")
+    try:
+        assert agg.engine.strategy.reserved == [("stocks fell", 1), ("the match ended", 0), ("rates rose", 1)]
+        assert "bbc" not in agg.eval_data                      # D^r is not the test set either
+    finally:
+        agg.store.close()
+    with pytest.raises(ValueError, match="D\\^r for task 'bbc'"):
+        Aggregator(AggregatorConfig(tasks={"bbc": TaskConfig(labels=["a", "b"])}, **kw), "mqtt://127.0.0.1:1")
