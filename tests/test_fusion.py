@@ -247,6 +247,7 @@ def test_a_fusion_federation_runs_two_rounds_each_device_gets_its_own_model_and_
     assert [r["status"] for r in records] == ["ok", "ok"], records
     assert all(sorted(r["selected"]) == ["dev0", "dev1"] for r in records)     # dev1 holds 0 experts per layer
     assert records[0]["assignment"].get("smaller_batch", {}).get("dev1", 8) < 8
+    assert all("dev1" not in r["excluded"] for r in records)                 # not told it is excluded
     assert records[1]["accuracy"] is not None and "W_c" in records[1]["strategy_metrics"]
     s, model = engine.strategy, fed.aggregator.model
     synced = aggregated[0].owned

@@ -19,8 +19,9 @@ one expert is ~1.4 MiB, while activations are 324 MiB at batch 8 and 41 MiB at b
 So a device below one expert per layer at the federation's batch size gets the same
 compact model at the largest batch size (halving down to ``min_batch``, default 1) whose
 plan fits its budget (a ``batch_size`` training override; the device checks the plan with
-it too). A device whose budget holds not even that (891 MiB -> 591 MiB is the whole range
-for MiniLM) stays excluded, with the figures (:meth:`Fusion.configure_round`).
+it too). A device whose budget holds not even that (for MiniLM the batch takes the plan
+from 875 MiB down to 591 MiB, no further) stays excluded, with the figures
+(:meth:`Fusion.configure_round`).
 
 **State mapping.** The global adapter state keeps its shape; the server MoE lives in the
 strategy's owned tensors (:attr:`cloud.global_model.GlobalModel.owned`), each a flat
@@ -47,7 +48,8 @@ server MoE's top-L inference (eq. 10, :func:`top_l_mixture`), not the global MoE
   :func:`relevance`); W^r = row-softmax(W) (eq. 5); E_0 and E_i by the moving average with
   λ (eq. 6, :func:`update_experts`); gate and α by ``gate_steps`` Adam steps (lr
   ``gate_lr``) on CE(ŷ) + β·H(Q) (eq. 7-9, :func:`gate_loss`), where ŷ = (1−α)·P̂_0 + α·Σ_i
-  Q_i·P̂_i (eq. 1) with the experts' probabilities P̂ on D^r held fixed;
+  Q_i·P̂_i (eq. 1) with the experts' probabilities P̂ on D^r held fixed (α's gradient is
+  L_ce's alone, as Algorithm 1 writes: the entropy term does not depend on α);
 - Stage C: W^c = column-softmax(cat(1−α, α·W)) (eq. 11-12, :func:`sync_weights`) with the
   refined gate; M_j ← λ·M_j + (1−λ)·Σ_i W^c[i,j]·E_i (eq. 13, :func:`synchronise_clients`).
 
