@@ -79,7 +79,8 @@ class Aggregator:
     def __init__(self, config: AggregatorConfig, broker: str,
                  eval_data: dict[str, Sequence[tuple[Any, Any]]] | None = None,
                  reserved_data: dict[str, Sequence[tuple[Any, Any]]] | None = None):
-        config.check_paths(eval_given=eval_data or (), reserved_given=reserved_data or ())  # ValueError before the model is set up
+        # ValueError before the model is set up
+        config.check_paths(eval_given=eval_data or (), reserved_given=reserved_data or ())
         tune_allocator(SERVICE_MMAP_THRESHOLD)
         self.cfg = config
         if config.threads:

@@ -13,8 +13,19 @@ from cloud.global_model import GlobalModel
 from cloud.service import StrategyConfig
 from cloud.strategies import get_strategy
 from cloud.strategies.fusion import (
-    EXPERTS, SYNC_PREFIX, Fusion, gate_loss, gating_entropy, mixture_probs, relevance, row_softmax,
-    sync_weights, synchronise_clients, top_l_mixture, true_label_probs, update_experts,
+    EXPERTS,
+    SYNC_PREFIX,
+    Fusion,
+    gate_loss,
+    gating_entropy,
+    mixture_probs,
+    relevance,
+    row_softmax,
+    sync_weights,
+    synchronise_clients,
+    top_l_mixture,
+    true_label_probs,
+    update_experts,
 )
 from cloud.strategy import ClientResult, DeviceView, Setup
 from fedmoe.partition import partition, reserve
@@ -183,7 +194,8 @@ def test_aggregate_fuses_into_the_server_moe_and_synchronises_each_client():
     for j, d in enumerate(("d0", "d1")):
         gen = torch.Generator().manual_seed(j)
         state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
-        results.append(ClientResult(d, "t", 10, compact, state, Stats.model_construct(device_id=d, round=1, num_samples=10)))
+        stats = Stats.model_construct(device_id=d, round=1, num_samples=10)
+        results.append(ClientResult(d, "t", 10, compact, state, stats))
     ev0 = s.evaluate(0, model, {"t": [("football match", 0), ("stock markets", 1)]})
     assert ev0["per_task"]["t"]["samples"] == 2
     out = s.aggregate(1, model, results, [])
@@ -368,7 +380,8 @@ def test_the_aggregator_loads_d_r_from_its_config_file_and_checks_the_path(tmp_p
     write_jsonl(path, [("stocks fell", "b"), ("the match ended", "a"), ("rates rose", "b")])
     kw = dict(federation="fu", model=tiny_spec(), store=f"sqlite:///{tmp_path}/agg.db",
               strategy=StrategyConfig(name="fusion"))
-    missing = AggregatorConfig(tasks={"bbc": TaskConfig(labels=["a", "b"], reserved_data=str(tmp_path / "no"))}, **kw)
+    nowhere = str(tmp_path / "no")
+    missing = AggregatorConfig(tasks={"bbc": TaskConfig(labels=["a", "b"], reserved_data=nowhere)}, **kw)
     with pytest.raises(ValueError, match="tasks.bbc.reserved_data: no such file"):
         missing.check_paths()
     cfg = AggregatorConfig(tasks={"bbc": TaskConfig(labels=["a", "b"], reserved_data=str(path))}, **kw)
