@@ -85,6 +85,7 @@ import torch
 from moe_model.budget import estimate
 from moe_model.shards import decode_shard, shards_for
 from moe_model.submoe import SubMoE
+from protocol.experts import Experts
 
 from ..strategy import Aggregated, ClientResult, DeviceView, Failure, Plan, Setup
 from .base import Strategy
@@ -316,6 +317,10 @@ class Fusion(Strategy):
         """The compact model's experts: slot :data:`SLOT` in every MoE layer."""
         return {layer: [SLOT] for layer in model.layers}
 
+    def is_compact(self, experts, model: "GlobalModel") -> bool:
+        """Whether ``experts`` (layer -> ids) is the compact model's assignment."""
+        return Experts(experts) == self.compact(model)
+
     def layout(self, model: "GlobalModel") -> list[tuple[str, tuple[int, ...]]]:
         """(key, shape) of the compact adapter state, in the order of the flat vectors."""
         return [(k, tuple(v.shape)) for k, v in sorted(model.state_for(self.compact(model), self.task).items())]
@@ -355,7 +360,7 @@ class Fusion(Strategy):
     def state_for(self, device_id: str, task: str, experts, model: "GlobalModel") -> dict:
         """The model Stage C synchronised for ``device_id`` (eq. 13), else the main expert
         E_0 (the compact part of the global state); the default for a non-compact assignment."""
-        if {int(k): list(v) for k, v in experts.items()} != self.compact(model) or task != self.task:
+        if not self.is_compact(experts, model) or task != self.task:
             return super().state_for(device_id, task, experts, model)
         synced = model.owned.get(SYNC_PREFIX + device_id)
         return self.unflatten(synced, model) if synced is not None else model.state_for(experts, task)
@@ -402,9 +407,7 @@ class Fusion(Strategy):
 
     def compact_results(self, model: "GlobalModel", results: list[ClientResult]) -> list[ClientResult]:
         """The results that are compact models of the task (slot :data:`SLOT` in every layer)."""
-        compact = self.compact(model)
-        return [r for r in results if r.task == self.task
-                and {int(k): list(v) for k, v in r.experts.items()} == compact]
+        return [r for r in results if r.task == self.task and self.is_compact(r.experts, model)]
 
     def fuse(self, model: "GlobalModel", experts: torch.Tensor, results: list[ClientResult], lam: float,
              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict]:
