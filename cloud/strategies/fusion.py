@@ -37,8 +37,8 @@ vector over the compact keys in sorted order (:meth:`Fusion.layout`):
   (eq. 13), which :meth:`Fusion.state_for` sends it next time (E_0 before it has one).
 
 The global adapter state's compact keys are set to E_0 each round (the main expert holds
-the common knowledge: what a device joining later starts from, and what export ships as
-the dense model); the other experts' keys are untouched. The cloud's evaluation is the
+the common knowledge: what a device joining later starts from); the other experts' keys
+are untouched. The cloud's evaluation is the
 server MoE's top-L inference (eq. 10, :func:`top_l_mixture`), not the global MoE.
 
 **Per round** (after m compact models M_1..M_m arrive; :meth:`Fusion.aggregate`):
@@ -71,7 +71,8 @@ through W^r; the experts' P̂ in Step 4 are recomputed after each Step 3; M̄ is
 mean (the paper's Sec. 4.2), not |D_c|-weighted; Step 3 runs inside the T loop, as in
 Algorithm 1; eq. 10's σ is a softmax over the selected gate values (weight 1 for L = 1).
 One task per federation (the gate, D^r and the backbone would otherwise be shared by
-tasks with different heads): more raise ValueError.
+tasks with different heads): more raise ValueError. Classification only (P_y is a class
+probability). Sub-MoE devices and compact devices in one federation: :mod:`.fusion_hybrid`.
 """
 
 from __future__ import annotations
