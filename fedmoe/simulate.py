@@ -410,7 +410,8 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
     (``moe_model.budget.estimate`` at ``cfg``'s model, batch size and weight format, the
     device task's label count; the batch size is the strategy's smallest,
     :meth:`cloud.strategies.Strategy.smallest_batch_of`: 1 for ``fusion``) on top of the
-    device baseline: a device below it is never assigned anything, and the federation would wait for it forever. The baseline is
+    device baseline: a device below it is never assigned anything, and the federation would
+    wait for it forever. The baseline is
     :func:`device_baseline_bytes` with the largest device data file loaded, unless given.
     Auto budgets (neither set) start at 2 experts per layer and are not checked.
 
