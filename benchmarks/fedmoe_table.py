@@ -51,7 +51,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import heavy_lock  # noqa: E402
+from common import fmt as _fmt, heavy_lock, slug  # noqa: E402
 from moe_model.budget import estimate  # noqa: E402
 from fedmoe.simulate import SimulationConfig, simulate  # noqa: E402
 from protocol.messages import ModelSpec  # noqa: E402
@@ -197,7 +197,7 @@ def summarise(report: dict[str, Any], out: Path) -> dict[str, Any]:
 
 def cell_dir(base: Path, setting: str, name: str) -> Path:
     """Where one cell's simulation writes its report."""
-    return base / f"{setting}--{name}".replace(" ", "_").replace("/", "").replace("(", "").replace(")", "")
+    return base / slug(f"{setting}--{name}")
 
 
 def run_cell(profile: str, setting: str, name: str, method: dict[str, Any], base: Path, seed: int, force: bool,
@@ -221,10 +221,6 @@ def run_cell(profile: str, setting: str, name: str, method: dict[str, Any], base
             log.info("%s / %s: %.0f s", setting, name, time.time() - t0)
     measured = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime((out / "report.json").stat().st_mtime))
     return {"setting": setting, "method": name, "dir": str(out), "measured": measured, **summarise(report, out)}
-
-
-def _fmt(x, spec=".3f"):
-    return "–" if x is None else format(x, spec)
 
 
 def markdown(result: dict[str, Any]) -> str:
