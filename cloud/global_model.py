@@ -70,6 +70,7 @@ class GlobalModel:
         for m in self.models.values():
             self.state.update(m.adapter_state())
         self._shapes = {k: (tuple(v.shape), v.dtype) for k, v in self.state.items()}
+        self._sub_models: dict[tuple, SubMoE] = {}
         self.owned: dict[str, torch.Tensor] = {}
         """The strategy's own tensors (a gate, a routing distribution...; name -> tensor),
         kept and persisted with the adapter state (:meth:`set_owned`)."""
@@ -132,8 +133,21 @@ class GlobalModel:
         self.owned = {k: v.detach().clone() for k, v in owned.items()}
 
     @torch.no_grad()
-    def evaluate(self, task: str, items: Sequence[tuple[Any, int]], batch_size: int = 32) -> EvalResult:
-        """Loss and accuracy of the global model (all experts) on ``items`` of ``task``."""
-        model = self.models[task]
-        model.load_adapter_state(keys.select(self.state, self.all_experts, task))
+    def evaluate(self, task: str, items: Sequence[tuple[Any, int]], batch_size: int = 32,
+                 experts: dict[int, list[int]] | None = None) -> EvalResult:
+        """Loss and accuracy of the global model on ``items`` of ``task``.
+
+        Args:
+            experts: layer -> expert ids: evaluate the sub-MoE of only these experts (what
+                every device of a ``fixed`` assignment holds); None: all experts.
+        """
+        if experts is None or experts == self.all_experts:
+            model, experts = self.models[task], self.all_experts
+        else:
+            key = (task, tuple((layer, tuple(ids)) for layer, ids in sorted(experts.items())))
+            model = self._sub_models.get(key)
+            if model is None:
+                shards = {sid: decode_shard(self.shard_bytes[sid]) for sid in shards_for(experts)}
+                model = self._sub_models[key] = SubMoE(self.spec, experts, task, len(self.tasks[task]), shards)
+        model.load_adapter_state(keys.select(self.state, experts, task))
         return evaluate(model, items, batch_size)

@@ -867,6 +867,7 @@ class RoundEngine:
             "accuracy": ev["accuracy"],
             "loss": ev["loss"],
             **({"perplexity": ev["perplexity"]} if "perplexity" in ev else {}),
+            **({"fused": ev["fused"]} if "fused" in ev else {}),  # fusion_hybrid: the fused server MoE's figures
             "per_task": ev["per_task"],
             "mean_local_accuracy": sum(local) / len(local) if local else None,
             "train_loss": sum(r.stats.train_loss for r in results) / len(results) if results else None,

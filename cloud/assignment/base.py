@@ -32,6 +32,11 @@ class AssignmentStrategy(Registered):
     def configure(self, round: int, devices: list[DeviceView]) -> Plan:
         """Choose each device's experts for ``round``; at most ``capacity`` per layer."""
 
+    def served_experts(self) -> dict[int, list[int]] | None:
+        """Layer -> expert ids when every device holds the same sub-MoE (the cloud then
+        evaluates that model, not the whole MoE); None (default): devices differ."""
+        return None
+
     def observe(self, round: int, results: list[ClientResult], failures: list[Failure]) -> None:
         """Feedback after the round closed (default: ignored)."""
 

@@ -223,9 +223,15 @@ class Strategy(Registered):
                 "loss": sum(lo * n for _, lo, n in good.values()) / total if total else None,
                 "samples": total, "devices": sorted(good), "refused": refused}
 
+    def evaluated_experts(self, model: "GlobalModel") -> dict[int, list[int]] | None:
+        """The sub-MoE :meth:`evaluate` scores (layer -> expert ids); None (default): the
+        whole global MoE."""
+        return None
+
     def evaluate(self, round: int, model: "GlobalModel", eval_data: dict[str, Sequence[tuple[Any, int]]],
                  batch_size: int = 32) -> dict[str, Any]:
-        """Evaluation of the global model after ``round`` (0: before training).
+        """Evaluation of the global model after ``round`` (0: before training), the sub-MoE
+        of :meth:`evaluated_experts` where that names one.
 
         Returns:
             ``{"accuracy", "loss", "per_task": {task: {"accuracy", "loss", "samples"}}}``;
@@ -238,7 +244,7 @@ class Strategy(Registered):
         for task, items in eval_data.items():
             if not items:
                 continue
-            r = model.evaluate(task, items, batch_size)
+            r = model.evaluate(task, items, batch_size, experts=self.evaluated_experts(model))
             per_task[task] = {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples,
                               **({"perplexity": r.perplexity, "tokens": r.tokens} if lm else {})}
             n_total += r.samples

@@ -57,6 +57,10 @@ class Composed(Strategy):
             results = [_without_router(r) for r in results]
         return super().aggregate(round, model, results, failures)
 
+    def evaluated_experts(self, model: "GlobalModel") -> dict[int, list[int]] | None:
+        """The assignment part's common sub-MoE (:meth:`AssignmentStrategy.served_experts`), else all."""
+        return self.assignment.served_experts()
+
     def observe(self, round: int, results: list[ClientResult], failures: list[Failure]) -> None:
         self.assignment.observe(round, results, failures)
 
