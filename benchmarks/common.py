@@ -91,3 +91,139 @@ def paired_test(a, b) -> dict:
             out["p"] = None
     out["significant"] = out["diff"] != 0 and (out["ci_lo"] > 0 or out["ci_hi"] < 0)
     return out
+
+
+def rounds_to(curve, target: float) -> int | None:
+    """First round (1-based) whose accuracy in ``curve`` reaches ``target``; None if none does."""
+    for i, a in enumerate(curve, 1):
+        if a is not None and a >= target:
+            return i
+    return None
+
+
+def compare_methods(cells, seeds, rounds: int, *, target_methods, target_fraction: float, pairs_of,
+                    metrics=(("global", "accuracy"), ("local", "local_accuracy")), extra=()) -> dict:
+    """Per setting: each method's statistics over seeds, a convergence target and paired tests.
+
+    Args:
+        cells: dicts with ``seed``, ``setting``, ``method``, ``accuracy_per_round`` (list),
+            ``initial_accuracy`` and one field per ``metrics`` entry (and per ``extra``).
+        seeds: the seeds in pairing order.
+        rounds: rounds per run (a seed that never reaches the target counts as rounds + 1).
+        target_methods: the methods whose best mean final accuracy sets the target.
+        target_fraction: the target is this fraction of that best mean.
+        pairs_of: setting -> list of (a, b): a − b is tested, paired over seeds.
+        metrics: (name, cell field) pairs tested; the first is the headline figure.
+        extra: further cell fields reported as their mean over seeds.
+
+    Returns:
+        setting -> ``{"target", "methods": {method: {name: mean_ci, name + "_values",
+        "rounds_to_target", "rounds_to_target_values", "reached", "mean_curve", "std_curve",
+        "initial", "seeds", *extra}}, "tests": [{"a", "b", name: paired_test, "rounds"}]}``.
+    """
+    out: dict = {}
+    for setting in dict.fromkeys(c["setting"] for c in cells):
+        by: dict = {}
+        for c in cells:
+            if c["setting"] == setting:
+                by.setdefault(c["method"], {})[c["seed"]] = c
+        finals = [mean_ci([by[m][s]["accuracy"] for s in seeds if s in by[m]])["mean"] for m in target_methods
+                  if m in by]
+        finals = [f for f in finals if f is not None]
+        target = target_fraction * max(finals) if finals else None
+        methods = {}
+        for m, runs in by.items():
+            curves = [runs[s]["accuracy_per_round"] for s in seeds if s in runs]
+            rtt = [rounds_to(runs[s]["accuracy_per_round"], target) if s in runs and target else None for s in seeds]
+            censored = [(x if x is not None else rounds + 1) if s in runs else None for x, s in zip(rtt, seeds)]
+            st = {"seeds": [s for s in seeds if s in runs], "rounds_to_target_values": censored,
+                  "rounds_to_target": mean_ci(censored), "reached": sum(x is not None for x in rtt),
+                  "mean_curve": [mean_ci([c[i] for c in curves if i < len(c)])["mean"] for i in range(rounds)],
+                  "std_curve": [mean_ci([c[i] for c in curves if i < len(c)])["std"] for i in range(rounds)],
+                  "initial": mean_ci([runs[s]["initial_accuracy"] for s in seeds if s in runs])["mean"]}
+            for name, field in metrics:
+                vals = [runs[s][field] if s in runs else None for s in seeds]
+                st[name], st[f"{name}_values"] = mean_ci(vals), vals
+            for field in extra:
+                st[field] = mean_ci([runs[s].get(field) for s in seeds if s in runs])["mean"]
+            methods[m] = st
+        tests = []
+        for a, b in pairs_of(setting):
+            if a in methods and b in methods:
+                row = {"a": a, "b": b}
+                for name, _ in metrics:
+                    row[name] = paired_test(methods[a][f"{name}_values"], methods[b][f"{name}_values"])
+                row["rounds"] = paired_test(methods[a]["rounds_to_target_values"],
+                                            methods[b]["rounds_to_target_values"])
+                tests.append(row)
+        out[setting] = {"target": target, "methods": methods, "tests": tests}
+    return out
+
+
+def ci_text(s: dict, spec: str = ".3f") -> str:
+    """``mean ± std [CI]`` of a :func:`mean_ci` result (just the mean with one value; – with none)."""
+    if s["mean"] is None:
+        return "–"
+    if s["std"] is None:
+        return fmt(s["mean"], spec)
+    return f"{fmt(s['mean'], spec)} ± {fmt(s['std'], spec)} [{fmt(s['ci_lo'], spec)}, {fmt(s['ci_hi'], spec)}]"
+
+
+def verdict(t: dict, higher_is_better: bool = True) -> str:
+    """A :func:`paired_test` result in words: better / worse (bold) only where significant."""
+    if t["n"] < 2 or t["diff"] is None:
+        return "n/a"
+    if not t["significant"]:
+        return "no sig. difference" + (" (zero spread)" if t.get("zero_spread") and t["diff"] else "")
+    better = (t["diff"] > 0) == higher_is_better
+    return ("**better**" if better else "**worse**") + (" (same in every seed)" if t.get("zero_spread") else "")
+
+
+def diff_text(t: dict, spec: str = "+.3f") -> str:
+    """``Δ [95% CI], p=`` of a :func:`paired_test` result."""
+    if t["diff"] is None:
+        return "–"
+    ci = f" [{fmt(t['ci_lo'], spec)}, {fmt(t['ci_hi'], spec)}]" if t["ci_lo"] is not None else ""
+    p = f", p={t['p']:.3f}" if t.get("p") is not None else ""
+    return f"{fmt(t['diff'], spec)}{ci}{p}"
+
+
+@contextmanager
+def eval_threads(n: int) -> Iterator[None]:
+    """While a cell runs, the cloud's evaluation (``Strategy.evaluate``, after every device
+    reported) uses ``n`` torch threads and then gives the previous count back (the devices,
+    threads of this process, train with ``--threads``). Speed only."""
+    import torch
+
+    from cloud.strategies.base import Strategy
+
+    orig = Strategy.evaluate
+
+    def evaluate(self, *a, **kw):
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            return orig(self, *a, **kw)
+        finally:
+            torch.set_num_threads(before)
+
+    Strategy.evaluate = evaluate
+    try:
+        yield
+    finally:
+        Strategy.evaluate = orig
+
+
+def install_fashion_mnist() -> None:
+    """Install Debian's ``dataset-fashion-mnist`` with apt-get when running as root (a fresh
+    machine may need ``apt-get update`` first); otherwise do nothing (the loader then names
+    the missing files)."""
+    import logging
+    import os
+    import subprocess
+
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        logging.getLogger(__name__).info("installing dataset-fashion-mnist with apt-get")
+        if subprocess.run(["apt-get", "install", "-y", "dataset-fashion-mnist"], check=False).returncode != 0:
+            subprocess.run(["apt-get", "update"], check=False)
+            subprocess.run(["apt-get", "install", "-y", "dataset-fashion-mnist"], check=False)

@@ -67,14 +67,16 @@ import shutil
 import sys
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import fmt, heavy_lock, mean_ci, paired_test, slug  # noqa: E402
+from common import ci_text as _ci  # noqa: E402
+from common import compare_methods, eval_threads, fmt, heavy_lock, rounds_to, slug  # noqa: E402,F401
+from common import diff_text as _diff  # noqa: E402
+from common import verdict as _verdict  # noqa: E402
 
 log = logging.getLogger("fedalign_table")
 
@@ -209,32 +211,6 @@ class GateProbe:
             out[str(rnd)]["omega_zero"] = sum(r["omega_zero"] for r in rows)  # experts left unchanged by ω = 0
             out[str(rnd)]["participants"] = sum(r["n"] for r in rows) / len(rows)
         return out
-
-
-@contextmanager
-def eval_threads(n: int) -> Iterator[None]:
-    """While a cell runs, the cloud's evaluation (``Strategy.evaluate``, after every device
-    reported) uses ``n`` torch threads and then gives the previous count back (the devices,
-    threads of this process, train with ``--threads``). Speed only."""
-    import torch
-
-    from cloud.strategies.base import Strategy
-
-    orig = Strategy.evaluate
-
-    def evaluate(self, *a, **kw):
-        before = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
-            return orig(self, *a, **kw)
-        finally:
-            torch.set_num_threads(before)
-
-    Strategy.evaluate = evaluate
-    try:
-        yield
-    finally:
-        Strategy.evaluate = orig
 
 
 def device_budgets(spec, batch: int, num_labels: int, devices: int, seed: int, task: str,
@@ -395,89 +371,18 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- statistics over seeds
 
 
-def rounds_to(curve: list[float | None], target: float) -> int | None:
-    """First round (1-based) whose global accuracy reaches ``target``; None if none does."""
-    for i, a in enumerate(curve, 1):
-        if a is not None and a >= target:
-            return i
-    return None
-
-
 def aggregate(cells: list[dict[str, Any]], seeds: list[int], rounds: int) -> dict[str, Any]:
-    """Per setting: per-method statistics over seeds, the convergence target, paired tests."""
-    out: dict[str, Any] = {}
-    for setting in dict.fromkeys(c["setting"] for c in cells):
-        by = {}
-        for c in cells:
-            if c["setting"] == setting:
-                by.setdefault(c["method"], {})[c["seed"]] = c
-        finals = [mean_ci([by[m][s]["accuracy"] for s in seeds if s in by[m]])["mean"] for m in METHODS if m in by]
-        finals = [f for f in finals if f is not None]
-        target = TARGET_FRACTION * max(finals) if finals else None
-        methods = {}
-        for m, runs in by.items():
-            acc = [runs[s]["accuracy"] if s in runs else None for s in seeds]
-            loc = [runs[s]["local_accuracy"] if s in runs else None for s in seeds]
-            rtt = [rounds_to(runs[s]["accuracy_per_round"], target) if s in runs and target else None for s in seeds]
-            censored = [(x if x is not None else rounds + 1) if s in runs else None for x, s in zip(rtt, seeds)]
-            curves = [runs[s]["accuracy_per_round"] for s in seeds if s in runs]
-            methods[m] = {
-                "seeds": [s for s in seeds if s in runs], "global": mean_ci(acc), "local": mean_ci(loc),
-                "global_values": acc, "local_values": loc, "rounds_to_target_values": rtt,
-                "rounds_to_target": mean_ci(censored), "reached": sum(x is not None for x in rtt),
-                "mean_curve": [mean_ci([c[i] for c in curves if i < len(c)])["mean"] for i in range(rounds)],
-                "std_curve": [mean_ci([c[i] for c in curves if i < len(c)])["std"] for i in range(rounds)],
-                "initial": mean_ci([runs[s]["initial_accuracy"] for s in seeds if s in runs])["mean"],
-                "experts_held_mean": mean_ci([runs[s]["experts_held_mean"] for s in seeds if s in runs])["mean"],
-            }
-        pairs = list(COMPARISONS)
-        if setting == ABLATION_SETTING:
-            pairs += [(a, "FedAlign-MoE") for a in ABLATIONS]
-        tests = []
-        for a, b in pairs:
-            if a not in methods or b not in methods:
-                continue
-            row = {"a": a, "b": b}
-            for metric, key in (("global", "global_values"), ("local", "local_values"),
-                                ("rounds", "rounds_to_target_values")):
-                va, vb = methods[a][key], methods[b][key]
-                if metric == "rounds":  # not reached: counted as rounds + 1
-                    va = [None if s not in methods[a]["seeds"] else (x if x is not None else rounds + 1)
-                          for x, s in zip(va, seeds)]
-                    vb = [None if s not in methods[b]["seeds"] else (x if x is not None else rounds + 1)
-                          for x, s in zip(vb, seeds)]
-                row[metric] = paired_test(va, vb)
-            tests.append(row)
-        out[setting] = {"target": target, "methods": methods, "tests": tests}
-    return out
+    """Per setting: per-method statistics over seeds, the convergence target, paired tests
+    (:func:`common.compare_methods`: the target from :data:`METHODS`, the pairs
+    :data:`COMPARISONS`, plus each ablation against FedAlign-MoE in :data:`ABLATION_SETTING`)."""
+    return compare_methods(
+        cells, seeds, rounds, target_methods=list(METHODS), target_fraction=TARGET_FRACTION,
+        pairs_of=lambda setting: list(COMPARISONS) + ([(a, "FedAlign-MoE") for a in ABLATIONS]
+                                                      if setting == ABLATION_SETTING else []),
+        extra=("experts_held_mean",))
 
 
 # --------------------------------------------------------------------------- output
-
-
-def _ci(s: dict[str, Any], spec: str = ".3f") -> str:
-    if s["mean"] is None:
-        return "–"
-    if s["std"] is None:
-        return fmt(s["mean"], spec)
-    return f"{fmt(s['mean'], spec)} ± {fmt(s['std'], spec)} [{fmt(s['ci_lo'], spec)}, {fmt(s['ci_hi'], spec)}]"
-
-
-def _verdict(t: dict[str, Any], higher_is_better: bool = True) -> str:
-    if t["n"] < 2 or t["diff"] is None:
-        return "n/a"
-    if not t["significant"]:
-        return "no sig. difference" + (" (zero spread)" if t.get("zero_spread") and t["diff"] else "")
-    better = (t["diff"] > 0) == higher_is_better
-    return ("**better**" if better else "**worse**") + (" (same in every seed)" if t.get("zero_spread") else "")
-
-
-def _diff(t: dict[str, Any], spec: str = "+.3f") -> str:
-    if t["diff"] is None:
-        return "–"
-    ci = f" [{fmt(t['ci_lo'], spec)}, {fmt(t['ci_hi'], spec)}]" if t["ci_lo"] is not None else ""
-    p = f", p={t['p']:.3f}" if t.get("p") is not None else ""
-    return f"{fmt(t['diff'], spec)}{ci}{p}"
 
 
 def _marks(setting_stats: dict[str, Any], method: str) -> str:

@@ -36,7 +36,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-from common import heavy_lock
+from common import heavy_lock, install_fashion_mnist
 
 PARTITIONS = [("IID", "iid"), ("Dir(0.8)", "dirichlet:0.8"), ("4-class", "classes:4"), ("2-class", "classes:2"),
               ("Dir(0.1)", "dirichlet:0.1")]
@@ -196,7 +196,7 @@ def main(argv=None) -> None:
 
     data_dir = args.data or FASHION_MNIST_DIR
     if not Path(data_dir).exists():
-        _try_apt_install()
+        install_fashion_mnist()
     train, test, labels = fashion_mnist(data_dir)
     spec = ModelSpec(family="conv-moe", base=None, tokenizer=None, num_experts=8, top_k=2, seed=args.seed)
     ks = np.random.default_rng(args.seed).integers(2, 7, args.clients)
@@ -245,17 +245,6 @@ def main(argv=None) -> None:
         if broker is not None:
             broker.stop()
     write_outputs(args, cells, meta, Path(args.out), stem)
-
-
-def _try_apt_install() -> None:
-    import os
-    import subprocess
-
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        log.info("installing dataset-fashion-mnist with apt-get")
-        if subprocess.run(["apt-get", "install", "-y", "dataset-fashion-mnist"], check=False).returncode != 0:
-            subprocess.run(["apt-get", "update"], check=False)  # a fresh machine may have no package lists yet
-            subprocess.run(["apt-get", "install", "-y", "dataset-fashion-mnist"], check=False)
 
 
 if __name__ == "__main__":

