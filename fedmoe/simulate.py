@@ -87,6 +87,8 @@ OPTIONS: dict[str, Option] = {
     "budget_range": Option("budget_range", "device memory budgets LO:HI, e.g. 0.7GiB:0.75GiB (default: from 2 to "
                                            "all experts per layer by the memory plan, on top of a device "
                                            "process's baseline measured on this machine)", _lo_hi),
+    "small_devices": Option("small_devices", "the last N devices get a budget below one expert per layer at the "
+                                             "batch size (they train only under fusion/fusion_hybrid)"),
     "broker": Option("broker", "use this broker instead of the embedded one"),
     "seed": Option("seed"),
     "num_experts": Option("model.num_experts"),
@@ -218,6 +220,13 @@ class SimulationConfig(FederationSettings):
     budgets: list[PositiveBytes] | None = None
     """Per-device memory budgets in bytes (device i gets ``budgets[i % len(budgets)]``;
     devices are numbered task by task); overrides ``budget_range``."""
+    small_devices: int = Field(0, ge=0)
+    """How many devices (the last ones) get a budget *below* the memory plan of one expert
+    per layer at the federation's batch size, halfway to the plan at half that batch (on
+    top of the device baseline measured here): a device no sub-MoE fits. Under
+    ``fusion``/``fusion_hybrid`` it trains the compact model at the smaller batch; other
+    strategies leave it out of every round (the report says why). Overrides
+    ``budgets``/``budget_range`` for those devices."""
     broker: str | None = None
     """broker URL to use instead of the embedded broker"""
     max_samples_per_task: int | None = Field(None, ge=1)
@@ -390,13 +399,44 @@ def _mib(n: float) -> str:
 
 def _device_budgets(cfg: SimulationConfig) -> list[int]:
     """Each device's budget (bytes), in device order: ``budgets`` cycled, or drawn
-    uniformly from ``budget_range`` (seeded). ``budget_range`` must be set when
-    ``budgets`` is not."""
+    uniformly from ``budget_range`` (seeded); the last ``small_devices`` get
+    :func:`small_device_budget`. ``budget_range`` must be set when ``budgets`` is not.
+
+    Raises:
+        SimulationConfigError: more small devices than devices.
+    """
     if cfg.budgets:
-        return [int(cfg.budgets[i % len(cfg.budgets)]) for i in range(cfg.devices)]
-    rng = random.Random(cfg.seed)
-    lo, hi = (int(x) for x in cfg.budget_range)
-    return [rng.randint(lo, hi) for _ in range(cfg.devices)]
+        out = [int(cfg.budgets[i % len(cfg.budgets)]) for i in range(cfg.devices)]
+    else:
+        rng = random.Random(cfg.seed)
+        lo, hi = (int(x) for x in cfg.budget_range)
+        out = [rng.randint(lo, hi) for _ in range(cfg.devices)]
+    if cfg.small_devices > cfg.devices:
+        raise SimulationConfigError(f"--small-devices {cfg.small_devices} is more than --devices {cfg.devices}")
+    if cfg.small_devices:
+        out[-cfg.small_devices:] = [small_device_budget(cfg)] * cfg.small_devices
+    return out
+
+
+def small_device_budget(cfg: SimulationConfig) -> int:
+    """A budget (bytes) below the plan of one expert per layer at ``cfg``'s batch size B but
+    above it at B/2: halfway between the two (``moe_model.budget.estimate``, the largest
+    label count of the tasks, on top of :func:`device_baseline_bytes`).
+
+    Raises:
+        SimulationConfigError: batch size 1 (there is no smaller batch).
+    """
+    from moe_model.budget import estimate
+
+    batch = cfg.train.batch_size
+    if batch < 2:
+        raise SimulationConfigError("small_devices needs a batch size of at least 2 (they train with half of it)")
+    labels = max(len(load_task(t)[1]) for t in cfg.tasks)
+    base = device_baseline_bytes()
+    full, half = (estimate(cfg.model, 1, b, labels, base, cfg.weight_format).total for b in (batch, batch // 2))
+    log.info("small devices: budget %.0f MiB (one expert per layer: %.0f MiB at batch %d, %.0f MiB at batch %d)",
+             (full + half) / 2 / 2**20, full / 2**20, batch, half / 2**20, batch // 2)
+    return (full + half) // 2
 
 
 def _sizes(values: Any, sep: str) -> str:
