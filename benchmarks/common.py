@@ -28,8 +28,11 @@ def fmt(x, spec: str = ".3f") -> str:
 
 
 def slug(text: str) -> str:
-    """A cell name as a directory name: spaces to ``_``; ``/``, ``(`` and ``)`` dropped."""
-    return text.replace(" ", "_").replace("/", "").replace("(", "").replace(")", "")
+    """A cell name as a directory name: spaces to ``_``; ``/``, ``(``, ``)``, ``|`` and ``^``
+    dropped; ``%`` to ``pc``."""
+    for a, b in ((" ", "_"), ("/", ""), ("(", ""), (")", ""), ("|", ""), ("^", ""), ("%", "pc")):
+        text = text.replace(a, b)
+    return text
 
 
 def t_quantile(df: int, q: float = 0.975) -> float:

@@ -56,12 +56,9 @@ flock only while a cell runs. Writes ``results/fedalign_table{,_quick}.{json,md,
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import os
-import platform
 import random
 import shutil
 import sys
@@ -74,7 +71,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import ci_text as _ci  # noqa: E402
-from common import compare_methods, eval_threads, fmt, heavy_lock, rounds_to, slug  # noqa: E402,F401
+import cells  # noqa: E402
+from common import compare_methods, eval_threads, fmt, rounds_to  # noqa: E402,F401
 from common import diff_text as _diff  # noqa: E402
 from common import verdict as _verdict  # noqa: E402
 
@@ -402,8 +400,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"Seeds {p['seeds']} (each seed: its own data split, budgets and model/device seeds, the same for every "
              f"method). Cells: {len(result['cells'])} finished"
              + (f"; missing: {', '.join(result['cells_missing'])}" if result["cells_missing"] else "") + ".",
-             f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min "
-             f"(this invocation: {result['wall_seconds_this_invocation'] / 60:.1f} min).", "",
+             f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", "",
              "Columns: *global* = the global MoE on the task's held-out test split after the last round; *local* = "
              "mean over devices of their latest validation accuracy (own sub-model after local training). Each: mean ± "
              "std over seeds [95% Student-t CI of the mean]. *Rounds to target* = first round whose global accuracy "
@@ -576,114 +573,27 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="bbc Dir(0.1) only, 2 seeds, 4 devices, 4 rounds of 2 steps, every method and ablation "
-                         "(< 10 min)")
-    ap.add_argument("--settings", help="comma-separated settings, e.g. 'bbc IID,tweets Dir(0.1)' (default: profile's)")
-    ap.add_argument("--methods", help="comma-separated methods/ablations (default: all)")
-    ap.add_argument("--seeds", help="comma-separated seeds (default: the profile's)")
-    ap.add_argument("--no-ablations", action="store_true")
-    ap.add_argument("--set", dest="overrides", default="",
-                    help="override profile entries, e.g. rounds=6,devices=4 (recorded in the results)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this process (default 1)")
-    ap.add_argument("--verbose", action="store_true", help="keep the aggregator's and devices' INFO logs")
-    ap.add_argument("--note", default="", help="a line for the table's header (e.g. what else ran on the machine)")
-    ap.add_argument("--force", action="store_true", help="rerun cells that already have a report")
-    ap.add_argument("--lock", help="flock this file while a cell runs")
-    ap.add_argument("--collect", action="store_true", help="only tabulate cells that already finished")
-    ap.add_argument("--runs", default=str(ROOT / "runs" / "fedalign_table"))
-    ap.add_argument("--results", default=str(ROOT / "results"))
+    ap = cells.parser(__doc__.split("\n\n")[0], "bbc Dir(0.1) only, 2 seeds, 4 devices, 4 rounds of 2 steps, every "
+                      "method and ablation (< 10 min)", ROOT / "runs" / "fedalign_table", ROOT / "results")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    for name in ("amqtt", "transitions", *(() if args.verbose else ("cloud", "edge_sdk", "moe_model", "protocol",
-                                                                    "fedmoe"))):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    profile = "quick" if args.quick else "full"
-    p = dict(PROFILES[profile])
-    for kv in filter(None, args.overrides.split(",")):
-        k, _, v = kv.partition("=")
-        if k not in p:
-            ap.error(f"--set: unknown profile entry {k!r} (known: {', '.join(p)})")
-        p[k] = type(p[k])(v) if not isinstance(p[k], list) else p[k]
-    if args.seeds:
-        p["seeds"] = [int(s) for s in args.seeds.split(",")]
+    profile, p = cells.profile_of(args, PROFILES, ap.error)
     settings = args.settings.split(",") if args.settings else settings_of(p)
     wanted = set(args.methods.split(",")) if args.methods else None
     base = Path(args.runs) / profile
     todo = [(seed, setting, name, method) for seed in p["seeds"] for setting in settings
             for name, method in methods_for(setting, not args.no_ablations).items()
             if not wanted or name in wanted]
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    t0 = time.time()
-    cells, missing, ran_seconds, ran = [], [], 0.0, 0
-    for i, (seed, setting, name, method) in enumerate(todo, 1):
+
+    def run(seed: int, setting: str, method: dict[str, Any], out: Path, url: str) -> dict[str, Any]:
         task, part = setting.split(" ", 1)
-        out = base / f"s{seed}" / slug(f"{setting}--{name}")
-        if (out / "report.json").exists() and not args.force:
-            report = json.loads((out / "report.json").read_text())
-            log.info("cell %d/%d s%d %s / %s: reusing %s", i, len(todo), seed, setting, name, out)
-        elif args.collect:
-            missing.append(f"s{seed} {setting} / {name}")
-            continue
-        else:
-            with heavy_lock(args.lock):
-                import torch
+        return run_federation(p, task, PARTITIONS[part], method, seed, out, base / "cache" / task, url)
 
-                torch.set_num_threads(args.threads)
-                from fedmoe.broker import EmbeddedBroker
-
-                log.info("cell %d/%d s%d %s / %s: running", i, len(todo), seed, setting, name)
-                t1 = time.time()
-                # a fresh broker per cell: devices keep their MQTT client ids ("dev-dev-00") from cell to
-                # cell, and on a shared broker a new cell's device resumed the previous cell's session (its
-                # queued messages arrived and were rejected as another federation's; such cells ran up to 30 s longer)
-                broker = EmbeddedBroker().start()
-                try:
-                    report = run_federation(p, task, PARTITIONS[part], method, seed, out,
-                                            base / "cache" / task, broker.url)
-                except Exception as e:  # one failed cell must not lose the others
-                    log.exception("cell s%d %s / %s failed", seed, setting, name)
-                    missing.append(f"s{seed} {setting} / {name} (failed: {e})")
-                    continue
-                finally:
-                    broker.stop()
-                ran_seconds += time.time() - t1
-                ran += 1
-            left = sum(1 for s2, st2, n2, _ in todo[i:]
-                       if args.force or not (base / f"s{s2}" / slug(f"{st2}--{n2}") / "report.json").exists())
-            eta = ran_seconds / ran * left
-            log.info("cell %d/%d done in %.0f s; elapsed %.1f min, %d cells to run, ETA %.1f min", i, len(todo),
-                     time.time() - t1, (time.time() - t0) / 60, left, eta / 60)
-        c = {"seed": seed, "setting": setting, "method": name, "dir": str(out),
-             "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime((out / "report.json").stat().st_mtime)),
-             **summarise(report)}
-        cells.append(c)
-        problems = c["sanity"]["problems"]
-        print(f"s{seed} {setting:14s} {name:28s} global {fmt(c['accuracy'])} local {fmt(c['local_accuracy'])} "
-              f"({c['wall_seconds']:.0f} s){' PROBLEMS: ' + '; '.join(problems) if problems else ''}", flush=True)
-    result = {
-        "profile": profile, "profile_config": p, "tasks": TASKS, "partitions": PARTITIONS,
-        "methods": METHODS, "ablations": ABLATIONS, "ablation_setting": ABLATION_SETTING,
-        "target_fraction": TARGET_FRACTION, "transport": "in-process (fedmoe.inprocess), embedded MQTT broker",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "note": args.note,
-        "cells_missing": missing, "wall_seconds_this_invocation": time.time() - t0,
-        "cells_wall_seconds": sum(c["wall_seconds"] or 0 for c in cells),
-        "stats": aggregate(cells, p["seeds"], p["rounds"]), "cells": cells,
-    }
-    res = Path(args.results)
-    res.mkdir(parents=True, exist_ok=True)
-    suffix = "" if profile == "full" else "_quick"
-    (res / f"fedalign_table{suffix}.json").write_text(json.dumps(result, indent=1))
-    md = markdown(result)
-    (res / f"fedalign_table{suffix}.md").write_text(md)
-    if cells:
-        plot(result, res / f"fedalign_table{suffix}.png")
-    print(md)
+    rows, missing = cells.run_cells(todo, base, args, run, summarise)
+    result = {**cells.header(args, profile, p, rows, missing), "tasks": TASKS, "partitions": PARTITIONS,
+              "methods": METHODS, "ablations": ABLATIONS, "ablation_setting": ABLATION_SETTING,
+              "target_fraction": TARGET_FRACTION, "stats": aggregate(rows, p["seeds"], p["rounds"]), "cells": rows}
+    print(cells.write(args.results, "fedalign_table" + ("" if profile == "full" else "_quick"), result, markdown,
+                      plot))
     return 0 if not missing or args.collect else 1
 
 

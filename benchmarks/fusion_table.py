@@ -60,11 +60,8 @@ reruns); ``--lock FILE`` holds an exclusive flock while a cell runs. Writes
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
-import platform
 import random
 import shutil
 import sys
@@ -76,8 +73,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import ci_text, compare_methods, diff_text, eval_threads, fmt, heavy_lock  # noqa: E402
-from common import install_fashion_mnist, slug, verdict  # noqa: E402
+import cells  # noqa: E402
+from common import ci_text, compare_methods, diff_text, eval_threads, fmt  # noqa: E402
+from common import install_fashion_mnist, verdict  # noqa: E402
 
 log = logging.getLogger("fusion_table")
 
@@ -403,102 +401,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="10 clients, 1 seed, 3 rounds, no ablations (< 10 min)")
-    ap.add_argument("--settings", help="comma-separated settings, e.g. 'tweets 10,fmnist 50' (default: profile's)")
-    ap.add_argument("--methods", help="comma-separated methods/ablations (default: all)")
-    ap.add_argument("--seeds", help="comma-separated seeds (default: the profile's)")
-    ap.add_argument("--no-ablations", action="store_true")
-    ap.add_argument("--set", dest="overrides", default="",
-                    help="override scalar profile entries, e.g. rounds=2,max_steps=1 (recorded in the results)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this process (default 1)")
-    ap.add_argument("--verbose", action="store_true", help="keep the aggregator's and devices' INFO logs")
-    ap.add_argument("--note", default="", help="a line for the table's header")
-    ap.add_argument("--force", action="store_true", help="rerun cells that already have a report")
-    ap.add_argument("--lock", help="flock this file while a cell runs")
-    ap.add_argument("--collect", action="store_true", help="only tabulate cells that already finished")
-    ap.add_argument("--runs", default=str(ROOT / "runs" / "fusion_table"))
-    ap.add_argument("--results", default=str(ROOT / "results"))
+    ap = cells.parser(__doc__.split("\n\n")[0], "10 clients, 1 seed, 3 rounds, no ablations (< 10 min)",
+                      ROOT / "runs" / "fusion_table", ROOT / "results")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    for name in ("amqtt", "transitions", *(() if args.verbose else ("cloud", "edge_sdk", "moe_model", "protocol",
-                                                                    "fedmoe"))):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    profile = "quick" if args.quick else "full"
-    p = dict(PROFILES[profile])
-    for kv in filter(None, args.overrides.split(",")):
-        k, _, v = kv.partition("=")
-        if k not in p or isinstance(p[k], (list, dict)):
-            ap.error(f"--set: unknown or non-scalar profile entry {k!r}")
-        p[k] = type(p[k])(v)
-    if args.seeds:
-        p["seeds"] = [int(s) for s in args.seeds.split(",")]
+    profile, p = cells.profile_of(args, PROFILES, ap.error)
     settings = args.settings.split(",") if args.settings else settings_of(p)
     wanted = set(args.methods.split(",")) if args.methods else None
     base = Path(args.runs) / profile
     todo = [(seed, setting, name, method) for setting in settings for seed in p["seeds"]  # a setting at a time
             for name, method in methods_for(setting, not args.no_ablations and not args.quick).items()
             if not wanted or name in wanted]
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    t0 = time.time()
-    cells, missing, ran_seconds, ran = [], [], 0.0, 0
-    for i, (seed, setting, name, method) in enumerate(todo, 1):
+
+    def run(seed: int, setting: str, method: dict[str, Any], out: Path, url: str) -> dict[str, Any]:
         data, clients = setting.split(" ")
-        out = base / f"s{seed}" / slug(f"{setting}--{name}").replace("|", "").replace("^", "").replace("%", "pc")
-        if (out / "report.json").exists() and not args.force:
-            report = json.loads((out / "report.json").read_text())
-        elif args.collect:
-            missing.append(f"s{seed} {setting} / {name}")
-            continue
-        else:
-            with heavy_lock(args.lock):
-                import torch
+        return run_federation(p, data, int(clients), method, seed, out, base / "cache" / data, url)
 
-                torch.set_num_threads(args.threads)
-                from fedmoe.broker import EmbeddedBroker
-
-                log.info("cell %d/%d s%d %s / %s: running", i, len(todo), seed, setting, name)
-                t1 = time.time()
-                broker = EmbeddedBroker().start()  # a fresh broker per cell (see fedalign_table.py)
-                try:
-                    report = run_federation(p, data, int(clients), method, seed, out, base / "cache" / data,
-                                            broker.url)
-                except Exception as e:  # one failed cell must not lose the others
-                    log.exception("cell s%d %s / %s failed", seed, setting, name)
-                    missing.append(f"s{seed} {setting} / {name} (failed: {e})")
-                    continue
-                finally:
-                    broker.stop()
-                ran_seconds += time.time() - t1
-                ran += 1
-            left = len(todo) - i
-            log.info("cell %d/%d done in %.0f s; elapsed %.1f min, at most %d cells left, ETA <= %.1f min", i,
-                     len(todo), time.time() - t1, (time.time() - t0) / 60, left, ran_seconds / ran * left / 60)
-        c = {"seed": seed, "setting": setting, "method": name, "dir": str(out), **summarise(report)}
-        cells.append(c)
-        pr = c["sanity"]["problems"]
-        print(f"s{seed} {setting:10s} {name:20s} global {fmt(c['accuracy'])} local {fmt(c['local_accuracy'])} "
-              f"({c['wall_seconds']:.0f} s){' PROBLEMS: ' + '; '.join(pr) if pr else ''}", flush=True)
-    result = {
-        "profile": profile, "profile_config": p, "datasets": DATASETS, "methods": METHODS, "ablations": ABLATIONS,
-        "ablation_setting": ABLATION_SETTING, "target_fraction": TARGET_FRACTION,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "note": args.note,
-        "cells_missing": missing, "cells_wall_seconds": sum(c["wall_seconds"] or 0 for c in cells),
-        "stats": aggregate(cells, p["seeds"], p["rounds"]), "cells": cells,
-    }
-    res = Path(args.results)
-    res.mkdir(parents=True, exist_ok=True)
-    stem = "fusion_table" + ("" if profile == "full" else "_quick")
-    (res / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    md = markdown(result)
-    (res / f"{stem}.md").write_text(md)
-    if cells:
-        plot(result, res / f"{stem}.png")
-    print(md)
+    rows, missing = cells.run_cells(todo, base, args, run, summarise)
+    result = {**cells.header(args, profile, p, rows, missing), "datasets": DATASETS, "methods": METHODS,
+              "ablations": ABLATIONS, "ablation_setting": ABLATION_SETTING, "target_fraction": TARGET_FRACTION,
+              "stats": aggregate(rows, p["seeds"], p["rounds"]), "cells": rows}
+    print(cells.write(args.results, "fusion_table" + ("" if profile == "full" else "_quick"), result, markdown, plot))
     return 0 if not missing or args.collect else 1
 
 

@@ -1,0 +1,167 @@
+"""The method-comparison tables' shared runner (imported as ``cells`` from beside them):
+the command-line options, and a loop over (seed, setting, method) cells that is
+resumable, takes the machine's heavy-run lock per cell, gives each cell a fresh embedded
+broker, survives a failed cell and writes the tables at the end.
+
+A table script supplies what is its own: the profile, the methods, ``run(seed, setting,
+method, out, url) -> report`` (one federation), ``summarise(report) -> row`` and the
+outputs; ``benchmarks/fedalign_table.py`` and ``benchmarks/fusion_table.py`` use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from common import fmt, heavy_lock, slug
+
+log = logging.getLogger("cells")
+
+Cell = tuple[int, str, str, dict]
+"""(seed, setting, method name, method definition)."""
+
+
+def parser(description: str, quick_help: str, runs: Path, results: Path) -> argparse.ArgumentParser:
+    """The options every table script takes (``--quick``, ``--settings``, ``--methods``,
+    ``--seeds``, ``--no-ablations``, ``--set``, ``--threads``, ``--verbose``, ``--note``,
+    ``--force``, ``--lock``, ``--collect``, ``--runs``, ``--results``)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--settings", help="comma-separated settings (default: the profile's)")
+    ap.add_argument("--methods", help="comma-separated methods/ablations (default: all)")
+    ap.add_argument("--seeds", help="comma-separated seeds (default: the profile's)")
+    ap.add_argument("--no-ablations", action="store_true")
+    ap.add_argument("--set", dest="overrides", default="",
+                    help="override scalar profile entries, e.g. rounds=2 (recorded in the results)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this process (default 1)")
+    ap.add_argument("--verbose", action="store_true", help="keep the aggregator's and devices' INFO logs")
+    ap.add_argument("--note", default="", help="a line for the table's header (e.g. what else ran on the machine)")
+    ap.add_argument("--force", action="store_true", help="rerun cells that already have a report")
+    ap.add_argument("--lock", help="flock this file while a cell runs")
+    ap.add_argument("--collect", action="store_true", help="only tabulate cells that already finished")
+    ap.add_argument("--runs", default=str(runs))
+    ap.add_argument("--results", default=str(results))
+    return ap
+
+
+def profile_of(args: argparse.Namespace, profiles: dict[str, dict[str, Any]], error: Callable[[str], Any]
+               ) -> tuple[str, dict[str, Any]]:
+    """(profile name, profile with ``--set`` and ``--seeds`` applied); quiets the libraries'
+    logs unless ``--verbose``; ``error`` reports a bad ``--set`` entry (argparse's ``error``)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for name in ("amqtt", "transitions", *(() if args.verbose else ("cloud", "edge_sdk", "moe_model", "protocol",
+                                                                    "fedmoe"))):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    name = "quick" if args.quick else "full"
+    p = dict(profiles[name])
+    for kv in filter(None, args.overrides.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in p or isinstance(p[k], (list, dict)):
+            error(f"--set: unknown or non-scalar profile entry {k!r} (scalars: "
+                  f"{', '.join(k2 for k2, v2 in p.items() if not isinstance(v2, (list, dict)))})")
+        p[k] = type(p[k])(v)
+    if args.seeds:
+        p["seeds"] = [int(s) for s in args.seeds.split(",")]
+    return name, p
+
+
+def cell_dir(base: Path, seed: int, setting: str, method: str) -> Path:
+    """Where a cell's ``report.json`` lives: ``base/s<seed>/<setting>--<method>`` (slugged)."""
+    return base / f"s{seed}" / slug(f"{setting}--{method}")
+
+
+def run_cells(todo: list[Cell], base: Path, args: argparse.Namespace,
+              run: Callable[[int, str, dict, Path, str], dict], summarise: Callable[[dict], dict]
+              ) -> tuple[list[dict], list[str]]:
+    """Run (or reuse) every cell of ``todo`` in order.
+
+    Args:
+        base: the profile's cell directory (:func:`cell_dir`).
+        args: the parsed :func:`parser` options (``force``, ``collect``, ``lock``, ``threads``).
+        run: ``(seed, setting, method definition, out dir, broker URL) -> report``; writes
+            ``out/report.json``. What it raises loses that cell only (listed as missing).
+        summarise: report -> the cell's row (``accuracy``, ``local_accuracy``,
+            ``wall_seconds``, ``sanity.problems``, ...).
+
+    Returns:
+        (rows, each with ``seed``, ``setting``, ``method``, ``dir``, ``measured``; missing
+        or failed cells in words).
+    """
+    import torch
+
+    from fedmoe.broker import EmbeddedBroker
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    t0 = time.time()
+    rows: list[dict] = []
+    missing: list[str] = []
+    ran_seconds, ran = 0.0, 0
+    for i, (seed, setting, name, method) in enumerate(todo, 1):
+        out = cell_dir(base, seed, setting, name)
+        if (out / "report.json").exists() and not args.force:
+            report = json.loads((out / "report.json").read_text())
+        elif args.collect:
+            missing.append(f"s{seed} {setting} / {name}")
+            continue
+        else:
+            with heavy_lock(args.lock):
+                torch.set_num_threads(args.threads)
+                log.info("cell %d/%d s%d %s / %s: running", i, len(todo), seed, setting, name)
+                t1 = time.time()
+                # a fresh broker per cell: devices keep their MQTT client ids ("dev-dev-00") from cell to
+                # cell, and on a shared broker a new cell's device resumed the previous cell's session (its
+                # queued messages arrived and were rejected as another federation's; such cells ran up to 30 s longer)
+                broker = EmbeddedBroker().start()
+                try:
+                    report = run(seed, setting, method, out, broker.url)
+                except Exception as e:  # one failed cell must not lose the others
+                    log.exception("cell s%d %s / %s failed", seed, setting, name)
+                    missing.append(f"s{seed} {setting} / {name} (failed: {e})")
+                    continue
+                finally:
+                    broker.stop()
+                ran_seconds += time.time() - t1
+                ran += 1
+            left = sum(1 for s2, st2, n2, _ in todo[i:]
+                       if args.force or not (cell_dir(base, s2, st2, n2) / "report.json").exists())
+            log.info("cell %d/%d done in %.0f s; elapsed %.1f min, %d cells to run, ETA %.1f min (at this pace)", i,
+                     len(todo), time.time() - t1, (time.time() - t0) / 60, left, ran_seconds / ran * left / 60)
+        row = {"seed": seed, "setting": setting, "method": name, "dir": str(out),
+               "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime((out / "report.json").stat().st_mtime)),
+               **summarise(report)}
+        rows.append(row)
+        problems = row["sanity"]["problems"]
+        print(f"s{seed} {setting:14s} {name:28s} global {fmt(row['accuracy'])} local {fmt(row['local_accuracy'])} "
+              f"({row['wall_seconds']:.0f} s){' PROBLEMS: ' + '; '.join(problems) if problems else ''}", flush=True)
+    return rows, missing
+
+
+def header(args: argparse.Namespace, profile: str, p: dict[str, Any], rows: list[dict], missing: list[str]
+           ) -> dict[str, Any]:
+    """The fields every table's JSON starts with (profile, date, machine, note, cells, wall time)."""
+    return {"profile": profile, "profile_config": p, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "note": args.note,
+            "transport": "in-process (fedmoe.inprocess), a fresh embedded MQTT broker per cell",
+            "cells_missing": missing, "cells_wall_seconds": sum(c["wall_seconds"] or 0 for c in rows)}
+
+
+def write(results: str, stem: str, result: dict[str, Any], markdown: Callable[[dict], str],
+          plot: Callable[[dict, Path], None]) -> str:
+    """``results/<stem>.{json,md,png}`` (the plot only with at least one cell); returns the markdown."""
+    res = Path(results)
+    res.mkdir(parents=True, exist_ok=True)
+    (res / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (res / f"{stem}.md").write_text(md)
+    if result["cells"]:
+        plot(result, res / f"{stem}.png")
+    return md
