@@ -60,10 +60,7 @@ import json
 import logging
 import math
 import random
-import shutil
 import sys
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import ci_text as _ci  # noqa: E402
 import cells  # noqa: E402
-from common import compare_methods, eval_threads, fmt, rounds_to  # noqa: E402,F401
+from common import compare_methods, fmt, rounds_to  # noqa: E402,F401
 from common import diff_text as _diff  # noqa: E402
 from common import verdict as _verdict  # noqa: E402
 
@@ -226,70 +223,23 @@ def device_budgets(spec, batch: int, num_labels: int, devices: int, seed: int, t
 
 def run_federation(p: dict[str, Any], task: str, scheme: str, method: dict[str, Any], seed: int, out: Path,
                    cache: Path, url: str) -> dict[str, Any]:
-    """One federation; returns its report (also written to ``out/report.json``)."""
-    from cloud.service import Aggregator, AggregatorConfig, StrategyConfig, TaskConfig
-    from edge_sdk import EdgeClient
-    from fedmoe import report as R
-    from fedmoe.inprocess import run_inprocess
+    """One federation (:func:`cells.federate`, with :class:`GateProbe`); returns its report."""
     from fedmoe.partition import partition
     from fedmoe.simulate import split_task
-    from protocol.messages import ModelSpec, TrainConfig
+    from protocol.messages import ModelSpec
 
-    t0 = time.time()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     items, labels, train_idx, test_idx = split_task(task, seed, 0.2, p["max_samples_per_task"])
-    test = [items[i] for i in test_idx]
     parts = partition([labels.index(items[i][1]) for i in train_idx], p["devices"], scheme, seed)
     spec = ModelSpec(num_experts=NUM_EXPERTS, top_k=2, max_seq_len=p["max_seq_len"], seed=seed)
-    budgets = device_budgets(spec, p["batch"], len(labels), p["devices"], seed, task, p["weight_format"])
-    assignment_params = {"probe_steps": p["probe_steps"], "patience": p["patience"]} \
-        if method["assignment"] == "fedmoe" else {}
-    fed = f"fedalign-{uuid.uuid4().hex[:8]}"
-    cfg = AggregatorConfig(
-        federation=fed, model=spec, tasks={task: TaskConfig(labels=labels)}, rounds=p["rounds"],
-        min_devices=p["devices"], start_timeout_s=300, round_timeout_s=600, clients_per_round=1.0,
-        train=TrainConfig(local_epochs=1.0, max_steps=p["max_steps"], batch_size=p["batch"], lr=p["lr"],
-                          prox_mu=method.get("prox_mu", 0.0)),
-        strategy=StrategyConfig(name=method["strategy"], params=dict(method.get("params", {}))),
-        assignment=StrategyConfig(name=method["assignment"], params=assignment_params),
-        aggregation=StrategyConfig(name="modular"), weight_format=p["weight_format"], store=f"sqlite:///{out}/aggregator.db",
-        clear_retained_on_exit=True, protocol="3.1.1", eval_max_samples=p["eval_samples"], eval_batch_size=64,
-        seed=seed, defences=DEFENCES,
-    )
-    agg = Aggregator(cfg, url, eval_data={task: test})
-    clients, devices = [], []
-    for i, (part, budget) in enumerate(zip(parts, budgets)):
-        d = f"dev-{i:02d}"
-        data = [items[train_idx[j]] for j in part]
-        devices.append({"device_id": d, "task": task, "samples": len(data), "budget_bytes": budget,
-                        "labels": {y: sum(1 for _, x in data if x == y) for y in labels}})
-        clients.append(EdgeClient(url, d, data, federation=fed, budget_bytes=budget, task=task,
-                                  cache_dir=str(cache / d), protocol="3.1.1", runtime_bytes=0, headroom_bytes=0,
-                                  low_memory=False, seed=seed * 100 + i))
-    t_setup = time.time() - t0
-    agg_done: list[float] = []
-    agg_run = agg.run
-    agg.run = lambda: (agg_run(), agg_done.append(time.time()))[0]  # when the aggregator returned
-    with GateProbe() as probe, eval_threads(p["eval_threads"]):
-        records, errors = run_inprocess(agg, clients, 600 * (p["rounds"] + 1))
-    t_run = time.time() - t0 - t_setup
-    if errors or len(records) < p["rounds"]:
-        raise RuntimeError(f"cell failed after {len(records)} rounds: {errors!r}")
-    initial = agg.initial or {}
-    report = {
-        "config": {"aggregator": cfg.model_dump(mode="json"), "devices": devices, "task": task, "partition": scheme,
-                   "seed": seed, "method": method, "transport": "in-process threads, embedded MQTT broker"},
-        "initial_accuracy": initial.get("accuracy"), "initial_per_task": initial.get("per_task"),
-        "rounds": records, "gate": probe.summary(), "wall_seconds": time.time() - t0,
-        "phase_seconds": {"setup": t_setup, "federation": t_run,
-                          "after_aggregator": time.time() - agg_done[0] if agg_done else None,
-                          "rounds": sum(r["seconds"] for r in records)},
-    }
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "rounds.md").write_text("```\n" + R.table(report) + "\n```\n")
-    (out / "aggregator.db").unlink(missing_ok=True)  # global-state blobs; the report has what the table needs
-    return report
+    if method["assignment"] == "fedmoe":
+        method = {**method, "assignment_params": {"probe_steps": p["probe_steps"], "patience": p["patience"]}}
+    return cells.federate(
+        out, cache, url, spec=spec, task=task, labels=labels, test=[items[i] for i in test_idx],
+        device_data=[[items[train_idx[j]] for j in part] for part in parts],
+        budgets=device_budgets(spec, p["batch"], len(labels), p["devices"], seed, task, p["weight_format"]),
+        method=method, train={"max_steps": p["max_steps"], "batch_size": p["batch"], "lr": p["lr"]},
+        rounds=p["rounds"], weight_format=p["weight_format"], eval_samples=p["eval_samples"], seed=seed,
+        defences=DEFENCES, eval_threads_n=p["eval_threads"], probe=GateProbe(), config={"partition": scheme})
 
 
 # --------------------------------------------------------------------------- per-cell summary and sanity
@@ -338,7 +288,7 @@ def sanity(report: dict[str, Any]) -> dict[str, Any]:
             problems.append("no regulariser value reported")
         if moves and max(moves) == 0:
             problems.append("r_g never changed")
-    return {"rounds": rows, "problems": problems, "gate": report.get("gate", {})}
+    return {"rounds": rows, "problems": problems, "gate": report.get("probe", report.get("gate", {}))}
 
 
 def summarise(report: dict[str, Any]) -> dict[str, Any]:

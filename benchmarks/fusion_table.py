@@ -63,10 +63,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
 import sys
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +71,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import cells  # noqa: E402
-from common import ci_text, compare_methods, diff_text, eval_threads, fmt  # noqa: E402
+from common import ci_text, compare_methods, diff_text, fmt  # noqa: E402
 from common import install_fashion_mnist, verdict  # noqa: E402
 
 log = logging.getLogger("fusion_table")
@@ -179,70 +176,28 @@ def budgets_for(spec, batch: int, num_labels: int, clients: int, seed: int, weig
 
 def run_federation(p: dict[str, Any], name: str, clients: int, method: dict[str, Any], seed: int, out: Path,
                    cache: Path, url: str) -> dict[str, Any]:
-    """One federation; returns its report (also written to ``out/report.json``)."""
-    from cloud.service import Aggregator, AggregatorConfig, StrategyConfig, TaskConfig
-    from edge_sdk import EdgeClient
-    from fedmoe import report as R
-    from fedmoe.inprocess import run_inprocess
+    """One federation (:func:`cells.federate`); returns its report."""
     from fedmoe.partition import partition, reserve
-    from protocol.messages import TrainConfig
 
-    t0 = time.time()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     train, test, labels, spec = dataset(name, seed, p)
     tr = p["train"][name]
-    fraction = method.get("params", {}).get("reserve_fraction", RESERVE)
-    kept, reserved_idx = reserve(range(len(train)), fraction, seed)
+    kept, reserved_idx = reserve(range(len(train)), method.get("params", {}).get("reserve_fraction", RESERVE), seed)
     reserved = [train[i] for i in reserved_idx]
     fmt_ = "fp32" if spec.family == "conv-moe" else "int8"
-    if method.get("central"):
-        parts, budgets = [list(range(len(reserved)))], [10 * 2**30]
-        pool = reserved
+    if method.get("central"):  # Cent-MoE: one client holding D^r, with room for every expert
+        device_data, budgets = [reserved], [10 * 2**30]
     else:
         pool = [train[i] for i in kept]
         parts = partition([label_id(y, labels) for _, y in pool], clients, "dirichlet:1.0", seed)
+        device_data = [[pool[j] for j in part] for part in parts]
         budgets = budgets_for(spec, tr["batch"], len(labels), clients, seed, fmt_)
-    task = name
-    fed = f"fusion-{uuid.uuid4().hex[:8]}"
-    cfg = AggregatorConfig(
-        federation=fed, model=spec, tasks={task: TaskConfig(labels=labels)}, rounds=p["rounds"],
-        min_devices=len(parts), start_timeout_s=300, round_timeout_s=900, clients_per_round=1.0,
-        train=TrainConfig(local_epochs=method.get("local_epochs", 1.0), max_steps=tr["max_steps"],
-                          batch_size=tr["batch"], lr=tr["lr"], prox_mu=method.get("prox_mu", 0.0)),
-        strategy=StrategyConfig(name=method["strategy"], params=dict(method.get("params", {}))),
-        assignment=StrategyConfig(name=method.get("assignment", "full"),
-                                  params=dict(method.get("assignment_params", {}))),
-        aggregation=StrategyConfig(name="modular"), weight_format=fmt_, store=f"sqlite:///{out}/aggregator.db",
-        clear_retained_on_exit=True, protocol="3.1.1", eval_max_samples=p["eval_samples"], eval_batch_size=64,
-        seed=seed, defences=DEFENCES,
-    )
-    agg = Aggregator(cfg, url, eval_data={task: test}, reserved_data={task: reserved})
-    devices, edge = [], []
-    for i, (part, budget) in enumerate(zip(parts, budgets)):
-        d = f"dev-{i:02d}"
-        data = [pool[j] for j in part]
-        devices.append({"device_id": d, "samples": len(data), "budget_bytes": budget})
-        edge.append(EdgeClient(url, d, data, federation=fed, budget_bytes=budget, task=task,
-                               cache_dir=str(cache / d), protocol="3.1.1", runtime_bytes=0, headroom_bytes=0,
-                               low_memory=False, seed=seed * 100 + i))
-    t_setup = time.time() - t0
-    with eval_threads(p["eval_threads"]):
-        records, errors = run_inprocess(agg, edge, 900 * (p["rounds"] + 1))
-    if errors or len(records) < p["rounds"]:
-        raise RuntimeError(f"cell failed after {len(records)} rounds: {errors!r}")
-    initial = agg.initial or {}
-    report = {
-        "config": {"aggregator": cfg.model_dump(mode="json"), "devices": devices, "task": task, "dataset": name,
-                   "partition": "dirichlet:1.0", "seed": seed, "method": method, "reserved": len(reserved),
-                   "transport": "in-process threads, embedded MQTT broker"},
-        "initial_accuracy": initial.get("accuracy"), "rounds": records, "wall_seconds": time.time() - t0,
-        "phase_seconds": {"setup": t_setup, "rounds": sum(r["seconds"] for r in records)},
-    }
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "rounds.md").write_text("```\n" + R.table(report) + "\n```\n")
-    (out / "aggregator.db").unlink(missing_ok=True)
-    return report
+    return cells.federate(
+        out, cache, url, spec=spec, task=name, labels=labels, test=test, device_data=device_data, budgets=budgets,
+        method={k: v for k, v in method.items() if k != "central"},
+        train={"max_steps": tr["max_steps"], "batch_size": tr["batch"], "lr": tr["lr"]}, rounds=p["rounds"],
+        weight_format=fmt_, eval_samples=p["eval_samples"], seed=seed, defences=DEFENCES, reserved=reserved,
+        eval_threads_n=p["eval_threads"], round_timeout_s=900.0,
+        config={"dataset": name, "partition": "dirichlet:1.0"})
 
 
 # --------------------------------------------------------------------------- per-cell summary
