@@ -255,3 +255,146 @@ def federate(out: Path, cache: Path, url: str, *, spec: Any, task: str, labels: 
     (out / "rounds.md").write_text("```\n" + R.table(report) + "\n```\n")
     (out / "aggregator.db").unlink(missing_ok=True)  # global-state blobs; the report has what the table needs
     return report
+
+
+# --------------------------------------------------------------------------- data, rows and plots shared by tables
+
+DATA_SOURCES = ("bbc", "tweets", "fmnist")
+
+
+def load_data(source: str, seed: int, samples: int, eval_samples: int, test_fraction: float = 0.2
+              ) -> tuple[list, list, list[str]]:
+    """(training items, test items, labels) of a data source, items ``(input, label)``.
+
+    ``bbc``/``tweets`` (the packaged text tasks): a seeded subset of ``samples /
+    (1 − test_fraction)`` items split as ``fedmoe simulate`` splits them, all of the test
+    part. ``fmnist`` (Debian ``dataset-fashion-mnist``, installed with apt-get when missing
+    and root): ``samples`` seeded training images and ``eval_samples`` test images.
+
+    Raises:
+        KeyError: an unknown source. FileNotFoundError: Fashion-MNIST missing.
+    """
+    import random
+
+    if source in ("bbc", "tweets"):
+        from fedmoe.simulate import split_task
+
+        items, labels, train_idx, test_idx = split_task(source, seed, test_fraction, int(samples / (1 - test_fraction)))
+        return [items[i] for i in train_idx], [items[i] for i in test_idx], labels
+    if source == "fmnist":
+        from common import install_fashion_mnist
+        from fedmoe.datasets import FASHION_MNIST_DIR, fashion_mnist
+
+        if not Path(FASHION_MNIST_DIR).exists():
+            install_fashion_mnist()
+        train, test, labels = fashion_mnist()
+        rng = random.Random(f"fusion_table/{seed}/fmnist")  # the seed string fusion_table.py's cells were drawn with
+        train = [train[i] for i in sorted(rng.sample(range(len(train)), samples))]
+        return train, [test[i] for i in rng.sample(range(len(test)), eval_samples)], labels
+    raise KeyError(f"unknown data source {source!r}; known: {', '.join(DATA_SOURCES)}")
+
+
+def label_id(y: Any, labels: list[str]) -> int:
+    """A label (its name or its id) as its id."""
+    return y if isinstance(y, int) else labels.index(y)
+
+
+def summarise(report: dict[str, Any]) -> dict[str, Any]:
+    """The table row of one cell's report, with its per-round sanity report.
+
+    Returns:
+        ``accuracy`` (last round, the strategy's evaluation), ``fused_accuracy``
+        (``fusion_hybrid``), ``local_accuracy`` (mean of the devices' latest validation
+        accuracy), ``initial_accuracy``, ``accuracy_per_round``, ``experts_held_mean`` (per
+        device-round, all layers), ``mib_per_device_round`` (up + down), ``cv_usage`` (the
+        last round's expert-usage CV, cumulative; FLEX-MoE eq. 8), ``devices_trained``,
+        ``devices_total``, ``reserved``, ``wall_seconds``, ``sanity`` (``rounds``: clients
+        trained, experts held, excluded/failed, Fed-MoE's α and gate entropy; ``problems``:
+        rounds not ``ok``, devices excluded or failed).
+    """
+    rounds = report["rounds"]
+    latest: dict[str, float] = {}
+    rows, problems = [], []
+    for r in rounds:
+        for d, v in r["devices"].items():
+            if v.get("val_accuracy") is not None:
+                latest[d] = v["val_accuracy"]
+        held = [sum(len(v) for v in d["experts"].values()) for d in r["devices"].values()]
+        sm = r.get("strategy_metrics") or {}
+        rows.append({"round": r["round"], "status": r["status"], "trained": len(r["devices"]),
+                     "held_min": min(held) if held else None, "held_max": max(held) if held else None,
+                     "excluded": r.get("excluded") or {}, "failures": r.get("failures") or {},
+                     "accuracy": r.get("accuracy"), "fused": (r.get("fused") or {}).get("accuracy"),
+                     "alpha": sm.get("alpha"), "gate_entropy": sm.get("gate_entropy"),
+                     "compact_clients": sm.get("compact_clients", sm.get("clients")),
+                     "sub_moe_clients": sm.get("sub_moe_clients"), "cv": r.get("cv")})
+        if r["status"] != "ok":
+            problems.append(f"round {r['round']}: status {r['status']} {r.get('error', '')}")
+        if r.get("excluded") or r.get("failures"):
+            problems.append(f"round {r['round']}: excluded {sorted(r.get('excluded') or {})} "
+                            f"failed {sorted(r.get('failures') or {})}")
+    device_rounds = [d for r in rounds for d in r["devices"].values()]
+    held = [sum(len(v) for v in d["experts"].values()) for d in device_rounds]
+    traffic = [(d.get("bytes_up") or 0) + (d.get("bytes_down") or 0) for d in device_rounds]
+    fused = [x["fused"] for x in rows]
+    return {
+        "accuracy": rounds[-1].get("accuracy") if rounds else None,
+        "fused_accuracy": fused[-1] if fused and fused[-1] is not None else None,
+        "local_accuracy": sum(latest.values()) / len(latest) if latest else None,
+        "initial_accuracy": report.get("initial_accuracy"),
+        "accuracy_per_round": [r.get("accuracy") for r in rounds],
+        "experts_held_mean": sum(held) / len(held) if held else None,
+        "mib_per_device_round": sum(traffic) / len(traffic) / 2**20 if traffic else None,
+        "cv_usage": rounds[-1].get("cv") if rounds else None,
+        "devices_trained": len({d for r in rounds for d in r["devices"]}),
+        "devices_total": len(report["config"]["devices"]), "reserved": report["config"].get("reserved"),
+        "wall_seconds": report.get("wall_seconds"),
+        "sanity": {"rounds": rows, "problems": problems},
+    }
+
+
+def plot(result: dict[str, Any], path: Path, methods: list[str]) -> None:
+    """Global accuracy per setting and method (bars, 95% CI) over the mean accuracy per round
+    of each setting (one panel a setting); ``methods`` in legend order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stats = result["stats"]
+    settings = list(stats)
+    main = [m for m in methods if any(m in st["methods"] for st in stats.values())]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    cols = max(2, len(settings))
+    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.5), squeeze=False)
+    ax = plt.subplot2grid((2, cols), (0, 0), colspan=cols, fig=fig)
+    for a in axes[0]:
+        a.set_visible(False)
+    width = 0.8 / max(len(main), 1)
+    for j, m in enumerate(main):
+        xs, ys, err = [], [], [[], []]
+        for i, s in enumerate(settings):
+            g = stats[s]["methods"].get(m, {}).get("global")
+            if g and g["mean"] is not None:
+                xs.append(i + (j - (len(main) - 1) / 2) * width)
+                ys.append(g["mean"])
+                err[0].append(g["mean"] - (g["ci_lo"] if g["ci_lo"] is not None else g["mean"]))
+                err[1].append((g["ci_hi"] if g["ci_hi"] is not None else g["mean"]) - g["mean"])
+        ax.bar(xs, ys, width, yerr=err, capsize=2, label=m, color=colors[j % len(colors)])
+    ax.set_xticks(range(len(settings)), settings)
+    ax.set_ylabel("global test accuracy (95% CI)")
+    ax.legend(fontsize=8, ncol=min(len(main), 6))
+    ax.grid(axis="y", alpha=0.3)
+    for k, s in enumerate(settings[:cols]):
+        a = axes[1][k]
+        for j, m in enumerate(main):
+            st = stats[s]["methods"].get(m)
+            if st:
+                ys = [float("nan") if y is None else y for y in [st["initial"], *st["mean_curve"]]]
+                a.plot(range(len(ys)), ys, "o-", ms=3, label=m, color=colors[j % len(colors)])
+        a.set_title(f"{s}: accuracy per round (mean)", fontsize=9)
+        a.set_xlabel("round")
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

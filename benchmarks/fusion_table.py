@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 import cells  # noqa: E402
 from common import ci_text, compare_methods, diff_text, fmt  # noqa: E402
-from common import install_fashion_mnist, verdict  # noqa: E402
+from common import verdict  # noqa: E402
 
 log = logging.getLogger("fusion_table")
 
@@ -131,32 +131,15 @@ def methods_for(setting: str, ablations: bool = True) -> dict[str, dict[str, Any
 
 
 def dataset(name: str, seed: int, p: dict[str, Any]) -> tuple[list, list, list[str], Any]:
-    """(training items, test items, labels, model spec) of a data set: items ``(input, label)``."""
+    """(training items, test items, labels, model spec) of a data set (:func:`cells.load_data`)."""
     from protocol.messages import ModelSpec
 
-    n = p["samples"][name]
-    if name == "tweets":
-        from fedmoe.simulate import split_task
-
-        items, labels, train_idx, test_idx = split_task("tweets", seed, 0.2, int(n / 0.8))
-        spec = ModelSpec(num_experts=NUM_EXPERTS, top_k=2, max_seq_len=p["max_seq_len"], seed=seed)
-        return [items[i] for i in train_idx], [items[i] for i in test_idx], labels, spec
+    train, test, labels = cells.load_data(name, seed, p["samples"][name], p["eval_samples"])
     if name == "fmnist":
-        from fedmoe.datasets import FASHION_MNIST_DIR, fashion_mnist
-
-        if not Path(FASHION_MNIST_DIR).exists():
-            install_fashion_mnist()
-        train, test, labels = fashion_mnist()
-        rng = random.Random(f"fusion_table/{seed}/fmnist")
-        train = [train[i] for i in sorted(rng.sample(range(len(train)), n))]
-        test = [test[i] for i in rng.sample(range(len(test)), p["eval_samples"])]
         spec = ModelSpec(family="conv-moe", base=None, tokenizer=None, num_experts=NUM_EXPERTS, top_k=2, seed=seed)
-        return train, test, labels, spec
-    raise KeyError(f"unknown data set {name!r}; known: {sorted(DATASETS)}")
-
-
-def label_id(y: Any, labels: list[str]) -> int:
-    return y if isinstance(y, int) else labels.index(y)
+    else:
+        spec = ModelSpec(num_experts=NUM_EXPERTS, top_k=2, max_seq_len=p["max_seq_len"], seed=seed)
+    return train, test, labels, spec
 
 
 def budgets_for(spec, batch: int, num_labels: int, clients: int, seed: int, weight_format: str) -> list[int]:
@@ -188,7 +171,7 @@ def run_federation(p: dict[str, Any], name: str, clients: int, method: dict[str,
         device_data, budgets = [reserved], [10 * 2**30]
     else:
         pool = [train[i] for i in kept]
-        parts = partition([label_id(y, labels) for _, y in pool], clients, "dirichlet:1.0", seed)
+        parts = partition([cells.label_id(y, labels) for _, y in pool], clients, "dirichlet:1.0", seed)
         device_data = [[pool[j] for j in part] for part in parts]
         budgets = budgets_for(spec, tr["batch"], len(labels), clients, seed, fmt_)
     return cells.federate(
@@ -201,45 +184,6 @@ def run_federation(p: dict[str, Any], name: str, clients: int, method: dict[str,
 
 
 # --------------------------------------------------------------------------- per-cell summary
-
-
-def summarise(report: dict[str, Any]) -> dict[str, Any]:
-    """The table row of one run, with its per-round sanity report."""
-    rounds = report["rounds"]
-    latest: dict[str, float] = {}
-    rows, problems = [], []
-    for r in rounds:
-        for d, v in r["devices"].items():
-            if v.get("val_accuracy") is not None:
-                latest[d] = v["val_accuracy"]
-        held = [sum(len(v) for v in d["experts"].values()) for d in r["devices"].values()]
-        sm = r.get("strategy_metrics") or {}
-        rows.append({"round": r["round"], "status": r["status"], "trained": len(r["devices"]),
-                     "held_min": min(held) if held else None, "held_max": max(held) if held else None,
-                     "excluded": r.get("excluded") or {}, "failures": r.get("failures") or {},
-                     "accuracy": r.get("accuracy"), "fused": (r.get("fused") or {}).get("accuracy"),
-                     "alpha": sm.get("alpha"), "gate_entropy": sm.get("gate_entropy"),
-                     "compact_clients": sm.get("compact_clients", sm.get("clients")),
-                     "sub_moe_clients": sm.get("sub_moe_clients")})
-        if r["status"] != "ok":
-            problems.append(f"round {r['round']}: status {r['status']} {r.get('error', '')}")
-        if r.get("excluded") or r.get("failures"):
-            problems.append(f"round {r['round']}: excluded {sorted(r.get('excluded') or {})} "
-                            f"failed {sorted(r.get('failures') or {})}")
-    held = [sum(len(v) for v in d["experts"].values()) for r in rounds for d in r["devices"].values()]
-    fused = [x["fused"] for x in rows]
-    return {
-        "accuracy": rounds[-1].get("accuracy") if rounds else None,
-        "fused_accuracy": fused[-1] if fused and fused[-1] is not None else None,
-        "local_accuracy": sum(latest.values()) / len(latest) if latest else None,
-        "initial_accuracy": report.get("initial_accuracy"),
-        "accuracy_per_round": [r.get("accuracy") for r in rounds],
-        "experts_held_mean": sum(held) / len(held) if held else None,
-        "devices_trained": len({d for r in rounds for d in r["devices"]}),
-        "devices_total": len(report["config"]["devices"]), "reserved": report["config"].get("reserved"),
-        "wall_seconds": report.get("wall_seconds"),
-        "sanity": {"rounds": rows, "problems": problems},
-    }
 
 
 def aggregate(cells: list[dict[str, Any]], seeds: list[int], rounds: int) -> dict[str, Any]:
@@ -308,48 +252,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    stats = result["stats"]
-    settings = list(stats)
-    main = [m for m in METHODS if any(m in st["methods"] for st in stats.values())]
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    cols = max(2, len(settings))
-    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.5), squeeze=False)
-    ax = plt.subplot2grid((2, cols), (0, 0), colspan=cols, fig=fig)
-    for a in axes[0]:
-        a.set_visible(False)
-    width = 0.8 / max(len(main), 1)
-    for j, m in enumerate(main):
-        xs, ys, err = [], [], [[], []]
-        for i, s in enumerate(settings):
-            g = stats[s]["methods"].get(m, {}).get("global")
-            if g and g["mean"] is not None:
-                xs.append(i + (j - (len(main) - 1) / 2) * width)
-                ys.append(g["mean"])
-                err[0].append(g["mean"] - (g["ci_lo"] if g["ci_lo"] is not None else g["mean"]))
-                err[1].append((g["ci_hi"] if g["ci_hi"] is not None else g["mean"]) - g["mean"])
-        ax.bar(xs, ys, width, yerr=err, capsize=2, label=m, color=colors[j % len(colors)])
-    ax.set_xticks(range(len(settings)), settings)
-    ax.set_ylabel("global test accuracy (95% CI)")
-    ax.legend(fontsize=8, ncol=len(main))
-    ax.grid(axis="y", alpha=0.3)
-    for k, s in enumerate(settings[:cols]):
-        a = axes[1][k]
-        for j, m in enumerate(main):
-            st = stats[s]["methods"].get(m)
-            if st:
-                ys = [float("nan") if y is None else y for y in [st["initial"], *st["mean_curve"]]]
-                a.plot(range(len(ys)), ys, "o-", ms=3, label=m, color=colors[j % len(colors)])
-        a.set_title(f"{s}: accuracy per round (mean)", fontsize=9)
-        a.set_xlabel("round")
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    cells.plot(result, path, list(METHODS))
 
 
 # --------------------------------------------------------------------------- driver
@@ -371,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         data, clients = setting.split(" ")
         return run_federation(p, data, int(clients), method, seed, out, base / "cache" / data, url)
 
-    rows, missing = cells.run_cells(todo, base, args, run, summarise)
+    rows, missing = cells.run_cells(todo, base, args, run, cells.summarise)
     result = {**cells.header(args, profile, p, rows, missing), "datasets": DATASETS, "methods": METHODS,
               "ablations": ABLATIONS, "ablation_setting": ABLATION_SETTING, "target_fraction": TARGET_FRACTION,
               "stats": aggregate(rows, p["seeds"], p["rounds"]), "cells": rows}

@@ -1,0 +1,89 @@
+"""benchmarks/harness.py: config loading and checks, the settings grid, budgets, and the
+markdown of synthetic cells (no federation runs here)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import harness as H  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+
+
+def _write(tmp_path, **changes):
+    cfg = yaml.safe_load((CONFIGS / "fedmoe_experts.yaml").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return p
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_committed_config_loads_in_both_profiles(path):
+    for profile in ("full", "quick"):
+        cfg = H.load_config(path, profile)
+        assert H.settings_of(cfg) and cfg["methods"]
+
+
+def test_profiles_override_by_dotted_key_and_the_grid_is_a_product(tmp_path):
+    cfg = H.load_config(_write(tmp_path, grid={"data": ["bbc", "tweets"], "partition": {"IID": "iid",
+                                                                                       "Dir(0.1)": "dirichlet:0.1"},
+                                               "devices": [4, 8]}), "quick")
+    assert cfg["seeds"] == [0] and cfg["rounds"] == 2 and cfg["grid"]["data"] == ["bbc"]     # quick's overrides
+    assert list(H.settings_of(cfg)) == ["bbc IID 4", "bbc IID 8", "bbc Dir(0.1) 4", "bbc Dir(0.1) 8"]
+    assert H.settings_of(cfg)["bbc Dir(0.1) 8"] == {"data": "bbc", "partition": "dirichlet:0.1", "devices": 8}
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"rounds": None}, "missing rounds"),
+    ({"compare": [["FedMoE", "nobody"]]}, "'nobody' is not a method"),
+    ({"grid": {"data": ["mnist"]}}, "unknown source 'mnist'"),
+    ({"grid": {"clients": [3]}}, "unknown axis 'clients'"),
+    ({"budgets": {"experts": [2]}}, "budgets"),
+    ({"methods": {"X": {"assignment": "full"}}, "compare": []}, "method 'X' has no strategy"),
+])
+def test_bad_configs_fail_with_the_reason(tmp_path, changes, match):
+    with pytest.raises(H.ConfigError, match=match):
+        H.load_config(_write(tmp_path, **changes))
+    with pytest.raises(H.ConfigError, match="no profile 'fast'"):
+        H.load_config(_write(tmp_path), "fast")
+
+
+def test_cycle_budgets_hold_exactly_their_expert_counts(tmp_path):
+    from moe_model.budget import estimate
+
+    cfg = H.load_config(_write(tmp_path, budgets={"cycle": [2, 16]}))
+    spec = H.spec_for(cfg, "bbc", 0)
+    b = H.budgets_for(cfg, spec, 5, 3, 0, "int8")
+    plan = {k: estimate(spec, k, 8, 5, runtime_bytes=0, weight_format="int8").total for k in (2, 3, 16)}
+    assert b == [plan[2] + 1, plan[16] + 1, plan[2] + 1] and b[0] < plan[3]
+    assert len(spec.moe_layers) == 6 and spec.num_experts == 16
+
+
+def test_markdown_says_better_only_where_significant(tmp_path):
+    cfg = H.load_config(_write(tmp_path))
+    rows = []
+    for s in range(3):
+        for m, acc in (("FedMoE", 0.70 + 0.01 * s), ("randomMoE (same sizes)", 0.65 + 0.01 * s),
+                       ("FLEX", [0.6, 0.8, 0.7][s])):
+            rows.append({"seed": s, "setting": "bbc Dir(0.5) 6", "method": m, "accuracy": acc, "local_accuracy": 0.6,
+                         "accuracy_per_round": [0.4, acc], "initial_accuracy": 0.2, "experts_held_mean": 40.0,
+                         "mib_per_device_round": 1.0, "cv_usage": 0.5, "devices_trained": 6,
+                         "sanity": {"problems": []}})
+    result = {"config": cfg, "stats": H.aggregate(cfg, rows), "cells": rows, "profile": "full", "date": "d",
+              "machine": "m", "note": "", "config_path": "c.yaml", "cells_missing": []}
+    md = H.markdown(result)
+    line = next(x for x in md.splitlines() if x.startswith("| FedMoE − randomMoE"))
+    assert "**better**" in line
+    line = next(x for x in md.splitlines() if x.startswith("| FedMoE − FLEX"))
+    assert "no sig. difference" in line
