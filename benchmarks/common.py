@@ -69,8 +69,9 @@ def paired_test(a, b) -> dict:
     """Paired comparison of ``a`` against ``b`` (same seeds in the same order; pairs with a
     None dropped): the mean difference a − b, the 95% CI of the paired difference and the
     two-sided paired t-test p-value. ``significant``: the CI excludes 0 (equivalently
-    p < 0.05). With zero spread (every pair differs by the same amount, as happens with
-    round counts) the t-test is undefined: ``p`` is None, ``zero_spread`` True, and the
+    p < 0.05). With zero spread (every pair differs by the same amount up to 1e-9, as happens
+    with round counts and with accuracies over the same small sets) the t-test is undefined:
+    ``p`` is None, ``zero_spread`` True, and the
     difference counts as significant only with at least three pairs, all the same."""
     import math
 
@@ -80,8 +81,8 @@ def paired_test(a, b) -> dict:
     if len(diffs) < 2:
         return out
     sd = out["std"]
-    out["zero_spread"] = sd == 0
-    if sd == 0:
+    out["zero_spread"] = sd <= 1e-9  # equal differences up to float rounding (e.g. 1/48 − 1/96 in every seed)
+    if out["zero_spread"]:
         out["significant"] = len(diffs) >= 3 and out["diff"] != 0
         return out
     else:

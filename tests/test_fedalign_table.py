@@ -90,3 +90,8 @@ def test_methods_and_ablations_per_setting():
     assert "FedAlign-MoE on FedMoE" in T.methods_for("tweets Dir(0.1)")
     assert "FedAlign-MoE on FedMoE" not in T.methods_for("bbc IID")
     assert T.methods_for("bbc IID")["FedAlign-MoE"]["assignment"] == T.METHODS["FedAvg"]["assignment"] == "full"
+
+
+def test_differences_equal_up_to_rounding_count_as_zero_spread():
+    t = paired_test([0.5 + 1 / 48, 0.25 + 1 / 48], [0.5, 0.25])   # the same +1/48 in both seeds, up to rounding
+    assert t["zero_spread"] and t["p"] is None and not t["significant"]   # two pairs: not enough
