@@ -154,6 +154,17 @@ def header(args: argparse.Namespace, profile: str, p: dict[str, Any], rows: list
             "cells_missing": missing, "cells_wall_seconds": sum(c["wall_seconds"] or 0 for c in rows)}
 
 
+def measured(result: dict[str, Any]) -> str:
+    """The table's provenance line: when, on what, the note."""
+    return f"Measured {result['date']} on {result['machine']}. {result['note']}".rstrip()
+
+
+def cells_done(result: dict[str, Any]) -> str:
+    """``Cells: N finished[; missing: ...].`` of a table's result."""
+    missing = result["cells_missing"]
+    return f"Cells: {len(result['cells'])} finished" + (f"; missing: {', '.join(missing)}" if missing else "") + "."
+
+
 def write(results: str, stem: str, result: dict[str, Any], markdown: Callable[[dict], str],
           plot: Callable[[dict, Path], None]) -> str:
     """``results/<stem>.{json,md,png}`` (the plot only with at least one cell); returns the markdown."""

@@ -71,8 +71,8 @@ def paired_test(a, b) -> dict:
     two-sided paired t-test p-value. ``significant``: the CI excludes 0 (equivalently
     p < 0.05). With zero spread (every pair differs by the same amount up to 1e-9, as happens
     with round counts and with accuracies over the same small sets) the t-test is undefined:
-    ``p`` is None, ``zero_spread`` True, and the
-    difference counts as significant only with at least three pairs, all the same."""
+    ``p`` is None, ``zero_spread`` True, and the difference counts as significant only with
+    at least three pairs, all the same."""
     import math
 
     diffs = [float(x) - float(y) for x, y in zip(a, b) if x is not None and y is not None]
@@ -85,14 +85,13 @@ def paired_test(a, b) -> dict:
     if out["zero_spread"]:
         out["significant"] = len(diffs) >= 3 and out["diff"] != 0
         return out
-    else:
-        t = out["diff"] / (sd / math.sqrt(len(diffs)))
-        try:
-            from scipy import stats
+    t = out["diff"] / (sd / math.sqrt(len(diffs)))
+    try:
+        from scipy import stats
 
-            out["p"] = float(2 * stats.t.sf(abs(t), len(diffs) - 1))
-        except ImportError:  # pragma: no cover
-            out["p"] = None
+        out["p"] = float(2 * stats.t.sf(abs(t), len(diffs) - 1))
+    except ImportError:  # pragma: no cover
+        out["p"] = None
     out["significant"] = out["diff"] != 0 and (out["ci_lo"] > 0 or out["ci_hi"] < 0)
     return out
 
@@ -181,6 +180,14 @@ def verdict(t: dict, higher_is_better: bool = True) -> str:
         return "no sig. difference" + (" (zero spread)" if t.get("zero_spread") and t["diff"] else "")
     better = (t["diff"] > 0) == higher_is_better
     return ("**better**" if better else "**worse**") + (" (same in every seed)" if t.get("zero_spread") else "")
+
+
+def marks(setting_stats: dict, method: str) -> str:
+    """`` ▲X ▼Y`` after a method's global accuracy in a :func:`compare_methods` setting: it is
+    significantly above X / below Y (paired); empty where no test of it is significant."""
+    out = [f"{'▲' if t['global']['diff'] > 0 else '▼'}{t['b']}" for t in setting_stats["tests"]
+           if t["a"] == method and t["global"]["significant"]]
+    return f" {' '.join(out)}" if out else ""
 
 
 def diff_text(t: dict, spec: str = "+.3f") -> str:

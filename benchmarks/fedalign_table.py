@@ -71,6 +71,7 @@ from common import ci_text as _ci  # noqa: E402
 import cells  # noqa: E402
 from common import compare_methods, fmt, rounds_to  # noqa: E402,F401
 from common import diff_text as _diff  # noqa: E402
+from common import marks as _marks  # noqa: E402
 from common import verdict as _verdict  # noqa: E402
 
 log = logging.getLogger("fedalign_table")
@@ -333,23 +334,12 @@ def aggregate(cells: list[dict[str, Any]], seeds: list[int], rounds: int) -> dic
 # --------------------------------------------------------------------------- output
 
 
-def _marks(setting_stats: dict[str, Any], method: str) -> str:
-    """▲/▼ after a method's global accuracy: significantly above/below a baseline (paired)."""
-    out = []
-    for t in setting_stats["tests"]:
-        if t["a"] == method and t["global"]["significant"]:
-            out.append(f"{'▲' if t['global']['diff'] > 0 else '▼'}{t['b']}")
-    return f" {' '.join(out)}" if out else ""
-
-
 def markdown(result: dict[str, Any]) -> str:
     p, stats = result["profile_config"], result["stats"]
     lines = [f"# FedAlign-MoE table ({result['profile']} profile)", "",
-             f"Measured {result['date']} on {result['machine']}. {result['note']}".rstrip(),
-             f"Profile: {json.dumps(p)}.",
+             cells.measured(result), f"Profile: {json.dumps(p)}.",
              f"Seeds {p['seeds']} (each seed: its own data split, budgets and model/device seeds, the same for every "
-             f"method). Cells: {len(result['cells'])} finished"
-             + (f"; missing: {', '.join(result['cells_missing'])}" if result["cells_missing"] else "") + ".",
+             f"method). {cells.cells_done(result)}",
              f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", "",
              "Columns: *global* = the global MoE on the task's held-out test split after the last round; *local* = "
              "mean over devices of their latest validation accuracy (own sub-model after local training). Each: mean ± "
@@ -378,11 +368,11 @@ def markdown(result: dict[str, Any]) -> str:
               "| Setting | " + " | ".join(f"{a} − {b}" for a, b in COMPARISONS[:4]) + " |",
               "|---|" + "---|" * 4]
     for setting, st in stats.items():
-        cells = []
+        diffs = []
         for a, b in COMPARISONS[:4]:
             t = next((t for t in st["tests"] if t["a"] == a and t["b"] == b), None)
-            cells.append("–" if t is None else f"{fmt(t['global']['diff'], '+.3f')} ({_verdict(t['global'])})")
-        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+            diffs.append("–" if t is None else f"{fmt(t['global']['diff'], '+.3f')} ({_verdict(t['global'])})")
+        lines.append(f"| {setting} | " + " | ".join(diffs) + " |")
     lines.append("")
     # sanity
     lines += ["## Per-round sanity", ""]

@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 import cells  # noqa: E402
 from common import ci_text, compare_methods, diff_text, fmt  # noqa: E402
-from common import verdict  # noqa: E402
+from common import marks, verdict  # noqa: E402
 
 log = logging.getLogger("fusion_table")
 
@@ -201,11 +201,9 @@ def aggregate(cells: list[dict[str, Any]], seeds: list[int], rounds: int) -> dic
 def markdown(result: dict[str, Any]) -> str:
     p, stats = result["profile_config"], result["stats"]
     lines = [f"# Fed-MoE fusion table ({result['profile']} profile)", "",
-             f"Measured {result['date']} on {result['machine']}. {result['note']}".rstrip(),
-             f"Profile: {json.dumps(p)}.",
+             cells.measured(result), f"Profile: {json.dumps(p)}.",
              f"Seeds {p['seeds']} (each seed: its own data subset, split, D^r, budgets and model/device seeds, the "
-             f"same for every method). Cells: {len(result['cells'])} finished"
-             + (f"; missing: {', '.join(result['cells_missing'])}" if result["cells_missing"] else "") + ".",
+             f"same for every method). {cells.cells_done(result)}",
              f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", "",
              "Settings: `<data set> <clients>`, Dirichlet(1.0) label skew. *global* = the method's model on the "
              "held-out test split after the last round (FedAvg/FedProx: the compact model; Avg-MoE: the 2-expert "
@@ -220,9 +218,7 @@ def markdown(result: dict[str, Any]) -> str:
                   "| Method | global acc | local acc | rounds to target | fused (hybrid) | experts held | "
                   "clients trained | \\|D^r\\| |", "|---|---|---|---|---|---|---|---|"]
         for m, s in st["methods"].items():
-            marks = " ".join(f"{'▲' if t['global']['diff'] > 0 else '▼'}{t['b']}" for t in st["tests"]
-                             if t["a"] == m and t["global"]["significant"])
-            lines.append(f"| {m} | {ci_text(s['global'])}{' ' + marks if marks else ''} | {ci_text(s['local'])} | "
+            lines.append(f"| {m} | {ci_text(s['global'])}{marks(st, m)} | {ci_text(s['local'])} | "
                          f"{ci_text(s['rounds_to_target'], '.1f')} | {fmt(s['fused_accuracy'])} | "
                          f"{fmt(s['experts_held_mean'], '.1f')} | {fmt(s['devices_trained'], '.0f')} | "
                          f"{fmt(s['reserved'], '.0f')} |")

@@ -183,10 +183,9 @@ def aggregate(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
 def markdown(result: dict[str, Any]) -> str:
     cfg, stats = result["config"], result["stats"]
     lines = [f"# {cfg['name']} ({result['profile']} profile)", "", cfg["description"], "",
-             f"Measured {result['date']} on {result['machine']}. {result['note']}".rstrip(),
+             cells.measured(result),
              f"Config: `{result['config_path']}`; seeds {cfg['seeds']}, {cfg['rounds']} rounds, training "
-             f"{cfg['train']}, budgets {cfg['budgets']}. Cells: {len(result['cells'])} finished"
-             + (f"; missing: {', '.join(result['cells_missing'])}" if result["cells_missing"] else "") + ".", "",
+             f"{cfg['train']}, budgets {cfg['budgets']}. {cells.cells_done(result)}", "",
              "*global*: the method's model on the held-out test split after the last round; *local*: mean over "
              "devices of their latest validation accuracy. Mean ± std over seeds [95% Student-t CI]. *rounds*: to "
              f"{cfg['target_fraction']:.0%} of the best method's mean final accuracy (not reached: "
@@ -222,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, profile)
     except (ConfigError, OSError) as e:
         ap.error(str(e))
-    args.quick = False  # the profile is applied; cells.profile_of takes --set/--seeds on top
-    _, cfg = cells.profile_of(args, {"full": cfg}, ap.error)
+    _, cfg = cells.profile_of(args, {profile: cfg}, ap.error)  # --set/--seeds on top of the applied profile
     settings = settings_of(cfg)
     chosen = args.settings.split(",") if args.settings else list(settings)
     unknown = [s for s in chosen if s not in settings]

@@ -141,13 +141,19 @@ class GlobalModel:
             experts: layer -> expert ids: evaluate the sub-MoE of only these experts (what
                 every device of a ``fixed`` assignment holds); None: all experts.
         """
-        if experts is None or experts == self.all_experts:
-            model, experts = self.models[task], self.all_experts
-        else:
-            key = (task, tuple((layer, tuple(ids)) for layer, ids in sorted(experts.items())))
-            model = self._sub_models.get(key)
-            if model is None:
-                shards = {sid: decode_shard(self.shard_bytes[sid]) for sid in shards_for(experts)}
-                model = self._sub_models[key] = SubMoE(self.spec, experts, task, len(self.tasks[task]), shards)
+        experts = self.all_experts if experts is None else experts
+        model = self.sub_model(task, experts)
         model.load_adapter_state(keys.select(self.state, experts, task))
         return evaluate(model, items, batch_size)
+
+    def sub_model(self, task: str, experts: dict[int, list[int]]) -> SubMoE:
+        """The sub-MoE of ``experts`` (layer -> ids) for ``task`` on the decoded base shards,
+        built once per expert set (the full MoE is :attr:`models`); callers load the adapter
+        state they need before each use."""
+        if experts == self.all_experts:
+            return self.models[task]
+        key = (task, tuple((layer, tuple(ids)) for layer, ids in sorted(experts.items())))
+        if key not in self._sub_models:
+            shards = {sid: decode_shard(self.shard_bytes[sid]) for sid in shards_for(experts)}
+            self._sub_models[key] = SubMoE(self.spec, experts, task, len(self.tasks[task]), shards)
+        return self._sub_models[key]

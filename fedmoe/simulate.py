@@ -320,6 +320,11 @@ class SimulationConfig(FederationSettings):
         if self.devices < len(self.tasks):
             bad.append(f"{_option('devices')} {self.devices} is fewer than the {len(self.tasks)} tasks (at least "
                        f"one device per task)")
+        if self.small_devices > self.devices:
+            bad.append(f"{_option('small_devices')} {self.small_devices} is more than {_option('devices')} "
+                       f"{self.devices}")
+        if self.small_devices and self.train.batch_size < 2:
+            bad.append(f"{_option('small_devices')} needs a batch size of at least 2 (they train with half of it)")
         if self.model.full_finetune and self.weight_format != "fp32":
             bad.append(f"{_option('model.full_finetune')} needs {_option('weight_format')} fp32 "
                        f"(got {self.weight_format!r})")
@@ -400,19 +405,13 @@ def _mib(n: float) -> str:
 def _device_budgets(cfg: SimulationConfig) -> list[int]:
     """Each device's budget (bytes), in device order: ``budgets`` cycled, or drawn
     uniformly from ``budget_range`` (seeded); the last ``small_devices`` get
-    :func:`small_device_budget`. ``budget_range`` must be set when ``budgets`` is not.
-
-    Raises:
-        SimulationConfigError: more small devices than devices.
-    """
+    :func:`small_device_budget`. ``budget_range`` must be set when ``budgets`` is not."""
     if cfg.budgets:
         out = [int(cfg.budgets[i % len(cfg.budgets)]) for i in range(cfg.devices)]
     else:
         rng = random.Random(cfg.seed)
         lo, hi = (int(x) for x in cfg.budget_range)
         out = [rng.randint(lo, hi) for _ in range(cfg.devices)]
-    if cfg.small_devices > cfg.devices:
-        raise SimulationConfigError(f"--small-devices {cfg.small_devices} is more than --devices {cfg.devices}")
     if cfg.small_devices:
         out[-cfg.small_devices:] = [small_device_budget(cfg)] * cfg.small_devices
     return out
@@ -421,16 +420,11 @@ def _device_budgets(cfg: SimulationConfig) -> list[int]:
 def small_device_budget(cfg: SimulationConfig) -> int:
     """A budget (bytes) below the plan of one expert per layer at ``cfg``'s batch size B but
     above it at B/2: halfway between the two (``moe_model.budget.estimate``, the largest
-    label count of the tasks, on top of :func:`device_baseline_bytes`).
-
-    Raises:
-        SimulationConfigError: batch size 1 (there is no smaller batch).
-    """
+    label count of the tasks, on top of :func:`device_baseline_bytes`). The config checks
+    that B >= 2."""
     from moe_model.budget import estimate
 
     batch = cfg.train.batch_size
-    if batch < 2:
-        raise SimulationConfigError("small_devices needs a batch size of at least 2 (they train with half of it)")
     labels = max(len(load_task(t)[1]) for t in cfg.tasks)
     base = device_baseline_bytes()
     full, half = (estimate(cfg.model, 1, b, labels, base, cfg.weight_format).total for b in (batch, batch // 2))

@@ -84,7 +84,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from moe_model.budget import estimate
-from moe_model.shards import decode_shard, shards_for
 from moe_model.submoe import SubMoE
 from protocol.experts import Experts
 
@@ -480,9 +479,7 @@ class Fusion(Strategy):
             if model.spec.objective != "classification":
                 raise ValueError(f"fusion needs class probabilities (P_y, eq. 4); the model's objective is "
                                  f"{model.spec.objective!r}")
-            compact = self.compact(model)
-            shards = {sid: decode_shard(model.shard_bytes[sid]) for sid in shards_for(compact)}
-            self._net = SubMoE(model.spec, compact, self.task, len(model.tasks[self.task]), shards)
+            self._net = model.sub_model(self.task, self.compact(model))
             self._net.eval()
         return self._net
 
