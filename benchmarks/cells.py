@@ -30,7 +30,7 @@ Cell = tuple[int, str, str, dict]
 def parser(description: str, quick_help: str, runs: Path, results: Path) -> argparse.ArgumentParser:
     """The options every table script takes (``--quick``, ``--settings``, ``--methods``,
     ``--seeds``, ``--no-ablations``, ``--set``, ``--threads``, ``--verbose``, ``--note``,
-    ``--force``, ``--lock``, ``--collect``, ``--runs``, ``--results``)."""
+    ``--force``, ``--lock``, ``--collect``, ``--reuse``, ``--runs``, ``--results``)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--settings", help="comma-separated settings (default: the profile's)")
@@ -45,6 +45,9 @@ def parser(description: str, quick_help: str, runs: Path, results: Path) -> argp
     ap.add_argument("--force", action="store_true", help="rerun cells that already have a report")
     ap.add_argument("--lock", help="flock this file while a cell runs")
     ap.add_argument("--collect", action="store_true", help="only tabulate cells that already finished")
+    ap.add_argument("--reuse", metavar="TABLE_JSON",
+                    help="a table's committed results JSON: its rows stand in for cells with no report under --runs "
+                         "(a fresh checkout completes a partial table without rerunning what was measured)")
     ap.add_argument("--runs", default=str(runs))
     ap.add_argument("--results", default=str(results))
     return ap
@@ -105,10 +108,14 @@ def run_cells(todo: list[Cell], base: Path, args: argparse.Namespace,
     rows: list[dict] = []
     missing: list[str] = []
     ran_seconds, ran = 0.0, 0
+    reused = reusable_rows(args.reuse)
     for i, (seed, setting, name, method) in enumerate(todo, 1):
         out = cell_dir(base, seed, setting, name)
         if (out / "report.json").exists() and not args.force:
             report = json.loads((out / "report.json").read_text())
+        elif (seed, setting, name) in reused and not args.force:
+            rows.append(reused[seed, setting, name])
+            continue
         elif args.collect:
             missing.append(f"s{seed} {setting} / {name}")
             continue
@@ -143,6 +150,22 @@ def run_cells(todo: list[Cell], base: Path, args: argparse.Namespace,
         print(f"s{seed} {setting:14s} {name:28s} global {fmt(row['accuracy'])} local {fmt(row['local_accuracy'])} "
               f"({row['wall_seconds']:.0f} s){' PROBLEMS: ' + '; '.join(problems) if problems else ''}", flush=True)
     return rows, missing
+
+
+def reusable_rows(path: str | None) -> dict[tuple[int, str, str], dict]:
+    """The rows of a committed table JSON (``--reuse``), by (seed, setting, method); each
+    keeps its ``measured`` date and gets ``reused_from`` (the file).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is not a table result (no ``cells`` list).
+    """
+    if not path:
+        return {}
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
+        raise ValueError(f"--reuse {path}: not a table result (no 'cells' list)")
+    return {(c["seed"], c["setting"], c["method"]): {**c, "reused_from": str(path)} for c in data["cells"]}
 
 
 def header(args: argparse.Namespace, profile: str, p: dict[str, Any], rows: list[dict], missing: list[str]

@@ -87,3 +87,24 @@ def test_markdown_says_better_only_where_significant(tmp_path):
     assert "**better**" in line
     line = next(x for x in md.splitlines() if x.startswith("| FedMoE − FLEX"))
     assert "no sig. difference" in line
+
+
+def test_reused_rows_stand_in_for_cells_this_checkout_lacks(tmp_path):
+    """--reuse: a committed table's rows fill the cells with no report; --collect lists only the rest."""
+    import argparse
+    import json
+
+    import cells
+
+    table = tmp_path / "t.json"
+    row = {"seed": 0, "setting": "a 10", "method": "M", "measured": "2026-01-01 00:00 UTC", "accuracy": 0.5,
+           "wall_seconds": 1.0, "sanity": {"problems": []}}
+    table.write_text(json.dumps({"cells": [row]}))
+    args = argparse.Namespace(force=False, collect=True, lock=None, threads=1, reuse=str(table))
+    todo = [(0, "a 10", "M", {}), (1, "a 10", "M", {})]
+    rows, missing = cells.run_cells(todo, tmp_path / "runs", args, run=None, summarise=None)
+    assert [r["accuracy"] for r in rows] == [0.5] and rows[0]["reused_from"] == str(table)
+    assert missing == ["s1 a 10 / M"]
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a table result"):
+        cells.reusable_rows(str(tmp_path / "bad.json"))
