@@ -217,8 +217,8 @@ def federate(out: Path, cache: Path, url: str, *, spec: Any, task: str, labels: 
         spec: the ``ModelSpec``; task/labels/test: the one task, its labels and test items.
         device_data: each device's training items (``(input, label)``); budgets: bytes each.
         method: ``strategy``, ``assignment`` (default ``full``), ``aggregation`` (default
-            ``modular``), ``params``, ``assignment_params``, and ``TrainConfig`` fields
-            (``prox_mu``, ``local_epochs``) overriding ``train``.
+            ``modular``), ``params``, ``assignment_params``, ``aggregation_params``, and
+            ``TrainConfig`` fields (``prox_mu``, ``local_epochs``, ``router``) overriding ``train``.
         train: ``TrainConfig`` fields (``max_steps``, ``batch_size``, ``lr``, ...).
         reserved: the cloud-only labelled set D^r (``Aggregator(reserved_data=...)``).
         eval_threads_n: torch threads of the cloud's evaluation (:func:`common.eval_threads`).
@@ -248,7 +248,7 @@ def federate(out: Path, cache: Path, url: str, *, spec: Any, task: str, labels: 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     fed = f"cell-{uuid.uuid4().hex[:8]}"
-    overrides = {k: method[k] for k in ("prox_mu", "local_epochs") if k in method}
+    overrides = {k: method[k] for k in ("prox_mu", "local_epochs", "router") if k in method}
     cfg = AggregatorConfig(
         federation=fed, model=spec, tasks={task: TaskConfig(labels=labels)}, rounds=rounds,
         min_devices=len(device_data), start_timeout_s=300, round_timeout_s=round_timeout_s, clients_per_round=1.0,
@@ -256,7 +256,8 @@ def federate(out: Path, cache: Path, url: str, *, spec: Any, task: str, labels: 
         strategy=StrategyConfig(name=method["strategy"], params=dict(method.get("params", {}))),
         assignment=StrategyConfig(name=method.get("assignment", "full"),
                                   params=dict(method.get("assignment_params", {}))),
-        aggregation=StrategyConfig(name=method.get("aggregation", "modular")), weight_format=weight_format,
+        aggregation=StrategyConfig(name=method.get("aggregation", "modular"),
+                                   params=dict(method.get("aggregation_params", {}))), weight_format=weight_format,
         store=f"sqlite:///{out}/aggregator.db", clear_retained_on_exit=True, protocol="3.1.1",
         eval_max_samples=eval_samples, eval_batch_size=64, seed=seed, defences=defences,
     )
@@ -341,7 +342,9 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         (``fusion_hybrid``), ``local_accuracy`` (mean of the devices' latest validation
         accuracy), ``initial_accuracy``, ``accuracy_per_round``, ``experts_held_mean`` (per
         device-round, all layers), ``mib_per_device_round`` (up + down), ``cv_usage`` (the
-        last round's expert-usage CV, cumulative; FLEX-MoE eq. 8), ``devices_trained``,
+        last round's expert-usage CV, cumulative; FLEX-MoE eq. 8), ``cv_assigned`` (the same
+        over the assigned data volume), ``planned_peak_mib`` (the devices' memory plans,
+        mean per device-round; measured RSS is not per device here), ``devices_trained``,
         ``devices_total``, ``reserved``, ``wall_seconds``, ``sanity`` (``rounds``: clients
         trained, experts held, excluded/failed, Fed-MoE's α and gate entropy; ``problems``:
         rounds not ``ok``, devices excluded or failed).
@@ -361,7 +364,8 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
                      "accuracy": r.get("accuracy"), "fused": (r.get("fused") or {}).get("accuracy"),
                      "alpha": sm.get("alpha"), "gate_entropy": sm.get("gate_entropy"),
                      "compact_clients": sm.get("compact_clients", sm.get("clients")),
-                     "sub_moe_clients": sm.get("sub_moe_clients"), "cv": r.get("cv")})
+                     "sub_moe_clients": sm.get("sub_moe_clients"), "cv": r.get("cv"),
+                     "cv_assigned": r.get("assigned_cv")})
         if r["status"] != "ok":
             problems.append(f"round {r['round']}: status {r['status']} {r.get('error', '')}")
         if r.get("excluded") or r.get("failures"):
@@ -370,6 +374,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
     device_rounds = [d for r in rounds for d in r["devices"].values()]
     held = [sum(len(v) for v in d["experts"].values()) for d in device_rounds]
     traffic = [(d.get("bytes_up") or 0) + (d.get("bytes_down") or 0) for d in device_rounds]
+    peaks = [d["predicted_peak_bytes"] for d in device_rounds if d.get("predicted_peak_bytes")]
     fused = [x["fused"] for x in rows]
     return {
         "accuracy": rounds[-1].get("accuracy") if rounds else None,
@@ -380,6 +385,8 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         "experts_held_mean": sum(held) / len(held) if held else None,
         "mib_per_device_round": sum(traffic) / len(traffic) / 2**20 if traffic else None,
         "cv_usage": rounds[-1].get("cv") if rounds else None,
+        "cv_assigned": rounds[-1].get("assigned_cv") if rounds else None,
+        "planned_peak_mib": (sum(peaks) / len(peaks) / 2**20) if peaks else None,
         "devices_trained": len({d for r in rounds for d in r["devices"]}),
         "devices_total": len(report["config"]["devices"]), "reserved": report["config"].get("reserved"),
         "wall_seconds": report.get("wall_seconds"),

@@ -65,6 +65,11 @@ DEFAULTS: dict[str, Any] = {"description": "", "model_by_data": {}, "weight_form
                             "profiles": {}, "eval_threads": 2, "round_timeout_s": 600.0}
 
 
+METRICS = (("global", "accuracy"), ("local", "local_accuracy"), ("cv", "cv_usage"), ("cv_assigned", "cv_assigned"))
+"""(name, cell field) of the figures given with a CI and tested pairwise: global and local
+accuracy, the expert-usage CV (FLEX-MoE eq. 8) and the CV of the assigned data volume."""
+
+
 class ConfigError(ValueError):
     """A harness config that cannot run, with the reason."""
 
@@ -176,8 +181,13 @@ def aggregate(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
     """Per setting: statistics over seeds and the paired tests of ``compare``."""
     return compare_methods(rows, cfg["seeds"], cfg["rounds"], target_methods=list(cfg["methods"]),
                            target_fraction=cfg["target_fraction"],
-                           pairs_of=lambda s: [tuple(p) for p in cfg["compare"]],
-                           extra=("experts_held_mean", "mib_per_device_round", "cv_usage", "devices_trained"))
+                           pairs_of=lambda s: [tuple(p) for p in cfg["compare"]], metrics=METRICS,
+                           extra=("experts_held_mean", "mib_per_device_round", "planned_peak_mib", "devices_trained"))
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """``mean(a) / mean(b)`` of two :func:`common.mean_ci` results (– without both)."""
+    return "–" if a["mean"] is None or not b["mean"] else f"{a['mean'] / b['mean']:.2f}"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -189,21 +199,28 @@ def markdown(result: dict[str, Any]) -> str:
              "*global*: the method's model on the held-out test split after the last round; *local*: mean over "
              "devices of their latest validation accuracy. Mean ± std over seeds [95% Student-t CI]. *rounds*: to "
              f"{cfg['target_fraction']:.0%} of the best method's mean final accuracy (not reached: "
-             f"{cfg['rounds'] + 1}). *MiB/dev-round*: up + down per device and round. *CV*: expert-usage CV, "
-             "cumulative, last round. \"better\"/\"worse\" only where the paired difference is significant.", ""]
+             f"{cfg['rounds'] + 1}). *MiB/dev-round*: up + down per device and round. *plan MiB*: the devices' "
+             "memory plans (peak bytes), mean per device-round. *CV usage*: CV of the tokens routed to each expert "
+             "(FLEX-MoE eq. 8), *CV assigned*: of the data volume assigned to each expert (sum of the holders' "
+             "samples), both cumulative over the rounds, last round. \"better\"/\"worse\" only where the paired "
+             "difference is significant; for the CVs, lower is better.", ""]
     for setting, st in stats.items():
         lines += [f"## {setting} (target {fmt(st['target'])})", "",
-                  "| Method | global acc | local acc | rounds | experts held | MiB/dev-round | CV | devices trained |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| Method | global acc | local acc | rounds | experts held | MiB/dev-round | plan MiB | CV usage | "
+                  "CV assigned | devices trained |", "|---|---|---|---|---|---|---|---|---|---|"]
         for m, s in st["methods"].items():
             lines.append(f"| {m} | {ci_text(s['global'])} | {ci_text(s['local'])} | "
                          f"{ci_text(s['rounds_to_target'], '.1f')} | {fmt(s['experts_held_mean'], '.1f')} | "
-                         f"{fmt(s['mib_per_device_round'], '.2f')} | {fmt(s['cv_usage'], '.2f')} | "
+                         f"{fmt(s['mib_per_device_round'], '.2f')} | {fmt(s['planned_peak_mib'], '.0f')} | "
+                         f"{ci_text(s['cv'], '.2f')} | {ci_text(s['cv_assigned'], '.2f')} | "
                          f"{fmt(s['devices_trained'], '.0f')} |")
         if st["tests"]:
-            lines += ["", "| a − b | Δ global [95% CI], p | | Δ local [95% CI], p | |", "|---|---|---|---|---|"]
+            lines += ["", "| a − b | Δ global [95% CI], p | | Δ local [95% CI], p | | Δ CV usage [95% CI], p | | "
+                      "CV usage a / b |", "|---|---|---|---|---|---|---|---|"]
             lines += [f"| {t['a']} − {t['b']} | {diff_text(t['global'])} | {verdict(t['global'])} | "
-                      f"{diff_text(t['local'])} | {verdict(t['local'])} |" for t in st["tests"]]
+                      f"{diff_text(t['local'])} | {verdict(t['local'])} | {diff_text(t['cv'])} | "
+                      f"{verdict(t['cv'], higher_is_better=False)} | "
+                      f"{_ratio(st['methods'][t['a']]['cv'], st['methods'][t['b']]['cv'])} |" for t in st["tests"]]
         lines.append("")
     problems = [f"- s{c['seed']} {c['setting']} / {c['method']}: {p}" for c in result["cells"]
                 for p in c["sanity"]["problems"]]

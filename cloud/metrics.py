@@ -6,6 +6,11 @@ For one MoE layer, the workload of expert e over a window of rounds is
 - Coefficient of variation (eq. 8): ``CV = std_e(W_e) / mean_e(W_e)`` (population std;
   0 when the mean is 0).
 - Max-Min gap (eq. 9): ``Gap = max_e W_e - min_e W_e``.
+
+The same measures over the *assigned* data volume ``A_e = sum over clients holding e of
+|D_c|`` (samples; what FLEX-MoE's constraints eq. 12-13 bound) tell an assignment's balance
+apart from the routers': a plan can hold every expert equally often while the routers send
+most tokens to a few of them.
 """
 
 from __future__ import annotations
@@ -40,6 +45,23 @@ def round_load(per_device: Iterable[dict[int, Sequence[int]]], layers: Sequence[
         for layer, u in usage.items():
             if layer in total:
                 total[layer] += np.asarray(u, dtype=np.int64)
+    return {layer: v.tolist() for layer, v in total.items()}
+
+
+def assigned_load(held: Iterable[tuple[int, dict[int, Sequence[int]]]], layers: Sequence[int],
+                  num_experts: int) -> dict[int, list[int]]:
+    """The data volume assigned to each expert in one round: layer -> E sample counts
+    ``A_e = sum_{c holds e} |D_c|``.
+
+    Args:
+        held: ``(num_samples, layer -> held expert ids)`` per device (the accepted updates'
+            capped sample counts).
+    """
+    total = {layer: np.zeros(num_experts, dtype=np.int64) for layer in layers}
+    for n, experts in held:
+        for layer, ids in experts.items():
+            if layer in total:
+                total[layer][np.asarray(list(ids), dtype=np.int64)] += int(n)
     return {layer: v.tolist() for layer, v in total.items()}
 
 
@@ -80,14 +102,14 @@ class LoadWindow:
         """layer -> max-min gap of ``W_e`` over the window, in tokens (eq. 9)."""
         return {layer: max_min_gap(w) for layer, w in self.totals().items()}
 
-    def summary(self) -> dict[str, object]:
-        """``cv``/``max_min_gap`` averaged over layers, plus the per-layer values."""
+    def summary(self, prefix: str = "") -> dict[str, object]:
+        """``{prefix}cv``/``{prefix}max_min_gap`` averaged over layers, plus the per-layer values."""
         cv, gap = self.cv(), self.gap()
         return {
-            "cv": float(np.mean(list(cv.values()))) if cv else 0.0,
-            "max_min_gap": float(np.mean(list(gap.values()))) if gap else 0.0,
-            "cv_per_layer": layers_to_json(cv),
-            "max_min_gap_per_layer": layers_to_json(gap),
+            f"{prefix}cv": float(np.mean(list(cv.values()))) if cv else 0.0,
+            f"{prefix}max_min_gap": float(np.mean(list(gap.values()))) if gap else 0.0,
+            f"{prefix}cv_per_layer": layers_to_json(cv),
+            f"{prefix}max_min_gap_per_layer": layers_to_json(gap),
         }
 
     def state_dict(self) -> dict:

@@ -67,7 +67,7 @@ from protocol.topics import Topics
 
 from .filters import InboundFilter, UpdateDecoding
 from .global_model import GlobalModel
-from .metrics import LoadWindow, round_load
+from .metrics import LoadWindow, assigned_load, round_load
 from .registry import Registry
 from .robust.defences import Defences
 from .robust.guard import l2_norm
@@ -199,6 +199,8 @@ class RoundEngine:
         self.completed = int(store.get_json("last_round", 0))
         self.window = LoadWindow(model.layers, model.spec.num_experts)
         self.window.load_state_dict(store.get_json("load_window", {}))
+        self.assigned_window = LoadWindow(model.layers, model.spec.num_experts)
+        self.assigned_window.load_state_dict(store.get_json("assigned_window", {}))
         self.previous: dict[str, Experts] = experts_by_device_from_json(store.get_json("previous_assignment", {}))
         self._rng = random.Random(settings.seed + self.completed)
         self._idle_round = -1
@@ -302,6 +304,7 @@ class RoundEngine:
             excluded[d] = (why, {})
         for d in plan.assignments:  # a strategy may fit a device below one expert per layer (a smaller batch)
             excluded.pop(d, None)
+        self._add_configured_objectives(plan)
         self._ask_evaluation(number, plan, views)
         for v in views:
             if v.device_id not in plan.assignments and v.device_id not in excluded:
@@ -339,6 +342,16 @@ class RoundEngine:
         self.progress("round_start", number, {"devices": sorted(rnd.selected), "assignment_seconds": seconds,
                                               "excluded": rnd.excluded})
         return True
+
+    def _add_configured_objectives(self, plan: Plan) -> None:
+        """Add the strategy's configured terms (``strategy.params.objectives``) to every
+        assigned device's plan, after the terms the method planned (none named twice)."""
+        for d in plan.assignments:
+            planned = list(plan.objectives.get(d) or [])
+            names = {getattr(o, "name", None) for o in planned}
+            extra = [o for o in self.strategy.objectives if o.name not in names]
+            if extra:
+                plan.objectives[d] = [*planned, *extra]
 
     def _ask_evaluation(self, number: int, plan: Plan, views: list[DeviceView]) -> None:
         """Add the evaluation term to the plan of the devices the strategy's
@@ -778,6 +791,8 @@ class RoundEngine:
         load = round_load(({ls.layer: ls.usage for ls in r.stats.layers} for r in accepted), self.model.layers,
                           self.model.spec.num_experts)
         self.window.add(load)
+        self.assigned_window.add(assigned_load(((r.num_samples, r.experts) for r in accepted), self.model.layers,
+                                               self.model.spec.num_experts))
         release_free_memory()  # what aggregation and evaluation freed goes back to the OS before RSS is recorded
         record = self._record(rnd, accepted, failures, status, ev, load)
         record["global_state_norm"] = l2_norm(self.model.state.values())
@@ -859,6 +874,7 @@ class RoundEngine:
                 "shards_fetched": st.shards_fetched, "samples": st.num_samples, "val_accuracy": st.val_accuracy,
                 "train_loss": st.train_loss, "train_seconds": st.train_seconds,
                 "predicted_peak_bytes": st.predicted_peak_bytes, "weight_format": st.weight_format,
+                **({"extras": st.extras} if st.extras else {}),  # what the objective terms reported
             }
         local = [r.stats.val_accuracy for r in results if r.stats.val_accuracy is not None]
         return {
@@ -876,6 +892,7 @@ class RoundEngine:
             "bytes_down": sum(d["bytes_down"] for d in devices.values()),
             "expert_load": layers_to_json(load),
             **self.window.summary(),
+            **self.assigned_window.summary("assigned_"),
             "strategy": self.strategy.name,
             "assignment": {"strategy": self.strategy.label, "seconds": rnd.assignment_seconds, **rnd.plan_info},
             "assignment_seconds": rnd.assignment_seconds,
@@ -894,6 +911,7 @@ class RoundEngine:
         self.store.put_json("strategy_state", self.strategy.state_dict())
         self.store.put_json("defences_state", self.defences.state_dict())
         self.store.put_json("load_window", self.window.state_dict())
+        self.store.put_json("assigned_window", self.assigned_window.state_dict())
         self.store.put_json("previous_assignment", experts_by_device_to_json(self.previous))
         self.store.save_round(record)
         self.store.put_json("last_round", record["round"])

@@ -21,6 +21,13 @@ def check_load_metrics(records):
             total[layer] = total.get(layer, 0) + np.asarray(w, dtype=np.float64)
         assert r["cv"] == pytest.approx(np.mean([w.std() / w.mean() for w in total.values()]))
         assert r["max_min_gap"] == pytest.approx(np.mean([w.max() - w.min() for w in total.values()]))
+    assigned = {}
+    for r in records:  # the same over the assigned data volume: sum of the holders' samples per expert
+        for v in r["devices"].values():
+            for layer, ids in v["experts"].items():
+                a = assigned.setdefault(layer, np.zeros(len(r["expert_load"][layer])))
+                a[ids] += v["samples"]
+        assert r["assigned_cv"] == pytest.approx(np.mean([a.std() / a.mean() for a in assigned.values()]))
 
 
 def check_records(records, fed):

@@ -260,3 +260,46 @@ def test_cv_and_max_min_on_known_load():
     w = [100, 300, 200, 200]  # mean 200, population std sqrt(5000)
     assert coefficient_of_variation(w) == pytest.approx(math.sqrt(5000) / 200)
     assert max_min_gap(w) == 200
+
+
+def test_assigned_load_sums_holders_samples_and_its_window_cv():
+    from cloud.metrics import LoadWindow, assigned_load
+
+    a = assigned_load([(10, {1: [0, 2]}), (30, {1: [2, 3]}), (5, {7: [0]})], [1], 4)
+    assert a == {1: [10, 0, 40, 30]}  # layer 7 is not a MoE layer here: ignored
+    w = LoadWindow([1], 4)
+    w.add(a)
+    s = w.summary("assigned_")
+    assert s["assigned_cv"] == pytest.approx(np.std([10, 0, 40, 30]) / np.mean([10, 0, 40, 30]))
+    assert set(s) == {"assigned_cv", "assigned_max_min_gap", "assigned_cv_per_layer", "assigned_max_min_gap_per_layer"}
+
+
+def test_flex_usage_drives_the_deficit_by_reported_usage_hand_computed():
+    """Two devices of 100 samples hold 2 of E = 4 experts each: flex's deficit follows the
+    assigned volume, flex_usage's the usage the devices reported (rescaled to samples)."""
+    devs = [DeviceView(f"d{i}", "t", 100, 10**9, 2) for i in range(2)]
+    plain, usage = get_assignment("flex")([1], 4, gamma=1.0), get_assignment("flex_usage")([1], 4, gamma=1.0)
+    results = []
+    for flex in (plain, usage):
+        plan = flex.configure(1, devs)
+        results = [ClientResult(d, "t", 100, plan.assignments[d], {},
+                                stats({1: ([0.5] * 4, [1.0] * 4, [0] * 4)})) for d in plan.assignments]
+        load = flex.loads[1].last_load.copy()
+        # the routers sent 300 tokens to the first held expert of d0 and 100 to every other held slot
+        for r in results:
+            held = r.experts[1]
+            r.stats.layers[0].usage = [300 if (r.device_id == "d0" and e == held[0]) else (100 if e in held else 0)
+                                       for e in range(4)]
+        flex.observe(1, results, [])
+        flex.configure(2, devs)  # folds last round's deviation into D (gamma = 1: D = d)
+        tau = 100 * 2 * 2 / 4
+        if flex is plain:
+            assert flex.loads[1].deficit == pytest.approx(load - tau)
+        else:
+            u = np.zeros(4)
+            for r in results:
+                u += r.stats.layers[0].usage
+            assert flex.loads[1].deficit == pytest.approx(u * load.sum() / u.sum() - tau)
+            assert flex.loads[1].deficit.max() > 0  # the over-used expert's target drops
+    with pytest.raises(ValueError, match="usage_weight"):
+        get_assignment("flex_usage")([1], 4, usage_weight=1.5)

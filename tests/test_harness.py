@@ -78,13 +78,15 @@ def test_markdown_says_better_only_where_significant(tmp_path):
                        ("FLEX", [0.6, 0.8, 0.7][s])):
             rows.append({"seed": s, "setting": "bbc Dir(0.5) 6", "method": m, "accuracy": acc, "local_accuracy": 0.6,
                          "accuracy_per_round": [0.4, acc], "initial_accuracy": 0.2, "experts_held_mean": 40.0,
-                         "mib_per_device_round": 1.0, "cv_usage": 0.5, "devices_trained": 6,
+                         "mib_per_device_round": 1.0, "devices_trained": 6, "planned_peak_mib": 30.0,
+                         "cv_usage": {"FedMoE": 0.9}.get(m, 0.5) + 0.01 * s, "cv_assigned": 0.1,
                          "sanity": {"problems": []}})
     result = {"config": cfg, "stats": H.aggregate(cfg, rows), "cells": rows, "profile": "full", "date": "d",
               "machine": "m", "note": "", "config_path": "c.yaml", "cells_missing": []}
     md = H.markdown(result)
     line = next(x for x in md.splitlines() if x.startswith("| FedMoE − randomMoE"))
-    assert "**better**" in line
+    cols = [c.strip() for c in line.split("|")]
+    assert cols[3].startswith("**better**") and cols[7].startswith("**worse**") and cols[8] == "1.78"  # 0.91 / 0.51
     line = next(x for x in md.splitlines() if x.startswith("| FedMoE − FLEX"))
     assert "no sig. difference" in line
 

@@ -30,13 +30,32 @@ from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from moe_model.objectives import perplexity
-from protocol.messages import MAX_SAMPLES, Ack, Stats
+from protocol.messages import MAX_SAMPLES, Ack, Objective, Stats
 
 from ..aggregation.base import AggregationStrategy
 from ..strategy import Aggregated, ClientResult, DeviceView, Experts, Failure, Plan, Registered, Setup
 
 if TYPE_CHECKING:
     from ..global_model import GlobalModel
+
+
+def _objectives(raw: list[dict] | None) -> list[Objective]:
+    """``Strategy(objectives=...)`` validated: a list of ``{name, params}`` of terms this
+    installation knows. Raises ValueError with the reason."""
+    from pydantic import ValidationError
+
+    from edge_sdk.objectives import check_objectives
+
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError(f"objectives must be a list of {{name, params}}, got {type(raw).__name__}")
+    try:
+        out = [Objective.model_validate(o) for o in raw]
+    except ValidationError as e:
+        raise ValueError(f"objectives: {e}") from None
+    check_objectives(out)
+    return out
 
 
 class Strategy(Registered):
@@ -48,11 +67,16 @@ class Strategy(Registered):
         evaluate_fraction: share of each round's devices asked to evaluate the global
             model they receive on their validation split (:meth:`configure_evaluate`);
             default 0 (none).
+        objectives: terms every assigned device adds to its local objective, whatever
+            the method plans (``[{name: load_balance, params: {alpha: 0.01}}]``;
+            :mod:`edge_sdk.objectives`); default none. A term the plan already names for
+            a device is not added twice.
         **params: the method's parameters from the config (``strategy.params``).
 
     Raises:
         TypeError: unknown parameters.
-        ValueError: ``evaluate_fraction`` outside [0, 1].
+        ValueError: ``evaluate_fraction`` outside [0, 1]; ``objectives`` not a list of
+            valid terms (an unknown name lists the known ones).
 
     Attributes:
         aggregation: the aggregation part, if the method has one; the engine wraps it in
@@ -68,12 +92,14 @@ class Strategy(Registered):
     """The device objective term that evaluates the received model (its statistics:
     ``evaluate_received.accuracy``, ``.loss``, ``.samples``)."""
 
-    def __init__(self, setup: Setup, evaluate_fraction: float = 0.0, **params: Any):
+    def __init__(self, setup: Setup, evaluate_fraction: float = 0.0, objectives: list[dict] | None = None,
+                 **params: Any):
         if params:
             raise TypeError(f"{type(self).__name__} got unknown parameters {sorted(params)}")
         if not 0.0 <= float(evaluate_fraction) <= 1.0:
             raise ValueError(f"evaluate_fraction must be in [0, 1], got {evaluate_fraction!r}")
         self.setup, self.evaluate_fraction = setup, float(evaluate_fraction)
+        self.objectives = _objectives(objectives)
 
     @classmethod
     def reserve_fraction_of(cls, params: dict[str, Any]) -> float:
