@@ -25,7 +25,7 @@ import torch
 from protocol.chunking import split_blob
 from protocol.codec import encode_tensors
 from protocol.messages import (
-    MAX_REAL, MAX_SAMPLES, Ack, BlobRef, Command, Hello, LayerStats, MessageError, Progress, Stats, encode,
+    MAX_REAL, MAX_SAMPLES, PROTOCOL_MINOR, Ack, BlobRef, Command, Hello, LayerStats, MessageError, Progress, Stats, encode,
     parse_message,
 )
 from protocol.topics import Topics
@@ -255,9 +255,11 @@ def _offline(tmp, monkeypatch, **cfg_kw):
     return agg, replies
 
 
-def _hello(agg, device_id: str, num_samples: int) -> None:
+def _hello(agg, device_id: str, num_samples: int = 10, minor: int = PROTOCOL_MINOR) -> None:
+    """A current bbc device's hello straight into the aggregator's handler (``minor``: the
+    protocol minor it announces)."""
     h = Hello(device_id=device_id, sdk_version="x", budget_bytes=2**40, weight_formats=["int8"],
-              num_samples=num_samples, task="bbc", runtime_bytes=0)
+              num_samples=num_samples, task="bbc", runtime_bytes=0, protocol_minor=minor)
     agg._handle(f"fl/v1/bd/dev/{device_id}/up/hello", encode(h))
 
 

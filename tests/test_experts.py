@@ -16,8 +16,7 @@ from protocol.experts import (
     Experts, experts_by_device_from_json, experts_by_device_to_json, layer_key, layers_from_json, layers_to_json,
 )
 from protocol.messages import Assignment, BlobRef, MessageError, ModelSpec, TrainConfig, encode, parse_message
-from tests.test_bounds import _send, _stats, _upload
-from tests.test_strategy_api import _hello
+from tests.test_bounds import _hello, _send, _stats, _upload
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,8 +19,7 @@ from edge_sdk.objectives.fedalign import RG_TENSOR, adaptive_weights, alignment_
 from protocol.messages import BlobRef, LayerStats, Objective, Stats, TrainConfig
 from tests.conftest import tiny_spec
 from tests.federation import Federation
-from tests.test_bounds import _offline, _send, _stats, _upload
-from tests.test_strategy_api import _hello
+from tests.test_bounds import _hello, _offline, _send, _stats, _upload
 
 E, H = 4, 3
 

@@ -13,18 +13,12 @@ from cloud.service import StrategyConfig
 from cloud.strategies import Composed, get_strategy
 from protocol.codec import decode_tensors
 from cloud.strategy import Setup
-from protocol.messages import PROTOCOL_MINOR, Hello, MessageError, Objective, Stats, TrainConfig, encode, parse_message
+from protocol.messages import MessageError, Objective, Stats, TrainConfig, encode, parse_message
 from tests import toy_strategy  # noqa: F401  (registers the toy strategy and its objective term)
 from tests.federation import Federation
-from tests.test_bounds import _offline, _send, _stats, _upload
+from tests.test_bounds import _hello, _offline, _send, _stats, _upload
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _hello(agg, device_id: str, minor: int = PROTOCOL_MINOR, num_samples: int = 10) -> None:
-    h = Hello(device_id=device_id, sdk_version="x", budget_bytes=2**40, weight_formats=["int8"],
-              num_samples=num_samples, task="bbc", runtime_bytes=0, protocol_minor=minor)
-    agg._handle(f"fl/v1/bd/dev/{device_id}/up/hello", encode(h))
 
 
 def test_toy_strategy_runs_in_a_federation_on_the_embedded_broker(tmp_path, embedded_url):
