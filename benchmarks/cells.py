@@ -201,7 +201,7 @@ def write(results: str, stem: str, result: dict[str, Any], markdown: Callable[[d
     return md
 
 
-def federate(out: Path, cache: Path, url: str, *, spec: Any, task: str, labels: list[str], test: list,
+def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], test: list,
              device_data: list[list], budgets: list[int], method: dict[str, Any], train: dict[str, Any], rounds: int,
              weight_format: str, eval_samples: int, seed: int, defences: dict[str, Any],
              reserved: list | None = None, eval_threads_n: int = 2, round_timeout_s: float = 600.0,
@@ -209,11 +209,13 @@ def federate(out: Path, cache: Path, url: str, *, spec: Any, task: str, labels: 
     """One federation of a table cell through the production code: a ``cloud.service.Aggregator``
     and one ``edge_sdk.EdgeClient`` per device as threads of this process
     (``fedmoe.inprocess.run_inprocess``) over the MQTT broker at ``url``. Devices plan memory
-    for the model alone (``runtime_bytes=0``, no headroom: the process is shared).
+    for the model alone (``runtime_bytes=0``, no headroom: the process is shared). Every
+    device starts with an empty shard cache of its own (under ``out``, removed after the
+    run), as a freshly provisioned device would: the base shards it fetches count in its
+    bytes, whichever cells ran before.
 
     Args:
         out: the cell directory (emptied first); gets ``report.json`` and ``rounds.md``.
-        cache: one shard cache directory per device index below it.
         spec: the ``ModelSpec``; task/labels/test: the one task, its labels and test items.
         device_data: each device's training items (``(input, label)``); budgets: bytes each.
         method: ``strategy``, ``assignment`` (default ``full``), ``aggregation`` (default
@@ -269,8 +271,8 @@ def federate(out: Path, cache: Path, url: str, *, spec: Any, task: str, labels: 
                         "labels": {str(y): sum(1 for _, x in data if x == y) for y in sorted({x for _, x in data},
                                                                                          key=str)}})
         clients.append(EdgeClient(url, d, data, federation=fed, budget_bytes=budget, task=task,
-                                  cache_dir=str(cache / d), protocol="3.1.1", runtime_bytes=0, headroom_bytes=0,
-                                  low_memory=False, seed=seed * 100 + i))
+                                  cache_dir=str(out / "shards" / d), protocol="3.1.1", runtime_bytes=0,
+                                  headroom_bytes=0, low_memory=False, seed=seed * 100 + i))
     t_setup = time.time() - t0
     with probe if probe is not None else nullcontext(), eval_threads(eval_threads_n):
         records, errors = run_inprocess(agg, clients, round_timeout_s * (rounds + 1))
@@ -289,6 +291,7 @@ def federate(out: Path, cache: Path, url: str, *, spec: Any, task: str, labels: 
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "rounds.md").write_text("```\n" + R.table(report) + "\n```\n")
     (out / "aggregator.db").unlink(missing_ok=True)  # global-state blobs; the report has what the table needs
+    shutil.rmtree(out / "shards", ignore_errors=True)
     return report
 
 

@@ -27,10 +27,9 @@ strategy's switches ``router_alignment``, ``consistency_weighting``, ``adaptive_
 Every cell is a real federation through the production code: the aggregator
 (``cloud.service.Aggregator``, strategy, round engine, store) and one
 ``edge_sdk.EdgeClient`` per device talk MQTT through the embedded broker, but as threads
-of this process (``fedmoe.inprocess.run_inprocess``, as ``benchmarks/flex_table.py``)
+of this process (``fedmoe.inprocess.run_inprocess``, as ``benchmarks/cells.py``)
 rather than ``fedmoe simulate``'s separate processes: on this 2-core machine that saves
-each cell the start-up of 7 Python processes (torch, the model) and lets the devices share
-one shard cache directory per device index. Devices plan memory for the model alone
+each cell the start-up of 7 Python processes (torch, the model). Devices plan memory for the model alone
 (``runtime_bytes=0``: the process is shared); every budget holds the full MoE, with a
 spread of up to one full-MoE-minus-2-experts on top, so FedMoE's search (α = 0.8 of the
 part above the fixed memory) picks sub-models of different sizes.
@@ -223,7 +222,7 @@ def device_budgets(spec, batch: int, num_labels: int, devices: int, seed: int, t
 
 
 def run_federation(p: dict[str, Any], task: str, scheme: str, method: dict[str, Any], seed: int, out: Path,
-                   cache: Path, url: str) -> dict[str, Any]:
+                   url: str) -> dict[str, Any]:
     """One federation (:func:`cells.federate`, with :class:`GateProbe`); returns its report."""
     from fedmoe.partition import partition
     from fedmoe.simulate import split_task
@@ -235,7 +234,7 @@ def run_federation(p: dict[str, Any], task: str, scheme: str, method: dict[str, 
     if method["assignment"] == "fedmoe":
         method = {**method, "assignment_params": {"probe_steps": p["probe_steps"], "patience": p["patience"]}}
     return cells.federate(
-        out, cache, url, spec=spec, task=task, labels=labels, test=[items[i] for i in test_idx],
+        out, url, spec=spec, task=task, labels=labels, test=[items[i] for i in test_idx],
         device_data=[[items[train_idx[j]] for j in part] for part in parts],
         budgets=device_budgets(spec, p["batch"], len(labels), p["devices"], seed, task, p["weight_format"]),
         method=method, train={"max_steps": p["max_steps"], "batch_size": p["batch"], "lr": p["lr"]},
@@ -526,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(seed: int, setting: str, method: dict[str, Any], out: Path, url: str) -> dict[str, Any]:
         task, part = setting.split(" ", 1)
-        return run_federation(p, task, PARTITIONS[part], method, seed, out, base / "cache" / task, url)
+        return run_federation(p, task, PARTITIONS[part], method, seed, out, url)
 
     rows, missing = cells.run_cells(todo, base, args, run, summarise)
     result = {**cells.header(args, profile, p, rows, missing), "tasks": TASKS, "partitions": PARTITIONS,

@@ -103,7 +103,7 @@ TARGET_FRACTION = 0.9
 NUM_EXPERTS = 8
 TRAIN = {"tweets": {"batch": 8, "max_steps": 2, "lr": 3e-3}, "fmnist": {"batch": 32, "max_steps": 15, "lr": 2e-3}}
 """Local training per round, per data set: the MiniLM settings of ``benchmarks/fedalign_table.py``;
-for the small CNN, FLEX's table's batch and learning rate (``benchmarks/flex_table.py``)."""
+for the small CNN, FLEX's table's batch and learning rate (``benchmarks/configs/flex.yaml``)."""
 PROFILES = {
     "quick": dict(datasets=["fmnist", "tweets"], clients=[10], seeds=[0], rounds=3, max_seq_len=24,
                   samples={"tweets": 1500, "fmnist": 1500}, eval_samples=200, eval_threads=2, train=TRAIN),
@@ -158,7 +158,7 @@ def budgets_for(spec, batch: int, num_labels: int, clients: int, seed: int, weig
 
 
 def run_federation(p: dict[str, Any], name: str, clients: int, method: dict[str, Any], seed: int, out: Path,
-                   cache: Path, url: str) -> dict[str, Any]:
+                   url: str) -> dict[str, Any]:
     """One federation (:func:`cells.federate`); returns its report."""
     from fedmoe.partition import partition, reserve
 
@@ -175,7 +175,7 @@ def run_federation(p: dict[str, Any], name: str, clients: int, method: dict[str,
         device_data = [[pool[j] for j in part] for part in parts]
         budgets = budgets_for(spec, tr["batch"], len(labels), clients, seed, fmt_)
     return cells.federate(
-        out, cache, url, spec=spec, task=name, labels=labels, test=test, device_data=device_data, budgets=budgets,
+        out, url, spec=spec, task=name, labels=labels, test=test, device_data=device_data, budgets=budgets,
         method={k: v for k, v in method.items() if k != "central"},
         train={"max_steps": tr["max_steps"], "batch_size": tr["batch"], "lr": tr["lr"]}, rounds=p["rounds"],
         weight_format=fmt_, eval_samples=p["eval_samples"], seed=seed, defences=DEFENCES, reserved=reserved,
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(seed: int, setting: str, method: dict[str, Any], out: Path, url: str) -> dict[str, Any]:
         data, clients = setting.split(" ")
-        return run_federation(p, data, int(clients), method, seed, out, base / "cache" / data, url)
+        return run_federation(p, data, int(clients), method, seed, out, url)
 
     rows, missing = cells.run_cells(todo, base, args, run, cells.summarise)
     result = {**cells.header(args, profile, p, rows, missing), "datasets": DATASETS, "methods": METHODS,

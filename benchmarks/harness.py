@@ -7,7 +7,7 @@ training, the rounds, the methods (strategy × assignment × aggregation × trai
 options), the pairs to test and the seeds, plus profiles (``quick``, ``full``) that
 override any of these by dotted key::
 
-    name: example                    # results/<name>{,_quick}.{json,md,png}
+    name: example                    # results/evidence/<name>{,_quick}.{json,md,png}
     description: one line for the table
     model: {num_experts: 8, top_k: 2, max_seq_len: 24}   # protocol.messages.ModelSpec fields
     model_by_data: {fmnist: {family: conv-moe, base: null, tokenizer: null}}   # per data source
@@ -65,9 +65,11 @@ DEFAULTS: dict[str, Any] = {"description": "", "model_by_data": {}, "weight_form
                             "profiles": {}, "eval_threads": 2, "round_timeout_s": 600.0}
 
 
-METRICS = (("global", "accuracy"), ("local", "local_accuracy"), ("cv", "cv_usage"), ("cv_assigned", "cv_assigned"))
+METRICS = (("global", "accuracy"), ("local", "local_accuracy"), ("cv", "cv_usage"), ("cv_assigned", "cv_assigned"),
+           ("mib", "mib_per_device_round"), ("plan_mib", "planned_peak_mib"))
 """(name, cell field) of the figures given with a CI and tested pairwise: global and local
-accuracy, the expert-usage CV (FLEX-MoE eq. 8) and the CV of the assigned data volume."""
+accuracy, the expert-usage CV (FLEX-MoE eq. 8), the CV of the assigned data volume, MiB on
+the wire per device-round and the devices' planned peak memory (MiB)."""
 
 
 class ConfigError(ValueError):
@@ -159,7 +161,7 @@ def budgets_for(cfg: dict[str, Any], spec, labels: int, devices: int, seed: int,
 
 
 def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any], seed: int, out: Path,
-             cache: Path, url: str) -> dict[str, Any]:
+             url: str) -> dict[str, Any]:
     """One federation of the grid (:func:`cells.federate`); returns its report."""
     from fedmoe.partition import partition
 
@@ -169,7 +171,7 @@ def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any
     spec = spec_for(cfg, data, seed)
     fmt_ = _per_data(cfg["weight_format"], data)
     return cells.federate(
-        out, cache, url, spec=spec, task=data, labels=labels, test=test,
+        out, url, spec=spec, task=data, labels=labels, test=test,
         device_data=[[train[j] for j in part] for part in parts],
         budgets=budgets_for(cfg, spec, len(labels), setting["devices"], seed, fmt_), method=method,
         train=cfg["train"], rounds=cfg["rounds"], weight_format=fmt_, eval_samples=cfg["eval_samples"], seed=seed,
@@ -182,7 +184,7 @@ def aggregate(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
     return compare_methods(rows, cfg["seeds"], cfg["rounds"], target_methods=list(cfg["methods"]),
                            target_fraction=cfg["target_fraction"],
                            pairs_of=lambda s: [tuple(p) for p in cfg["compare"]], metrics=METRICS,
-                           extra=("experts_held_mean", "mib_per_device_round", "planned_peak_mib", "devices_trained"))
+                           extra=("experts_held_mean", "devices_trained"))
 
 
 def _ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -211,16 +213,18 @@ def markdown(result: dict[str, Any]) -> str:
         for m, s in st["methods"].items():
             lines.append(f"| {m} | {ci_text(s['global'])} | {ci_text(s['local'])} | "
                          f"{ci_text(s['rounds_to_target'], '.1f')} | {fmt(s['experts_held_mean'], '.1f')} | "
-                         f"{fmt(s['mib_per_device_round'], '.2f')} | {fmt(s['planned_peak_mib'], '.0f')} | "
+                         f"{ci_text(s['mib'], '.2f')} | {ci_text(s['plan_mib'], '.0f')} | "
                          f"{ci_text(s['cv'], '.2f')} | {ci_text(s['cv_assigned'], '.2f')} | "
                          f"{fmt(s['devices_trained'], '.0f')} |")
         if st["tests"]:
             lines += ["", "| a − b | Δ global [95% CI], p | | Δ local [95% CI], p | | Δ CV usage [95% CI], p | | "
-                      "CV usage a / b |", "|---|---|---|---|---|---|---|---|"]
+                      "CV usage a / b | Δ MiB/dev-round [95% CI], p |", "|---|---|---|---|---|---|---|---|---|"]
             lines += [f"| {t['a']} − {t['b']} | {diff_text(t['global'])} | {verdict(t['global'])} | "
                       f"{diff_text(t['local'])} | {verdict(t['local'])} | {diff_text(t['cv'])} | "
                       f"{verdict(t['cv'], higher_is_better=False)} | "
-                      f"{_ratio(st['methods'][t['a']]['cv'], st['methods'][t['b']]['cv'])} |" for t in st["tests"]]
+                      f"{_ratio(st['methods'][t['a']]['cv'], st['methods'][t['b']]['cv'])} | "
+                      f"{diff_text(t['mib'], '+.2f')} |"
+                      for t in st["tests"]]
         lines.append("")
     problems = [f"- s{c['seed']} {c['setting']} / {c['method']}: {p}" for c in result["cells"]
                 for p in c["sanity"]["problems"]]
@@ -230,7 +234,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = cells.parser(__doc__.split("\n\n")[0], "the config's quick profile", ROOT / "runs", ROOT / "results")
+    ap = cells.parser(__doc__.split("\n\n")[0], "the config's quick profile", ROOT / "runs",
+                      ROOT / "results" / "evidence")
     ap.add_argument("config", help="a YAML config (benchmarks/configs/)")
     args = ap.parse_args(argv)
     profile = "quick" if args.quick else "full"
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             if not wanted or name in wanted]
 
     def run(seed: int, setting: str, method: dict[str, Any], out: Path, url: str) -> dict[str, Any]:
-        return run_cell(cfg, settings[setting], method, seed, out, base / "cache" / settings[setting]["data"], url)
+        return run_cell(cfg, settings[setting], method, seed, out, url)
 
     rows, missing = cells.run_cells(todo, base, args, run, cells.summarise)
     result = {**cells.header(args, profile, cfg, rows, missing), "config": cfg, "config_path": str(args.config),

@@ -303,3 +303,13 @@ def test_flex_usage_drives_the_deficit_by_reported_usage_hand_computed():
             assert flex.loads[1].deficit.max() > 0  # the over-used expert's target drops
     with pytest.raises(ValueError, match="usage_weight"):
         get_assignment("flex_usage")([1], 4, usage_weight=1.5)
+
+
+def test_infeasible_layers_log_one_warning_per_round(caplog):
+    # one device of 100 samples holding 1 of 4 experts: every layer needs widening
+    s = get_assignment("flex")([0, 1, 2], 4, solver="cbc")
+    with caplog.at_level("DEBUG", logger="cloud.assignment.flex_lp"):
+        plan = s.configure(1, [DeviceView("a", "t", 100, 1, 1)])
+    assert plan.info["status"] in ("widened", "greedy_fallback")
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "3 of 3 layer(s)" in warnings[0].getMessage()

@@ -1,5 +1,6 @@
-"""benchmarks/harness.py: config loading and checks, the settings grid, budgets, and the
-markdown of synthetic cells (no federation runs here)."""
+"""benchmarks/harness.py: config loading and checks, the settings grid, budgets, the
+markdown of synthetic cells, and one tiny grid run end to end (two cells over the
+embedded broker)."""
 
 from __future__ import annotations
 
@@ -110,3 +111,31 @@ def test_reused_rows_stand_in_for_cells_this_checkout_lacks(tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ValueError, match="not a table result"):
         cells.reusable_rows(str(tmp_path / "bad.json"))
+
+
+def test_a_tiny_grid_runs_end_to_end_and_every_cell_starts_with_empty_shard_caches(tmp_path):
+    """Two cells of the same method in one run: the second pays for its base shards in round 1
+    as the first did (no cache shared between cells, so bytes compare across methods), and the
+    table, JSON and plot are written."""
+    import json
+
+    cfg = yaml.safe_load((CONFIGS / "fedmoe_experts.yaml").read_text())
+    cfg.update(name="tiny", model={"num_experts": 4, "top_k": 2, "max_seq_len": 16, "moe_layers": [5]},
+               grid={"data": ["bbc"], "partition": {"IID": "iid"}, "devices": [2]}, samples=24, eval_samples=16,
+               budgets={"cycle": [2, 4]}, train={"max_steps": 1, "batch_size": 4, "lr": 0.003}, rounds=1, seeds=[0],
+               methods={"first": {"strategy": "composed", "assignment": "greedy"},
+                        "second": {"strategy": "composed", "assignment": "greedy"}},
+               compare=[["first", "second"]], profiles={})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert H.main(["--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "res"), str(path)]) == 0
+    fetched = {}
+    for m in ("first", "second"):
+        (report,) = (tmp_path / "runs" / "tiny" / "full" / "s0").glob(f"*--{m}/report.json")
+        devices = json.loads(report.read_text())["rounds"][0]["devices"]
+        fetched[m] = {d: len(v["shards_fetched"]) for d, v in devices.items()}
+        assert not (report.parent / "shards").exists()
+    assert fetched["first"] == fetched["second"] and all(n > 0 for n in fetched["first"].values())
+    result = json.loads((tmp_path / "res" / "tiny.json").read_text())
+    assert len(result["cells"]) == 2 and (tmp_path / "res" / "tiny.png").exists()
+    assert "first − second" in (tmp_path / "res" / "tiny.md").read_text()

@@ -204,7 +204,8 @@ def solve_layer(q: np.ndarray, sizes: np.ndarray, k: np.ndarray, bounds: Bounds,
                 on_solver_error: str = "greedy") -> tuple[np.ndarray, dict[str, Any]]:
     """Solve one layer's program; widen the bounds when infeasible; greedy as last resort.
 
-    Infeasibility is logged here at WARNING (each widening, and the final greedy fallback).
+    Infeasibility is logged here at DEBUG (each widening, and the final greedy fallback);
+    :meth:`Flex.configure` logs one WARNING line per round for all its layers.
     A PuLP solver that raises is not logged here (the caller logs it once per round,
     :meth:`Flex.configure`): with ``on_solver_error="greedy"`` the greedy top-k is
     returned and the exception recorded in ``info["solver_error"]``; with ``"fail"`` it
@@ -245,10 +246,10 @@ def solve_layer(q: np.ndarray, sizes: np.ndarray, k: np.ndarray, bounds: Bounds,
                         solver_status=status, objective=float((q * x).sum()),
                         lower=b.lower.tolist(), upper=b.upper.tolist())
             return x, info
-        log.warning("assignment program infeasible (%s) with delta %.1f; widening x%.1f", status, b.delta,
-                    widen_factor)
+        log.debug("assignment program infeasible (%s) with delta %.1f; widening x%.1f", status, b.delta,
+                  widen_factor)
         b = b.widened(widen_factor)
-    log.warning("assignment program still infeasible after %d widenings; greedy fallback", max_widen)
+    log.debug("assignment program still infeasible after %d widenings; greedy fallback", max_widen)
     x = top_k_rows(q, k, rng)
     info.update(status="greedy_fallback", widenings=max_widen, delta=b.delta, objective=float((q * x).sum()))
     return x, info
@@ -326,6 +327,13 @@ class Flex(AssignmentStrategy):
                 self.loads[layer].load_state_dict(d)
             raise
         plan_info: dict[str, Any] = {"status": worst, "layers": layers}
+        widened = {layer: info["widenings"] for layer, info in layers.items()
+                   if info["status"] != "optimal" and "solver_error" not in info}
+        if widened:
+            log.warning("round %d: assignment program infeasible on %d of %d layer(s); bounds widened (widenings "
+                        "per layer: %s)%s", round, len(widened), len(layers),
+                        ", ".join(f"{lay}: {n}" for lay, n in widened.items()),
+                        "; greedy top-k used where still infeasible" if worst == "greedy_fallback" else "")
         failed = [layer for layer, info in layers.items() if "solver_error" in info]
         if failed:
             plan_info["solver_error"] = layers[failed[0]]["solver_error"]
