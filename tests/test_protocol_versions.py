@@ -186,8 +186,8 @@ def test_end_to_end_over_mosquitto(mosquitto_url, tmp_path, caplog):
     agg = Aggregator(cfg, mosquitto_url)
     t = Topics(fed)
     rogue = Transport(mosquitto_url, f"rogue-{fed}").connect()
-    caplog.set_level(logging.INFO, logger="cloud.service")
-    try:
+    caplog.set_level(logging.INFO, logger="cloud.registry")  # the logger that names the version, whatever
+    try:                                                      # an earlier test set on "cloud"
         agg.transport.connect()
         assert agg.transport.subscribe(t.all_up(), timeout=10)
         assert rogue.subscribe(t.device_down("old"), timeout=10)
