@@ -57,10 +57,19 @@ class DeviceSettings(BaseModel):
     update_delta: bool = False
     """upload the update as its difference from the state the cloud sent (fewer bits lost
     at fp16/int8)"""
+    update_error_feedback: bool = False
+    """carry each update's encoding error over to the next round (error feedback; needs
+    update_delta and fp16/bf16/int8)"""
     model_dir: str | None = None
     """local copy of the checkpoint directory of an hf-moe model (its config.json and
     tokenizer; the weights still come as shards from the cloud), used instead of the path
     in the assignment"""
+
+    @model_validator(mode="after")
+    def _error_feedback_needs_a_lossy_delta(self) -> "DeviceSettings":
+        if self.update_error_feedback and (not self.update_delta or self.update_precision == "fp32"):
+            raise ValueError("update_error_feedback needs update_delta and update_precision fp16, bf16 or int8")
+        return self
 
 
 class DeviceConfig(DeviceSettings, BrokerSettings):
@@ -123,7 +132,8 @@ class DeviceConfig(DeviceSettings, BrokerSettings):
             return []
         from .filters import UpdateEncoding
 
-        return [UpdateEncoding(self.update_precision, delta=self.update_delta)]
+        return [UpdateEncoding(self.update_precision, delta=self.update_delta,
+                               error_feedback=self.update_error_feedback)]
 
     def client(self) -> EdgeClient:
         """Load ``data`` and build the :class:`edge_sdk.EdgeClient` (imports torch); run

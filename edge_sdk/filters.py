@@ -88,28 +88,68 @@ class UpdateEncoding(Filter):
     The cloud decodes any of these (``cloud.filters.UpdateDecoding``). Put it after
     every filter that rewrites the update (they expect whole states).
 
+    With ``error_feedback`` (Seide et al., 1-bit SGD, Interspeech 2014; Karimireddy et
+    al., EF-SGD, ICML 2019) the device keeps what the encoding lost, ``e = d' − Q(d')``
+    per tensor, and adds it to the next round's delta before encoding (``d' = d + e``):
+    the rounding errors cancel over rounds instead of adding up, so the sum of what the
+    cloud received stays within one quantization step of the sum of the true deltas. The
+    residual costs the device one fp32 copy of its update; it is dropped for a tensor the
+    device no longer sends (an expert it no longer holds).
+
     Args:
         precision: ``fp32`` (default), ``fp16``, ``bf16`` or ``int8`` (per-row, rank >= 2
             tensors; 1-D ones stay fp32): 4, 2, 2 or ~1 bytes per value.
         delta: send ``trained - sent`` instead of ``trained``.
+        error_feedback: carry the encoding error over to the next round (needs ``delta``
+            and a precision other than fp32).
 
     Raises:
-        ValueError: an unknown precision (``nf4`` is for base weights, not updates).
+        ValueError: an unknown precision (``nf4`` is for base weights, not updates), or
+            ``error_feedback`` without ``delta`` or with fp32.
     """
 
     PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
-    def __init__(self, precision: str = "fp32", delta: bool = False):
+    def __init__(self, precision: str = "fp32", delta: bool = False, error_feedback: bool = False):
         if precision not in self.PRECISIONS:
             raise ValueError(f"update precision must be one of {self.PRECISIONS}, got {precision!r}")
-        self.precision, self.delta = precision, delta
+        if error_feedback and (not delta or precision == "fp32"):
+            raise ValueError("error_feedback needs delta=True and a precision other than fp32 "
+                             f"(got delta={delta}, precision={precision!r})")
+        self.precision, self.delta, self.error_feedback = precision, delta, error_feedback
+        self.residual: dict[str, torch.Tensor] = {}
+        """tensor name -> the encoding error of the last update that carried it (fp32)."""
+
+    def encoded(self, t: torch.Tensor) -> torch.Tensor:
+        """What the cloud decodes of floating tensor ``t`` after this precision's encoding
+        (``protocol.codec.encode_tensors``), as fp32 of ``t``'s shape."""
+        from protocol.codec import dequantize_int8, quantize_int8
+
+        t = t.detach().float()
+        if self.precision == "int8":
+            return dequantize_int8(*quantize_int8(t)) if t.dim() >= 2 else t
+        if self.precision in ("fp16", "bf16"):
+            return t.to(torch.float16 if self.precision == "fp16" else torch.bfloat16).float()
+        return t
 
     def on_update(self, update: dict[str, torch.Tensor], ctx: UpdateContext) -> dict[str, torch.Tensor]:
         ctx.format = self.precision
         if not self.delta:
             return update
         ctx.metadata[ENCODING_KEY] = "delta"
-        return {k: v - ctx.sent[k].to(v.dtype) if v.is_floating_point() else v for k, v in update.items()}
+        out = {k: v - ctx.sent[k].to(v.dtype) if v.is_floating_point() else v for k, v in update.items()}
+        if not self.error_feedback:
+            return out
+        residual: dict[str, torch.Tensor] = {}
+        for k, v in out.items():
+            if not v.is_floating_point():
+                continue
+            e = self.residual.get(k)
+            v = v.float() + e if e is not None and e.shape == v.shape else v.float()
+            residual[k] = v - self.encoded(v)
+            out[k] = v
+        self.residual = residual
+        return out
 
 
 class Signing(Filter):

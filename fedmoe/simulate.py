@@ -110,6 +110,7 @@ OPTIONS: dict[str, Option] = {
     "max_samples_per_task": Option("max_samples_per_task", "seeded random subset of each task's data"),
     "update_precision": Option("device.update_precision"),
     "update_delta": Option("device.update_delta", switch=True),
+    "update_error_feedback": Option("device.update_error_feedback", switch=True),
 }
 """The ``fedmoe simulate`` options: ``--NAME`` (``_`` as ``-``) sets the field at the
 option's path; ``SimulationConfig(NAME=...)`` does the same (:data:`ALIASES`)."""

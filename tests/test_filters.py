@@ -204,3 +204,53 @@ def test_terms_named_by_train_config_load_in_a_fresh_process():
             "print(','.join(t.name for t in terms_for(TrainConfig(prox_mu=0.1, router='private'), [], {})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "fedprox,private_router", out.stderr[-500:]
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_error_feedback_keeps_the_summed_update_within_one_step(precision):
+    """Ten rounds of the same small delta: without error feedback the rounding error of
+    every round adds up; with it, what the cloud summed stays within one round's error."""
+    from protocol.codec import decode_tensors, encode_tensors
+
+    g = torch.Generator().manual_seed(1)
+    sent = {"w": torch.randn(8, 64, generator=g), "b": torch.zeros(64), "n": torch.tensor([3])}
+    step = {"w": 1e-3 * torch.randn(8, 64, generator=g) + 3e-5, "b": torch.full((64,), 1e-4)}
+    expected = {k: (tuple(v.shape), torch.float32) for k, v in sent.items() if v.is_floating_point()}
+    drift = {}
+    for ef in (False, True):
+        enc = UpdateEncoding(precision, delta=True, error_feedback=ef)
+        total = {k: torch.zeros_like(v) for k, v in step.items()}
+        for _ in range(10):
+            ctx = UpdateContext(assignment=None, model=None, sent=sent, train_items=[])
+            trained = {"w": sent["w"] + step["w"], "b": sent["b"] + step["b"], "n": sent["n"]}
+            update = enc.on_update(trained, ctx)
+            assert torch.equal(update["n"], sent["n"])  # integer tensors pass untouched
+            got = decode_tensors(encode_tensors({k: update[k] for k in expected}, ctx.format, ctx.metadata), 2**20,
+                                 expected, as_float=torch.float32)
+            for k in total:
+                total[k] += got[k]
+        drift[ef] = float((total["w"] - 10 * step["w"]).abs().max())
+        if ef:
+            one_round = float((enc.encoded(step["w"]) - step["w"]).abs().max())
+            assert drift[ef] <= 2 * one_round + 1e-9, (drift, one_round)
+    assert drift[True] < drift[False] / 3, drift
+
+
+def test_error_feedback_needs_a_lossy_delta_and_drops_stale_residuals():
+    from edge_sdk.config import DeviceSettings
+
+    with pytest.raises(ValueError, match="error_feedback needs delta"):
+        UpdateEncoding("int8", delta=False, error_feedback=True)
+    with pytest.raises(ValueError, match="error_feedback needs delta"):
+        UpdateEncoding("fp32", delta=True, error_feedback=True)
+    with pytest.raises(ValueError, match="update_error_feedback needs update_delta"):
+        DeviceSettings(update_precision="int8", update_error_feedback=True)
+    assert DeviceSettings(update_precision="int8", update_delta=True, update_error_feedback=True)
+    enc = UpdateEncoding("int8", delta=True, error_feedback=True)
+    sent = {"a": torch.zeros(4, 4), "b": torch.zeros(4, 4)}
+    ctx = UpdateContext(assignment=None, model=None, sent=sent, train_items=[])
+    enc.on_update({"a": torch.rand(4, 4) * 1e-3, "b": torch.rand(4, 4) * 1e-3}, ctx)
+    assert set(enc.residual) == {"a", "b"}
+    enc.on_update({"a": torch.rand(4, 4) * 1e-3}, UpdateContext(assignment=None, model=None, sent=sent,
+                                                                train_items=[]))
+    assert set(enc.residual) == {"a"}  # the expert "b" is no longer held: its residual goes
