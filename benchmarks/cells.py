@@ -220,7 +220,9 @@ def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], te
         device_data: each device's training items (``(input, label)``); budgets: bytes each.
         method: ``strategy``, ``assignment`` (default ``full``), ``aggregation`` (default
             ``modular``), ``params``, ``assignment_params``, ``aggregation_params``, and
-            ``TrainConfig`` fields (``prox_mu``, ``local_epochs``, ``router``) overriding ``train``.
+            ``TrainConfig`` fields (``prox_mu``, ``local_epochs``, ``router``) overriding ``train``,
+            and ``update``: the devices' update encoding, ``edge_sdk.filters.UpdateEncoding``
+            arguments (``precision``, ``delta``, ``error_feedback``; one filter per device).
         train: ``TrainConfig`` fields (``max_steps``, ``batch_size``, ``lr``, ...).
         reserved: the cloud-only labelled set D^r (``Aggregator(reserved_data=...)``).
         eval_threads_n: torch threads of the cloud's evaluation (:func:`common.eval_threads`).
@@ -242,6 +244,7 @@ def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], te
     from cloud.service import Aggregator, AggregatorConfig, StrategyConfig, TaskConfig
     from common import eval_threads
     from edge_sdk import EdgeClient
+    from edge_sdk.filters import UpdateEncoding
     from fedmoe import report as R
     from fedmoe.inprocess import run_inprocess
     from protocol.messages import TrainConfig
@@ -272,7 +275,8 @@ def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], te
                                                                                          key=str)}})
         clients.append(EdgeClient(url, d, data, federation=fed, budget_bytes=budget, task=task,
                                   cache_dir=str(out / "shards" / d), protocol="3.1.1", runtime_bytes=0,
-                                  headroom_bytes=0, low_memory=False, seed=seed * 100 + i))
+                                  headroom_bytes=0, low_memory=False, seed=seed * 100 + i,
+                                  filters=[UpdateEncoding(**method["update"])] if method.get("update") else ()))
     t_setup = time.time() - t0
     with probe if probe is not None else nullcontext(), eval_threads(eval_threads_n):
         records, errors = run_inprocess(agg, clients, round_timeout_s * (rounds + 1))

@@ -27,6 +27,7 @@ override any of these by dotted key::
     methods:
       FedAvg: {strategy: composed, assignment: full}
       FedMoE: {strategy: composed, assignment: fedmoe, assignment_params: {probe_steps: 2}}
+      FedAvg int8: {strategy: composed, assignment: full, update: {precision: int8, delta: true}}   # device upload
     compare: [[FedMoE, FedAvg]]      # a − b, paired over seeds, in every setting
     target_fraction: 0.9             # rounds to this fraction of the best method's final accuracy
     profiles:
@@ -89,9 +90,10 @@ def load_config(path: str | Path, profile: str = "full") -> dict[str, Any]:
 
     Raises:
         ConfigError: a required key missing, an unknown profile (other than ``full``), a
-            method without ``strategy``, a compared method that is not defined, a grid axis
-            other than data/partition/devices, an unknown data source, or budgets that are
-            neither ``experts: [lo, hi]`` nor ``cycle: [...]``.
+            method without ``strategy`` or with an ``update`` encoding that cannot be built, a
+            compared method that is not defined, a grid axis other than data/partition/devices,
+            an unknown data source, or budgets that are neither ``experts: [lo, hi]`` nor
+            ``cycle: [...]``.
     """
     import yaml
 
@@ -113,12 +115,30 @@ def load_config(path: str | Path, profile: str = "full") -> dict[str, Any]:
                  if k not in ("data", "partition", "devices")]
     problems += [f"grid.data: unknown source {d!r} ({', '.join(cells.DATA_SOURCES)})"
                  for d in cfg["grid"].get("data", []) if d not in cells.DATA_SOURCES]
+    problems += [f"method {m!r}: update {v['update']!r}: {e}" for m, v in cfg["methods"].items()
+                 if (e := _update_problem(v.get("update")))]
     b = cfg["budgets"]
     if not (isinstance(b, dict) and (len(b.get("experts", ())) == 2 or b.get("cycle"))):
         problems.append("budgets: {experts: [lo, hi]} or {cycle: [k, ...]} expected")
     if problems:
         raise ConfigError(f"{path}: " + "; ".join(problems))
     return cfg
+
+
+def _update_problem(update: Any) -> str | None:
+    """Why a method's ``update`` (``edge_sdk.filters.UpdateEncoding`` arguments) cannot be
+    built, or None (also for no ``update``)."""
+    if update is None:
+        return None
+    if not isinstance(update, dict):
+        return "a mapping of UpdateEncoding arguments expected"
+    from edge_sdk.filters import UpdateEncoding
+
+    try:
+        UpdateEncoding(**update)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
 
 
 def settings_of(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:

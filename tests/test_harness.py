@@ -52,6 +52,11 @@ def test_profiles_override_by_dotted_key_and_the_grid_is_a_product(tmp_path):
     ({"grid": {"clients": [3]}}, "unknown axis 'clients'"),
     ({"budgets": {"experts": [2]}}, "budgets"),
     ({"methods": {"X": {"assignment": "full"}}, "compare": []}, "method 'X' has no strategy"),
+    ({"methods": {"X": {"strategy": "composed", "update": {"precision": "nf4"}}}, "compare": []},
+     "update precision must be one of"),
+    ({"methods": {"X": {"strategy": "composed", "update": {"precision": "int8", "error_feedback": True}}},
+      "compare": []}, "error_feedback needs delta"),
+    ({"methods": {"X": {"strategy": "composed", "update": {"bits": 4}}}, "compare": []}, "unexpected keyword"),
 ])
 def test_bad_configs_fail_with_the_reason(tmp_path, changes, match):
     with pytest.raises(H.ConfigError, match=match):
@@ -115,8 +120,8 @@ def test_reused_rows_stand_in_for_cells_this_checkout_lacks(tmp_path):
 
 def test_a_tiny_grid_runs_end_to_end_and_every_cell_starts_with_empty_shard_caches(tmp_path):
     """Two cells of the same method in one run: the second pays for its base shards in round 1
-    as the first did (no cache shared between cells, so bytes compare across methods), and the
-    table, JSON and plot are written."""
+    as the first did (no cache shared between cells, so bytes compare across methods), its
+    int8 update encoding shrinks the upload, and the table, JSON and plot are written."""
     import json
     import logging
 
@@ -125,7 +130,8 @@ def test_a_tiny_grid_runs_end_to_end_and_every_cell_starts_with_empty_shard_cach
                grid={"data": ["bbc"], "partition": {"IID": "iid"}, "devices": [2]}, samples=24, eval_samples=16,
                budgets={"cycle": [2, 4]}, train={"max_steps": 1, "batch_size": 4, "lr": 0.003}, rounds=1, seeds=[0],
                methods={"first": {"strategy": "composed", "assignment": "greedy"},
-                        "second": {"strategy": "composed", "assignment": "greedy"}},
+                        "second": {"strategy": "composed", "assignment": "greedy",
+                                   "update": {"precision": "int8", "delta": True, "error_feedback": True}}},
                compare=[["first", "second"]], profiles={})
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -136,13 +142,15 @@ def test_a_tiny_grid_runs_end_to_end_and_every_cell_starts_with_empty_shard_cach
     finally:  # the harness quiets these loggers for its run; later tests expect them as they were
         for n, level in levels.items():
             logging.getLogger(n).setLevel(level)
-    fetched = {}
+    fetched, up = {}, {}
     for m in ("first", "second"):
         (report,) = (tmp_path / "runs" / "tiny" / "full" / "s0").glob(f"*--{m}/report.json")
         devices = json.loads(report.read_text())["rounds"][0]["devices"]
         fetched[m] = {d: len(v["shards_fetched"]) for d, v in devices.items()}
+        up[m] = sum(v["payload_up"] for v in devices.values())
         assert not (report.parent / "shards").exists()
     assert fetched["first"] == fetched["second"] and all(n > 0 for n in fetched["first"].values())
+    assert up["second"] < 0.5 * up["first"], up  # int8 values (~1 byte) instead of fp32
     result = json.loads((tmp_path / "res" / "tiny.json").read_text())
     assert len(result["cells"]) == 2 and (tmp_path / "res" / "tiny.png").exists()
     assert "first − second" in (tmp_path / "res" / "tiny.md").read_text()
