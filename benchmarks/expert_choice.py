@@ -197,10 +197,11 @@ def plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     noises = [float(x) for x in result["noises"]]
-    for n, style in zip(SIZES, ("o", "s", "^")):
+    for i, (n, style) in enumerate(zip(SIZES, ("o", "s", "^"))):
         for kind, ls in (("top", "-"), ("random", "--")):
             ys = [r[kind][str(n)]["mean"] for r in result["noises"].values()]
-            ax.plot(noises, ys, ls, marker=style, label=f"{n} experts/layer, {'top-p' if kind == 'top' else 'random'}")
+            ax.plot(noises, ys, ls, marker=style, color=f"C{i}",
+                    label=f"{n} experts/layer, {'top-p (FedMoE)' if kind == 'top' else 'random'}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("upcycling noise (x weight std); ours: 0.01")
