@@ -122,15 +122,10 @@ class UpdateEncoding(Filter):
 
     def encoded(self, t: torch.Tensor) -> torch.Tensor:
         """What the cloud decodes of floating tensor ``t`` after this precision's encoding
-        (``protocol.codec.encode_tensors``), as fp32 of ``t``'s shape."""
-        from protocol.codec import dequantize_int8, quantize_int8
+        (``protocol.codec.round_trip``), as fp32 of ``t``'s shape."""
+        from protocol.codec import round_trip
 
-        t = t.detach().float()
-        if self.precision == "int8":
-            return dequantize_int8(*quantize_int8(t)) if t.dim() >= 2 else t
-        if self.precision in ("fp16", "bf16"):
-            return t.to(torch.float16 if self.precision == "fp16" else torch.bfloat16).float()
-        return t
+        return round_trip(t, self.precision)
 
     def on_update(self, update: dict[str, torch.Tensor], ctx: UpdateContext) -> dict[str, torch.Tensor]:
         ctx.format = self.precision

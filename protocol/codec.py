@@ -166,6 +166,23 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def round_trip(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    """What :func:`decode_tensors` (dequantizing) returns for floating tensor ``t`` after
+    :func:`encode_tensors` in ``fmt`` (``fp32``/``fp16``/``bf16``/``int8``), as fp32 of
+    ``t``'s shape, without serialising: the same rules (int8 per row for rank >= 2, 1-D
+    tensors stay fp32).
+
+    Raises:
+        CodecError: a format other than these four.
+    """
+    t = t.detach().float()
+    if fmt == "int8":
+        return dequantize_int8(*quantize_int8(t)) if t.dim() >= 2 else t
+    if fmt in _CAST:
+        return t.to(_CAST[fmt]).float()
+    raise CodecError(f"round_trip: unsupported weight format {fmt!r}")
+
+
 def encode_tensors(
     tensors: dict[str, torch.Tensor], fmt: str = "fp32", metadata: dict[str, str] | None = None
 ) -> bytes:

@@ -254,3 +254,14 @@ def test_error_feedback_needs_a_lossy_delta_and_drops_stale_residuals():
     enc.on_update({"a": torch.rand(4, 4) * 1e-3}, UpdateContext(assignment=None, model=None, sent=sent,
                                                                 train_items=[]))
     assert set(enc.residual) == {"a"}  # the expert "b" is no longer held: its residual goes
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "int8"])
+def test_round_trip_is_what_the_codec_decodes(fmt):
+    from protocol.codec import decode_tensors, encode_tensors, round_trip
+
+    g = torch.Generator().manual_seed(2)
+    ts = {"m": torch.randn(6, 32, generator=g), "v": torch.randn(32, generator=g)}
+    got = decode_tensors(encode_tensors(ts, fmt), 2**20, {k: (tuple(v.shape), torch.float32) for k, v in ts.items()},
+                         as_float=torch.float32)
+    assert all(torch.equal(round_trip(v, fmt), got[k]) for k, v in ts.items())
