@@ -143,6 +143,22 @@ def test_sub_moe_trains_one_lora_step_and_keys_are_per_expert(checkpoint):
     assert ev.tokens > 0 and ev.perplexity > 1.0
 
 
+def test_a_bf16_checkpoint_builds_in_fp32_and_trains(tmp_path):
+    """Published MoE checkpoints are bf16 (config ``dtype: bfloat16``), and transformers 5
+    builds ``from_config`` in the config's dtype: the backbone must still be fp32 like the
+    shards, or the first matmul fails with a dtype mismatch."""
+    torch.manual_seed(0)
+    d = tmp_path / "bf16"
+    AutoModelForCausalLM.from_config(FAMILIES["qwen3_moe"]()).to(torch.bfloat16).save_pretrained(d)
+    _tokenizer().save_pretrained(d)
+    spec = _spec(d)
+    _, decoded = _shards(spec, "int8")
+    held = {layer: [1, 2] for layer in get_adapter("hf-moe").moe_layers(spec)}
+    sub = SubMoE(spec, held, "news", 0, {s: decoded[s] for s in shards_for(held)})
+    assert {p.dtype for p in sub.model.parameters() if p.is_floating_point()} == {torch.float32}
+    assert train_local(sub, TEXTS, TrainConfig(local_epochs=1, batch_size=3, lr=1e-2)).steps == 1
+
+
 def test_gradient_checkpointing_gives_the_same_gradients_in_less_planned_memory(checkpoint):
     _, d, _ = checkpoint
     grads = []

@@ -417,7 +417,9 @@ def _skeleton(cfg, experts: dict[int, list[int]], top_k: int, device: Any) -> nn
     from transformers import AutoModelForCausalLM
 
     with torch.device(device or "cpu"):
-        lm = AutoModelForCausalLM.from_config(cfg)
+        # fp32 whatever the checkpoint's ``dtype`` (transformers 5 builds in the config's dtype,
+        # bf16 for most published MoE checkpoints; shards are read as fp32 and quantized from it)
+        lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     for layer, (path, block, name, fused, router) in find_moe_blocks(lm).items():
         held = sorted(int(e) for e in experts.get(layer, ()))
         if not held:
@@ -436,7 +438,7 @@ def _layout(path: str, overrides_json: str) -> dict[int, tuple[int, int]]:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(_config(path, overrides_json))
+        lm = AutoModelForCausalLM.from_config(_config(path, overrides_json), dtype=torch.float32)
     return {layer: (fused.num_experts, fused.down_proj.shape[2])
             for layer, (_, _, _, fused, _) in find_moe_blocks(lm).items()}
 
