@@ -114,6 +114,8 @@ class RoundSettings:
     seed: int = 0
     max_samples_per_device: int = 1_000_000
     """Largest ``num_samples`` a device's statistics may claim (its aggregation weight)."""
+    state_precision: str = "fp32"
+    """Precision of the adapter state sent to devices (``FederationSettings.state_precision``)."""
 
 
 @dataclass
@@ -462,7 +464,7 @@ class RoundEngine:
             rnd.rejected[device_id] = f"the strategy gave no valid state to send: {type(e).__name__}: {e}"[:500]
             rnd.unsent.add(device_id)
             return
-        state = encode_tensors({**sent, **tensors}, "fp32")
+        state = encode_tensors({**sent, **tensors}, self.settings.state_precision, exact=tensors)
         ref = self.wire.publish_blob(self.topics.down(device_id, "state"), state, "state", rnd.number,
                                      uuid.uuid4().hex[:16])
         msg = Assignment(

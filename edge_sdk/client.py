@@ -47,6 +47,7 @@ from moe_model.stats import ActivationStats
 from moe_model.submoe import SubMoE
 from moe_model.train import evaluate, train_local
 
+from .config import DEFAULT_WEIGHT_FORMATS
 from .data import encode_labels, train_val_split
 from .filters import Filter, Signing, UpdateContext
 from .objectives import check_objectives, terms_for
@@ -167,7 +168,7 @@ class EdgeClient:
         federation: str = "default",
         budget_bytes: int | str = "1GiB",
         task: str = "default",
-        weight_formats: Sequence[str] = ("int8", "fp32"),
+        weight_formats: Sequence[str] = DEFAULT_WEIGHT_FORMATS,
         cache_dir: str | Path | None = None,
         val_fraction: float = 0.2,
         seed: int = 0,
@@ -451,7 +452,7 @@ class EdgeClient:
         self._wait(lambda: a.state.transfer_id in self._inbox.states, a.deadline, "adapter state")
         extra = {name: (tuple(t.shape), EXTRA_DTYPES[t.dtype]) for name, t in a.tensors.items()}
         state = decode_tensors(self._inbox.states.pop(a.state.transfer_id), MAX_STATE_BYTES,
-                               {**model.expected(), **extra})
+                               {**model.expected(), **extra}, as_float=torch.float32)
         tensors = {name: state.pop(name) for name in extra}
         model.load_adapter_state(state)
         terms = terms_for(a.train, a.objectives, state, tensors, self._term_memory, val_items)

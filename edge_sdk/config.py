@@ -26,6 +26,10 @@ from protocol.messages import WeightFormat
 if TYPE_CHECKING:
     from .client import EdgeClient
 
+DEFAULT_WEIGHT_FORMATS: tuple[str, ...] = ("int8", "nf4", "fp32")
+"""Base-shard formats a device loads unless told otherwise, preferred first: int8, then
+nf4 (half int8's bytes), then fp32; an aggregator serving any of them can use the device."""
+
 
 class DeviceSettings(BaseModel):
     """How a device trains, caches and stops, whichever federation it joins. Each field's
@@ -38,7 +42,7 @@ class DeviceSettings(BaseModel):
     """seed of the local shuffling and train/validation split"""
     val_fraction: float = Field(0.2, ge=0, lt=1, allow_inf_nan=False)
     """share of the local data held out for validation"""
-    formats: list[WeightFormat] = Field(default_factory=lambda: ["int8", "fp32"], min_length=1)
+    formats: list[WeightFormat] = Field(default_factory=lambda: list(DEFAULT_WEIGHT_FORMATS), min_length=1)
     """weight formats this device loads, preferred first"""
     headroom: Bytes | None = None
     """memory kept free below the plan for allocator growth, e.g. 32MiB (bytes; default:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -184,9 +185,12 @@ def round_trip(t: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def encode_tensors(
-    tensors: dict[str, torch.Tensor], fmt: str = "fp32", metadata: dict[str, str] | None = None
+    tensors: dict[str, torch.Tensor], fmt: str = "fp32", metadata: dict[str, str] | None = None,
+    exact: Collection[str] = (),
 ) -> bytes:
-    """Serialise a state dict to safetensors bytes in weight format ``fmt``.
+    """Serialise a state dict to safetensors bytes in weight format ``fmt``; the floating
+    tensors named in ``exact`` are stored in fp32 whatever ``fmt`` (:func:`decode_tensors`
+    returns them unchanged).
 
     Raises:
         CodecError: unknown format, or a name that uses the reserved ``::scale`` suffix.
@@ -199,6 +203,8 @@ def encode_tensors(
         t = t.detach().cpu()
         if not t.is_floating_point():
             out[name] = t.contiguous()
+        elif name in exact:
+            out[name] = t.to(torch.float32).contiguous()
         elif fmt == "int8" and t.dim() >= 2:
             q, scale = quantize_int8(t)
             out[name] = q.contiguous()

@@ -180,7 +180,7 @@ def test_example_configs_load():
     agg = AggregatorConfig.load(REPO / "examples" / "aggregator.yaml")
     assert agg.federation == "bbc-demo"
     dev = DeviceConfig.load(REPO / "examples" / "device.yaml")
-    assert dev.budget == int(1.5 * 2**30) and dev.device_id == "dev-7" and dev.formats == ["int8", "fp32"]
+    assert dev.budget == int(1.5 * 2**30) and dev.device_id == "dev-7" and dev.formats == ["int8", "nf4", "fp32"]
     assert DeviceConfig.load(REPO / "examples" / "device.yaml", budget="800MB", threads=None).budget == 800 * 10**6
 
 

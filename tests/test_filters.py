@@ -265,3 +265,54 @@ def test_round_trip_is_what_the_codec_decodes(fmt):
     got = decode_tensors(encode_tensors(ts, fmt), 2**20, {k: (tuple(v.shape), torch.float32) for k, v in ts.items()},
                          as_float=torch.float32)
     assert all(torch.equal(round_trip(v, fmt), got[k]) for k, v in ts.items())
+
+
+def test_int8_state_down_sends_the_rounded_state_in_fewer_bytes(tmp_path, embedded_url):
+    """``state_precision: int8``: each device receives exactly the state the cloud meant to
+    send, rounded to int8 (per-row scales; 1-D tensors stay fp32), in fewer bytes: here about
+    half, since a rank-2 LoRA B ``(out, 2)`` pays a 4-byte scale per 2-byte row (rank 8: 12 of
+    32 bytes a row)."""
+    from protocol.codec import dequantize_int8, quantize_int8
+    from tests.federation import Federation
+
+    received, meant, state_bytes = {}, {}, {}
+
+    class Keep(Filter):
+        def __init__(self, device_id):
+            self.device_id = device_id
+
+        def on_update(self, update, ctx):
+            received[self.device_id] = {k: v.clone() for k, v in ctx.sent.items()}
+            return update
+
+    def hook(c):
+        c.filters[:0] = [Keep(c.device_id), UpdateEncoding("fp32", delta=True)]
+
+    for precision in ("fp32", "int8"):
+        fed = Federation(embedded_url, str(tmp_path / precision), rounds=1, experts=(2, 3), client_hook=hook,
+                         config_kw={"state_precision": precision})
+        engine, agg = fed.aggregator.engine, fed.aggregator
+        sent_state, publish_blob = engine._sent_state, agg.publish_blob
+
+        def capture(device_id, experts):
+            meant[device_id] = {k: v.clone() for k, v in sent_state(device_id, experts).items()}
+            return meant[device_id]
+
+        def count(topic, data, kind, *a, **kw):
+            if kind == "state":
+                state_bytes[precision] = state_bytes.get(precision, 0) + len(data)
+            return publish_blob(topic, data, kind, *a, **kw)
+
+        engine._sent_state, agg.publish_blob = capture, count
+        records = fed.run()
+        assert records[0]["status"] == "ok" and not records[0].get("excluded")
+        assert set(received) == {"dev0", "dev1"}
+        for d, got in received.items():
+            assert set(got) == set(meant[d])
+            for k, v in got.items():
+                want = meant[d][k]
+                if precision == "int8" and v.dim() >= 2:
+                    want = dequantize_int8(*quantize_int8(want))
+                assert torch.equal(v, want), (precision, k)
+        received.clear()
+    assert state_bytes["int8"] < 0.55 * state_bytes["fp32"], state_bytes
