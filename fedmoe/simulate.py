@@ -101,6 +101,8 @@ OPTIONS: dict[str, Option] = {
     "lr": Option("train.lr"),
     "prox_mu": Option("train.prox_mu"),
     "lora_rank": Option("model.lora.rank"),
+    "lora_train_a": Option("model.lora.train_a", "train LoRA A as well as B (default: FFA-LoRA, A frozen from a "
+                                                 "seed, B only: exact averaging, fewer bytes)", switch=True),
     "weight_format": Option("weight_format"),
     "full_finetune": Option("model.full_finetune", "train and ship every weight, no LoRA (full-model FedAvg "
                                                    "baseline; needs --weight-format fp32)", switch=True),

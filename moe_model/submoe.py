@@ -134,6 +134,8 @@ class SubMoE(nn.Module):
                 p.data = p.data.clone()
                 if keys.parse(k).group in ("expert", "backbone"):
                     self._initial[k] = p.detach().clone()
+        elif spec.lora.train_a:  # trained A starts from its seeded draw (_inject_lora), not 0: A = B = 0 never moves
+            self._initial.update({k: p.detach().clone() for k, p in self._keys.items() if ".lora_A" in k})
         for k, p in self.trainable().items():
             p.requires_grad_(True)
         self.reset_adapter_state()

@@ -118,6 +118,28 @@ def test_lora_a_and_initial_state_identical_across_builds():
         assert torch.equal(sa[k], v), k
 
 
+def test_trained_lora_a_starts_from_its_seeded_draw_and_learns():
+    """``lora.train_a``: A is adapter state, starts from the same seeded draw as frozen A
+    (not 0: with A = B = 0 no gradient ever reaches either) and moves in training."""
+    from moe_model.train import train_local
+    from protocol.messages import LoraSpec, TrainConfig
+
+    ffa, both = (tiny_spec(lora=LoraSpec(train_a=t)) for t in (False, True))
+    sh = shards(ffa)
+    frozen = SubMoE(ffa, {1: [0, 1, 2, 3]}, "bbc", 2, sh)
+    model = SubMoE(both, {1: [0, 1, 2, 3]}, "bbc", 2, sh)
+    a_keys = [k for k in model.trainable() if ".lora_A" in k]
+    assert a_keys and not any(".lora_A" in k for k in frozen.trainable())
+    drawn = {n: p for n, p in frozen.model.named_parameters() if ".lora_A." in n}
+    for n, p in model.model.named_parameters():
+        if ".lora_A." in n:
+            assert p.abs().sum() > 0 and torch.equal(p, drawn[n]), n
+    before = model.adapter_state()
+    train_local(model, TEXTS, TrainConfig(local_epochs=2, batch_size=3, lr=1e-2))
+    after = model.adapter_state()
+    assert any(not torch.equal(before[k], after[k]) for k in a_keys)
+
+
 def test_adapter_state_load_validates():
     spec = tiny_spec()
     model = SubMoE(spec, {1: [0, 1]}, "bbc", 5, None)
