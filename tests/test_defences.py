@@ -63,6 +63,33 @@ def test_scaled_update_is_clipped_to_the_bound_and_a_huge_one_rejected():
     assert screen.references["backbone"] == pytest.approx(4.0)  # ||ones(4,4)||
 
 
+def test_reference_counts_only_the_experts_a_device_routed_tokens_to():
+    """Routing concentrated on expert 0: expert 1 got no token on any device and barely
+    changed (0.01, an encoding residual). Counting it would halve the layer's reference
+    and put every honest trained expert over the clip bound; counted over routed experts
+    only, honest changes pass untouched and a 30x one is still rejected."""
+    def honest(name):
+        r = _result(name, 1.0, experts=(0, 1), usage=[40, 0])
+        r.state["expert.0.1.fc1.lora_B"] = torch.full((3, 2), 0.01)
+        return r
+
+    screen = UpdateScreen(ScreeningConfig(clip_factor=1.5, reject_factor=20.0))
+    out = screen.screen(1, GLOBAL, [honest(f"h{i}") for i in range(4)])
+    assert screen.references["expert.0"] == pytest.approx(math.sqrt(6))   # ||ones(3, 2)||, expert 0 only
+    assert not out.report["clipped"] and not out.rejected
+    h = next(r for r in out.results if r.device_id == "h0")
+    assert torch.equal(h.state["expert.0.0.fc1.lora_B"], torch.ones(3, 2))
+    attacker = _result("x", 30.0, experts=(0, 1), usage=[40, 0])
+    assert set(screen.screen(2, GLOBAL, [honest(f"h{i}") for i in range(4)] + [attacker]).rejected) == {"x"}
+    # the same round judged over every held expert (no statistics): the reference falls halfway to
+    # the unrouted experts' residuals and every honest device's trained expert is clipped
+    blind = UpdateScreen(ScreeningConfig(clip_factor=1.5, reject_factor=20.0))
+    results = [honest(f"h{i}") for i in range(4)]
+    for r in results:
+        r.stats = None
+    assert set(blind.screen(1, GLOBAL, results).report["clipped"]) == {"h0", "h1", "h2", "h3"}
+
+
 def test_plain_fedavg_without_screening_is_ruined_by_the_same_update():
     """The test above can fail: without screening the x100 device moves the mean 20x."""
     results = [_result(f"h{i}", 1.0) for i in range(4)] + [_result("x100", 100.0)]
