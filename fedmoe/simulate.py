@@ -333,6 +333,10 @@ class SimulationConfig(FederationSettings):
         if self.model.full_finetune and self.weight_format != "fp32":
             bad.append(f"{_option('model.full_finetune')} needs {_option('weight_format')} fp32 "
                        f"(got {self.weight_format!r})")
+        served = [self.weight_format, *self.weight_formats]
+        if not set(served) & set(self.device.formats):  # every device excluded every round: it would wait forever
+            bad.append(f"the devices load only {self.device.formats} shards (device.formats) and the cloud serves "
+                       f"{served} ({_option('weight_format')})")
         if bad:
             raise ValueError("; ".join(bad))
         return self

@@ -71,6 +71,7 @@ def test_validate_lists_every_problem_in_one_line():
     (dict(max_seq_len=4), "max_seq_len"),
     (dict(full_finetune=True), "--full-finetune needs --weight-format fp32"),
     (dict(devices=1, tasks=["bbc", "tweets"]), "at least one device per task"),
+    (dict(weight_format="nf4", device={"formats": ["int8", "fp32"]}), r"the devices load only \['int8', 'fp32'\]"),
 ])
 def test_validate_rejects(change, message):
     with pytest.raises(SimulationConfigError, match=message):
