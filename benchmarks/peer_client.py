@@ -52,7 +52,9 @@ def build(checkpoint: str, variant: str, rank: int, alpha: float):
     """
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from moe_model.models.hf_moe import tokenizer
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown peer variant {variant!r}; known: {VARIANTS}")
@@ -73,12 +75,7 @@ def build(checkpoint: str, variant: str, rank: int, alpha: float):
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=[],
                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
                      modules_to_save=["gate"])
-    model = get_peft_model(model, cfg)
-    tok = AutoTokenizer.from_pretrained(checkpoint)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "right"
-    return model, tok
+    return get_peft_model(model, cfg), tokenizer(checkpoint)  # ours: pad = eos if none, right-padded
 
 
 def trainable_state(model) -> dict:
@@ -97,35 +94,34 @@ def load_state(model, state: dict) -> None:
 
 
 def batch(tok, texts: list[str], max_len: int):
-    """input_ids/attention_mask (B, T) and labels (B, T) with -100 at padding (the
-    causal-LM shift happens inside transformers' loss)."""
+    """input_ids/attention_mask (B, T) and labels (B, T) with ``objectives.IGNORE`` (-100,
+    transformers' ignore index too) at padding (the causal-LM shift happens inside the loss)."""
+    from moe_model.objectives import IGNORE
+
     enc = tok(texts, truncation=True, max_length=max_len, padding=True, return_tensors="pt")
-    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, IGNORE)
     return enc["input_ids"], enc["attention_mask"], labels
 
 
 def perplexity(model, tok, texts: list[str], max_len: int, batch_size: int = 16) -> tuple[float, float]:
-    """Token-level mean next-token loss (nats) over ``texts`` and its ``exp``, the
-    definition of ``moe_model.objectives``."""
-    import math
-
+    """Token-level mean next-token loss (nats) over ``texts`` and its ``exp``, computed by
+    ``moe_model.objectives`` as our cloud computes it (``moe_model.train.evaluate``)."""
     import torch
-    import torch.nn.functional as F
+
+    from moe_model import objectives
 
     model.eval()
-    loss_sum, n = 0.0, 0
+    loss_sum, n = 0.0, 0.0
     with torch.no_grad():
         for i in range(0, len(texts), batch_size):
             ids, mask, labels = batch(tok, texts[i:i + batch_size], max_len)
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
-            tgt = labels[:, 1:]
-            tok_loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), tgt.clamp_min(0), reduction="none")
-            valid = tgt != -100
-            loss_sum += float((tok_loss * valid).sum())
-            n += int(valid.sum())
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            w = objectives.sample_weight("causal-lm", labels)
+            loss_sum += float((objectives.sample_loss("causal-lm", logits, labels) * w).sum())
+            n += float(w.sum())
     model.train()
-    loss = loss_sum / max(n, 1)
-    return loss, math.exp(min(loss, 700.0))
+    loss = loss_sum / max(n, 1.0)
+    return loss, objectives.perplexity(loss)
 
 
 def run(job: dict) -> dict:
@@ -134,11 +130,11 @@ def run(job: dict) -> dict:
     import torch
 
     from edge_sdk.data import load_text_file, train_val_split
-    from moe_model.budget import peak_rss_bytes, reset_peak_rss
+    from moe_model.budget import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     torch.set_num_threads(int(job.get("threads", 1)))
     torch.manual_seed(int(job["seed"]))
-    baseline = _rss()
+    baseline = current_rss_bytes()
     reset_peak_rss()
     t0 = time.time()
     model, tok = build(job["checkpoint"], job["variant"], int(job["rank"]), float(job["alpha"]))
@@ -164,19 +160,13 @@ def run(job: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        loss_sum += float(loss)
+        loss_sum += loss.item()
     train_s = time.time() - t1
     state = trainable_state(model)
     np.savez(job["adapter_out"], **{k: v.numpy() for k, v in state.items()})
     return {"train_loss": loss_sum / max(steps, 1), "steps": steps, "samples": len(texts), "load_seconds": load_s,
             "train_seconds": train_s, "peak_rss_bytes": peak_rss_bytes(), "baseline_rss_bytes": baseline,
             "trainable": sorted(state), "trainable_numel": sum(v.numel() for v in state.values())}
-
-
-def _rss() -> int:
-    from moe_model.budget import current_rss_bytes
-
-    return current_rss_bytes()
 
 
 def main(argv: list[str] | None = None) -> int:
