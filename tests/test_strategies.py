@@ -18,6 +18,13 @@ def result(d, experts, state, n=10, task="bbc"):
     return ClientResult(d, task, n, experts, state, stats=None)
 
 
+def test_random_kept_nested_over_many_devices():
+    s = get_assignment("random_kept")([0], 64, seed=3)
+    for d in range(20):
+        small, big = (s.configure(1, [view(f"d{d}", k)]).assignments[f"d{d}"][0] for k in (10, 40))
+        assert set(small) < set(big)
+
+
 def test_random_kept_sizes_sticky_and_seeded():
     s = get_assignment("random_kept")([1, 3], 8, seed=7)
     p1 = s.configure(1, [view("a", 3), view("b", 8), view("c", 0)]).assignments
@@ -27,6 +34,9 @@ def test_random_kept_sizes_sticky_and_seeded():
     assert p2["a"] == p1["a"]  # kept while capacity is unchanged
     p3 = s.configure(3, [view("a", 2)]).assignments
     assert all(len(v) == 2 for v in p3["a"].values())
+    p4 = s.configure(4, [view("a", 6)]).assignments
+    for layer in (1, 3):  # nested: a shrink keeps a subset, a growth keeps everything (shards stay cached)
+        assert set(p3["a"][layer]) <= set(p1["a"][layer]) <= set(p4["a"][layer])
     again = get_assignment("random_kept")([1, 3], 8, seed=7).configure(1, [view("a", 3)]).assignments
     assert again["a"] == p1["a"]
 

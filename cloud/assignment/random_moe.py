@@ -2,9 +2,12 @@
 (FedMoE, 003_a50797d291873d18.txt; ALGORITHMS.md §1).
 
 Each device gets, per layer, ``capacity`` experts drawn uniformly at random. The draw
-is kept while the device's capacity stays the same (so its base shards stay cached),
-unless ``resample: true`` asks for a fresh draw every round (then it is
-``random_redraw``). ``random_same_size`` draws as many experts as FedMoE would give.
+is kept across rounds (so its base shards stay cached): each device has one random order
+of the experts per layer and holds its first ``capacity``, so a device whose capacity
+shrinks keeps a subset of what it held and one whose capacity grows keeps all of it
+(each prefix is still a uniform draw). ``resample: true`` draws a fresh order every round
+(then it is ``random_redraw``). ``random_same_size`` draws as many experts as FedMoE
+would give.
 """
 
 from __future__ import annotations
@@ -12,17 +15,15 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from protocol.experts import experts_by_device_from_json, experts_by_device_to_json
-
 from ..strategy import DeviceView, Experts, Plan
 from .base import AssignmentStrategy
 
 
 class RandomMoE(AssignmentStrategy):
-    """randomMoE (003_a50797d291873d18.txt): per layer ``min(capacity, E)`` experts drawn uniformly
-    (``random.Random`` seeded by seed, device and the count; by the round when ``resample``), kept
-    while the count stays the same. Devices with capacity < 1 are left out of the plan.
-    State: the kept draws."""
+    """randomMoE (003_a50797d291873d18.txt): per layer the first ``min(capacity, E)`` experts
+    of a uniformly random order (``random.Random`` seeded by seed and device; also by the
+    round when ``resample``), so draws are nested across capacities. Devices with
+    capacity < 1 are left out of the plan. Stateless (the order is recomputed)."""
 
     name = "random_kept"
     aliases = ("random_moe",)
@@ -30,24 +31,16 @@ class RandomMoE(AssignmentStrategy):
     def __init__(self, layers: list[int], num_experts: int, seed: int = 0, resample: bool = False, **params: Any):
         super().__init__(layers, num_experts, seed, **params)
         self.resample = resample
-        self._kept: dict[str, Experts] = {}
+
+    def order(self, device_id: str, round: int) -> dict[int, list[int]]:
+        """Layer -> the device's random order of all ``E`` experts (its draw is a prefix)."""
+        rng = random.Random(f"{self.seed}/{device_id}" + (f"/{round}" if self.resample else ""))
+        return {layer: rng.sample(range(self.num_experts), self.num_experts) for layer in self.layers}
 
     def configure(self, round: int, devices: list[DeviceView]) -> Plan:
         out: dict[str, Experts] = {}
         for d in devices:
             k = min(d.capacity, self.num_experts)
-            if k < 1:
-                continue
-            kept = self._kept.get(d.device_id)
-            if self.resample or kept is None or any(len(v) != k for v in kept.values()):
-                rng = random.Random(f"{self.seed}/{d.device_id}/{round if self.resample else k}")
-                kept = {layer: sorted(rng.sample(range(self.num_experts), k)) for layer in self.layers}
-                self._kept[d.device_id] = kept
-            out[d.device_id] = kept
+            if k >= 1:
+                out[d.device_id] = {layer: sorted(o[:k]) for layer, o in self.order(d.device_id, round).items()}
         return Plan(out)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"kept": experts_by_device_to_json(self._kept)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._kept = experts_by_device_from_json(state.get("kept", {}))
