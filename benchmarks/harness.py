@@ -28,6 +28,7 @@ override any of these by dotted key::
       FedAvg: {strategy: composed, assignment: full}
       FedMoE: {strategy: composed, assignment: fedmoe, assignment_params: {probe_steps: 2}}
       FedAvg int8: {strategy: composed, assignment: full, update: {precision: int8, delta: true}}   # device upload
+      FedAvg int8 down: {strategy: composed, assignment: full, state_precision: int8}              # cloud download
     compare: [[FedMoE, FedAvg]]      # a − b, paired over seeds, in every setting
     target_fraction: 0.9             # rounds to this fraction of the best method's final accuracy
     profiles:
@@ -58,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import cells  # noqa: E402
+from protocol.codec import WEIGHT_FORMATS  # noqa: E402
 from common import ci_text, compare_methods, diff_text, fmt, verdict  # noqa: E402
 
 REQUIRED = ("name", "model", "grid", "samples", "eval_samples", "budgets", "train", "rounds", "seeds", "methods")
@@ -91,7 +93,8 @@ def load_config(path: str | Path, profile: str = "full") -> dict[str, Any]:
     Raises:
         ConfigError: a required key missing, an unknown profile (other than ``full``), a
             method without ``strategy`` or with an ``update`` encoding that cannot be built, a
-            compared method that is not defined, a grid axis other than data/partition/devices,
+            compared method that is not defined, an unknown ``state_precision``, a grid axis
+            other than data/partition/devices,
             an unknown data source, or budgets that are neither ``experts: [lo, hi]`` nor
             ``cycle: [...]``.
     """
@@ -117,6 +120,8 @@ def load_config(path: str | Path, profile: str = "full") -> dict[str, Any]:
                  for d in cfg["grid"].get("data", []) if d not in cells.DATA_SOURCES]
     problems += [f"method {m!r}: update {v['update']!r}: {e}" for m, v in cfg["methods"].items()
                  if (e := _update_problem(v.get("update")))]
+    problems += [f"method {m!r}: state_precision {v['state_precision']!r} is not one of {', '.join(WEIGHT_FORMATS)}"
+                 for m, v in cfg["methods"].items() if v.get("state_precision", "fp32") not in WEIGHT_FORMATS]
     b = cfg["budgets"]
     if not (isinstance(b, dict) and (len(b.get("experts", ())) == 2 or b.get("cycle"))):
         problems.append("budgets: {experts: [lo, hi]} or {cycle: [k, ...]} expected")

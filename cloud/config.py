@@ -78,11 +78,11 @@ class FederationSettings(BaseModel):
     """Primary format of the base shards (the cloud evaluates with these weights)."""
     weight_formats: list[WeightFormat] = Field(default_factory=list)
     """Further formats served to devices that prefer them (published on first use)."""
-    state_precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    state_precision: Literal["fp32", "fp16", "bf16", "int8", "nf4"] = "fp32"
     """Precision of the adapter state sent down to each device every round (the down-link
     counterpart of a device's ``update_precision``): fp16/bf16 halve those bytes; int8
-    (per-row scales, ``protocol.codec.quantize_int8``) stores a rank-r LoRA B row in r + 4
-    bytes instead of 4r (rank 8: 2.7x fewer). The global model stays
+    (``protocol.codec.quantize_int8``: a scale per row of LoRA A, per column of LoRA B)
+    quarters them; nf4 (blocks of 64) cuts them ~7x at a coarser rounding. The global model stays
     fp32 in the cloud; a device trains from the rounded copy, and a device that uploads
     deltas (``update_delta``) sends what it learned on top of that copy, so the rounding
     never enters the global model. A method's own extra tensors always travel in fp32."""

@@ -55,15 +55,20 @@ class DeviceSettings(BaseModel):
     """return after this many rounds (default: until the aggregator says stop)"""
     idle_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
     """return if no assignment arrives for this many seconds"""
-    update_precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    allocator: Literal["mmap", "default"] = "mmap"
+    """mmap: glibc serves allocations above 64 KiB by mmap, so freed activations go back to
+    the OS (moe_model.budget.tune_allocator): a lower peak, slower steps; default: glibc's
+    own setting (faster steps, a higher peak). The trade is measured in results/allocator/"""
+    update_precision: Literal["fp32", "fp16", "bf16", "int8", "nf4"] = "fp32"
     """precision the update is uploaded in (edge_sdk.filters.UpdateEncoding; fp16/bf16 halve
-    the upload, int8 quarters it)"""
+    the upload, int8 quarters it, nf4 (with update_delta and update_error_feedback) cuts it
+    about 7x)"""
     update_delta: bool = False
     """upload the update as its difference from the state the cloud sent (fewer bits lost
     at fp16/int8)"""
     update_error_feedback: bool = False
     """carry each update's encoding error over to the next round (error feedback; needs
-    update_delta and fp16/bf16/int8)"""
+    update_delta and fp16/bf16/int8/nf4)"""
     model_dir: str | None = None
     """local copy of the checkpoint directory of an hf-moe model (its config.json and
     tokenizer; the weights still come as shards from the cloud), used instead of the path
@@ -72,7 +77,7 @@ class DeviceSettings(BaseModel):
     @model_validator(mode="after")
     def _error_feedback_needs_a_lossy_delta(self) -> "DeviceSettings":
         if self.update_error_feedback and (not self.update_delta or self.update_precision == "fp32"):
-            raise ValueError("update_error_feedback needs update_delta and update_precision fp16, bf16 or int8")
+            raise ValueError("update_error_feedback needs update_delta and update_precision fp16, bf16, int8 or nf4")
         return self
 
 
@@ -159,7 +164,7 @@ class DeviceConfig(DeviceSettings, BrokerSettings):
             weight_formats=list(self.formats), quant_backend=self.quant_backend,
             cache_max=int(self.cache_max) if self.cache_max is not None else None,
             headroom_bytes=int(self.headroom) if self.headroom is not None else None, filters=self.filters(),
-            model_dir=self.model_dir)
+            model_dir=self.model_dir, low_memory=self.allocator == "mmap")
         data = load_text_file(self.data)
         if self.credentials:
             return EdgeClient.from_credentials(self.broker, self.credentials, data, **common)

@@ -5,7 +5,7 @@ between local training and the transport.
 filters, in order, then asks each for MQTT user properties for the final bytes (signing).
 The client itself sees tensors and messages only. Filters shipped here:
 
-- :class:`UpdateEncoding`: the update's precision (fp32, fp16, bf16, int8) and whether
+- :class:`UpdateEncoding`: the update's precision (fp32, fp16, bf16, int8, nf4) and whether
   it is sent as a delta from the state the cloud sent (the cloud's
   ``cloud.filters.UpdateDecoding`` undoes both).
 - :class:`Signing`: Ed25519 signatures of update chunks and statistics
@@ -97,18 +97,21 @@ class UpdateEncoding(Filter):
     device no longer sends (an expert it no longer holds).
 
     Args:
-        precision: ``fp32`` (default), ``fp16``, ``bf16`` or ``int8`` (per-row, rank >= 2
-            tensors; 1-D ones stay fp32): 4, 2, 2 or ~1 bytes per value.
+        precision: ``fp32`` (default), ``fp16``, ``bf16``, ``int8`` (a scale per row, or
+            per column of a tall 2-D tensor such as a LoRA B; ``protocol.codec``) or
+            ``nf4`` (4-bit NormalFloat in blocks of 64 with an fp32 absmax each; meant for
+            deltas with error feedback): 4, 2, 2, ~1 or ~0.56 bytes per value (rank >= 2
+            tensors; 1-D ones stay fp32).
         delta: send ``trained - sent`` instead of ``trained``.
         error_feedback: carry the encoding error over to the next round (needs ``delta``
             and a precision other than fp32).
 
     Raises:
-        ValueError: an unknown precision (``nf4`` is for base weights, not updates), or
-            ``error_feedback`` without ``delta`` or with fp32.
+        ValueError: an unknown precision, or ``error_feedback`` without ``delta`` or with
+            fp32.
     """
 
-    PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+    PRECISIONS = ("fp32", "fp16", "bf16", "int8", "nf4")
 
     def __init__(self, precision: str = "fp32", delta: bool = False, error_feedback: bool = False):
         if precision not in self.PRECISIONS:
@@ -139,8 +142,10 @@ class UpdateEncoding(Filter):
         for k, v in out.items():
             if not v.is_floating_point():
                 continue
-            e = self.residual.get(k)
-            v = v.float() + e if e is not None and e.shape == v.shape else v.float()
+            e = self.residual.pop(k, None)  # freed as it is used: one residual copy at a time, not two
+            v = v.float()
+            if e is not None and e.shape == v.shape:
+                v.add_(e)  # v is this call's own delta tensor
             residual[k] = v - self.encoded(v)
             out[k] = v
         self.residual = residual

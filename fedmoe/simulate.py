@@ -110,11 +110,13 @@ OPTIONS: dict[str, Option] = {
                                      "backward (less memory, about one more forward pass)", switch=True),
     "eval_max_samples": Option("eval_max_samples"),
     "max_samples_per_task": Option("max_samples_per_task", "seeded random subset of each task's data"),
+    "allocator": Option("device.allocator", "mmap (default: lower peak, slower steps) or default (glibc's "
+                                            "own: faster steps, higher peak); see results/allocator"),
     "update_precision": Option("device.update_precision"),
     "update_delta": Option("device.update_delta", switch=True),
     "update_error_feedback": Option("device.update_error_feedback", switch=True),
     "state_precision": Option("state_precision", "precision the cloud sends each device's adapter state in "
-                                                 "(fp16/bf16 halve the download; int8: rank-8 LoRA rows 2.7x smaller)"),
+                                                 "(fp16/bf16 halve the download, int8 quarters it, nf4 ~7x)"),
 }
 """The ``fedmoe simulate`` options: ``--NAME`` (``_`` as ``-``) sets the field at the
 option's path; ``SimulationConfig(NAME=...)`` does the same (:data:`ALIASES`)."""

@@ -97,8 +97,9 @@ def shards_for(experts: dict[int, list[int]]) -> list[str]:
 
 
 def encode_shard(tensors: dict[str, torch.Tensor], fmt: str) -> bytes:
-    """safetensors bytes of one shard in weight format ``fmt``."""
-    return encode_tensors(tensors, fmt)
+    """safetensors bytes of one shard in weight format ``fmt`` (int8 scales per output
+    row, as :class:`moe_model.quant.QuantLinear` computes with them)."""
+    return encode_tensors(tensors, fmt, scales="row")
 
 
 def decode_shard(data: bytes, keep_quantized: bool = False) -> dict[str, Any]:

@@ -1,8 +1,12 @@
 """Tensor codec: state dicts <-> safetensors bytes, with weight formats and checks.
 
 Formats (``WeightFormat``): ``fp32``, ``fp16``, ``bf16`` cast floating tensors;
-``int8`` stores every floating tensor of rank >= 2 as symmetric per-row int8 with an
-fp32 scale per row (``{name}::scale``, shape ``(rows,)``), 1-D tensors in fp32.
+``int8`` stores every floating tensor of rank >= 2 as symmetric int8 with fp32 scales
+(``{name}::scale``): one per row (shape ``(rows,)``; the tensor viewed as
+``(shape[0], -1)``), or, for a 2-D tensor taller than it is wide, one per column (shape
+``(1, cols)``): a rank-r LoRA B of shape ``(out, r)`` then costs ``r`` scales instead of
+``out`` (1.0 instead of 1.5 bytes per value at r = 8). Base shards always use rows
+(``scales="row"``: the int8 linear scales each output row). 1-D tensors stay fp32.
 ``nf4`` stores every floating tensor of rank >= 2 in bitsandbytes' 4-bit NormalFloat
 layout (Dettmers et al., QLoRA 2023, §3 "4-bit NormalFloat"): the row-major flattened
 tensor is cut into blocks of :data:`NF4_BLOCK` = 64 values, each block is scaled by its
@@ -96,16 +100,46 @@ def sha256_hex(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 quantization.
+INT8_SCALES = ("row", "short")
+"""Where :func:`encode_tensors` puts int8 scales: ``row`` always per row; ``short`` per
+column for a 2-D tensor with more rows than columns (else per row)."""
+
+
+def int8_axis(shape: tuple[int, ...] | torch.Size, scales: str = "short") -> str:
+    """``"col"`` where ``scales="short"`` and ``shape`` is 2-D with more rows than
+    columns, else ``"row"`` (the layout :func:`encode_tensors` writes).
+
+    Raises:
+        CodecError: ``scales`` not in :data:`INT8_SCALES`.
+    """
+    if scales not in INT8_SCALES:
+        raise CodecError(f"int8 scales must be one of {INT8_SCALES}, got {scales!r}")
+    return "col" if scales == "short" and len(shape) == 2 and shape[0] > shape[1] else "row"
+
+
+def quantize_int8(w: torch.Tensor, axis: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization with one fp32 scale per row (``axis="row"``) or, for a
+    2-D ``w``, per column (``axis="col"``).
 
     Args:
-        w: float tensor of shape ``(rows, ...)``.
+        w: float tensor of shape ``(rows, ...)`` (``(rows, cols)`` for ``axis="col"``).
+        axis: ``row`` or ``col``.
 
     Returns:
-        ``(q, scale)``: ``q`` int8 of ``w``'s shape, ``scale`` fp32 of shape ``(rows,)``
-        with ``w ≈ q * scale[:, None, ...]``; the error per entry is at most ``scale/2``.
+        ``(q, scale)``: ``q`` int8 of ``w``'s shape; ``scale`` fp32 of shape ``(rows,)``
+        with ``w ≈ q * scale[:, None, ...]``, or of shape ``(1, cols)`` with
+        ``w ≈ q * scale``; the error per entry is at most half its scale.
+
+    Raises:
+        CodecError: ``axis="col"`` for a tensor that is not 2-D, or an unknown axis.
     """
+    if axis == "col":
+        if w.dim() != 2:
+            raise CodecError(f"per-column int8 needs a 2-D tensor, got shape {tuple(w.shape)}")
+        q, scale = quantize_int8(w.t())
+        return q.t().contiguous(), scale.reshape(1, -1)
+    if axis != "row":
+        raise CodecError(f"int8 axis must be 'row' or 'col', got {axis!r}")
     flat = w.detach().to(torch.float32).reshape(w.shape[0], -1)
     scale = flat.abs().amax(dim=1).clamp_min(1e-12) / 127.0
     q = torch.round(flat / scale[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -113,9 +147,19 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`quantize_int8`: fp32 tensor of ``q``'s shape."""
+    """Inverse of :func:`quantize_int8`: fp32 tensor of ``q``'s shape (a ``(rows,)``
+    scale per row, a ``(1, cols)`` one per column)."""
+    if scale.dim() == 2:
+        return q.to(torch.float32) * scale
     shape = [q.shape[0]] + [1] * (q.dim() - 1)
     return q.to(torch.float32) * scale.reshape(shape)
+
+
+def _scale_fits(scale: TensorInfo, q: TensorInfo) -> bool:
+    """Whether ``scale`` is a per-row or (2-D ``q``) per-column int8 scale of ``q``."""
+    if scale.dtype != "F32" or q.dtype != "I8" or not q.shape:
+        return False
+    return scale.shape == q.shape[:1] or (len(q.shape) == 2 and scale.shape == (1, q.shape[1]))
 
 
 def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,16 +213,20 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 
 def round_trip(t: torch.Tensor, fmt: str) -> torch.Tensor:
     """What :func:`decode_tensors` (dequantizing) returns for floating tensor ``t`` after
-    :func:`encode_tensors` in ``fmt`` (``fp32``/``fp16``/``bf16``/``int8``), as fp32 of
-    ``t``'s shape, without serialising: the same rules (int8 per row for rank >= 2, 1-D
-    tensors stay fp32).
+    :func:`encode_tensors` in ``fmt`` (``fp32``/``fp16``/``bf16``/``int8``/``nf4``, int8
+    with its default ``scales="short"``), as fp32 of ``t``'s shape, without serialising:
+    the same rules (quantized formats for rank >= 2, 1-D tensors stay fp32).
 
     Raises:
-        CodecError: a format other than these four.
+        CodecError: an unknown format.
     """
     t = t.detach().float()
+    if fmt in ("int8", "nf4") and t.dim() < 2:
+        return t
     if fmt == "int8":
-        return dequantize_int8(*quantize_int8(t)) if t.dim() >= 2 else t
+        return dequantize_int8(*quantize_int8(t, int8_axis(t.shape)))
+    if fmt == "nf4":
+        return dequantize_nf4(*quantize_nf4(t), tuple(t.shape))
     if fmt in _CAST:
         return t.to(_CAST[fmt]).float()
     raise CodecError(f"round_trip: unsupported weight format {fmt!r}")
@@ -186,15 +234,18 @@ def round_trip(t: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def encode_tensors(
     tensors: dict[str, torch.Tensor], fmt: str = "fp32", metadata: dict[str, str] | None = None,
-    exact: Collection[str] = (),
+    exact: Collection[str] = (), scales: str = "short",
 ) -> bytes:
     """Serialise a state dict to safetensors bytes in weight format ``fmt``; the floating
     tensors named in ``exact`` are stored in fp32 whatever ``fmt`` (:func:`decode_tensors`
-    returns them unchanged).
+    returns them unchanged). ``scales`` places int8 scales (:func:`int8_axis`; base
+    shards use ``row``).
 
     Raises:
-        CodecError: unknown format, or a name that uses the reserved ``::scale`` suffix.
+        CodecError: unknown format or ``scales``, or a name that uses a reserved suffix.
     """
+    if scales not in INT8_SCALES:
+        raise CodecError(f"int8 scales must be one of {INT8_SCALES}, got {scales!r}")
     out: dict[str, torch.Tensor] = {}
     meta: dict[str, str] = {"format": fmt}
     for name, t in tensors.items():
@@ -206,7 +257,7 @@ def encode_tensors(
         elif name in exact:
             out[name] = t.to(torch.float32).contiguous()
         elif fmt == "int8" and t.dim() >= 2:
-            q, scale = quantize_int8(t)
+            q, scale = quantize_int8(t, int8_axis(t.shape, scales))
             out[name] = q.contiguous()
             out[name + SCALE_SUFFIX] = scale.contiguous()
         elif fmt == "nf4" and t.dim() >= 2:
@@ -328,8 +379,8 @@ def decode_tensors(
         if name.endswith(SCALE_SUFFIX):
             base = name[: -len(SCALE_SUFFIX)]
             bi = infos.get(base)
-            if bi is None or bi.dtype != "I8" or info.dtype != "F32" or info.shape != bi.shape[:1]:
-                raise CodecError(f"scale {name!r} does not match a per-row int8 tensor")
+            if bi is None or not _scale_fits(info, bi):
+                raise CodecError(f"scale {name!r} does not match an int8 tensor's rows or columns")
         elif info.dtype == "I8" and fmt == "int8" and name + SCALE_SUFFIX not in infos:
             raise CodecError(f"int8 tensor {name!r} has no scale")
     try:

@@ -3,7 +3,7 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import save
+from safetensors.torch import load, save
 
 from protocol.codec import CodecError, check_expected, decode_tensors, dequantize_int8, encode_tensors, \
     inspect_header, quantize_int8
@@ -24,8 +24,8 @@ def test_round_trip_each_format(fmt):
     assert torch.equal(out["i"], t["i"])
     tol = {"fp32": 0, "fp16": 2e-3, "bf16": 2e-2, "int8": None}[fmt]
     if fmt == "int8":
-        scale = t["w"].abs().amax(1) / 127
-        assert (out["w"] - t["w"]).abs().max(1).values.le(scale / 2 + 1e-7).all()
+        scale = t["w"].abs().amax(0) / 127   # (16, 8) is taller than wide: a scale per column
+        assert (out["w"] - t["w"]).abs().max(0).values.le(scale / 2 + 1e-7).all()
         assert torch.equal(out["b"], t["b"])  # 1-D tensors stay fp32
     else:
         assert torch.allclose(out["w"].float(), t["w"], rtol=tol, atol=tol)
@@ -37,6 +37,33 @@ def test_int8_error_bound_per_row():
     assert q.dtype == torch.int8 and s.shape == (64,)
     err = (dequantize_int8(q, s) - w).abs()
     assert (err <= s[:, None] / 2 + 1e-6).all()
+
+
+def test_int8_scales_a_tall_tensor_per_column_and_shards_per_row():
+    """A rank-8 LoRA B ``(320, 8)`` gets 8 column scales (1 byte a value, not 1.5); base
+    shards keep a scale per output row, which the int8 linear computes with."""
+    from moe_model.shards import encode_shard
+    from protocol.codec import int8_axis
+
+    g = torch.Generator().manual_seed(4)
+    b = torch.randn(320, 8, generator=g) * torch.linspace(0.01, 3, 8)
+    data = encode_tensors({"B": b}, "int8")
+    raw = load(data)
+    assert raw["B::scale"].shape == (1, 8) and int8_axis(b.shape) == "col"
+    out = decode_tensors(data, LIMIT)["B"]
+    assert (out - b).abs().le(raw["B::scale"] / 2 + 1e-7).all()   # per-column bound
+    assert len(data) < 0.27 * len(encode_tensors({"B": b}))         # per-row scales: 0.375
+    assert load(encode_shard({"B": b}, "int8"))["B::scale"].shape == (320,)
+    assert torch.equal(decode_tensors(encode_shard({"B": b}, "int8"), LIMIT)["B"],
+                       dequantize_int8(*quantize_int8(b)))
+
+
+def test_rejects_an_int8_scale_of_neither_rows_nor_columns():
+    for shape in ((8,), (1, 7), (320, 1), (2, 8)):
+        data = save({"B": torch.zeros(320, 8, dtype=torch.int8), "B::scale": torch.ones(shape)},
+                    metadata={"format": "int8"})
+        with pytest.raises(CodecError, match="rows or columns"):
+            decode_tensors(data, LIMIT)
 
 
 def test_int8_payload_is_smaller():
