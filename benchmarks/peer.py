@@ -1,7 +1,7 @@
 """Side by side with the system a user would pick instead (issue 22): FlowerTune-style
 Flower + peft LoRA on the whole MoE (``peer_client.py``: fp32, nf4, nf4 + gradient
 checkpointing, nf4 with bf16 experts) against our sub-MoE federation (``fedmoe simulate``:
-``random_kept``, ``fedmoe``), on one Hugging Face MoE checkpoint, the same data, partition,
+``random_kept``, ``fedmoe``, ``flex``, ``fedalign``), on one Hugging Face MoE checkpoint, the same data, partition,
 devices, budgets, training settings and seeds.
 
 The checkpoint (``make_checkpoint``): a random-init transformers ``Qwen3MoeForCausalLM``
@@ -11,8 +11,9 @@ is random-init so the benchmark runs on 2 CPU cores: the perplexities start near
 vocabulary size and show how much each method learns in a few rounds, not a useful LM.
 
 Per seed: each of our methods is one ``fedmoe simulate`` run (devices are processes with
-their own budgets; bytes counted on the wire, peak RSS per device-round; int8 updates up
-with error feedback, int8 state down). Then each peer variant federates the same device
+their own budgets; bytes counted on the wire, peak RSS per device-round; updates up as
+deltas with error feedback in ``--update-precision``, the adapter state down in
+``--state-precision``). Then each peer variant federates the same device
 shards with ``flwr``'s own ``FedAvg`` strategy driven round by round in this process (its
 simulation engine needs Ray), each device-round a fresh ``peer_client.py`` process
 (FlowerTune builds its model in every ``fit``); bytes are the serialised ``FitIns`` /
@@ -24,13 +25,15 @@ against the budgets too. The peer's global adapter is evaluated here after every
 the same held-out texts with the same perplexity definition.
 
     make install bench-env                                                     # .venv and .venv-bench
-    .venv-bench/bin/python benchmarks/peer.py --lock /tmp/fedmoe-heavy.lock   # ~60 min on 2 cores
+    .venv-bench/bin/python benchmarks/peer.py --lock /tmp/fedmoe-heavy.lock   # ~80 min on 2 cores
     .venv-bench/bin/python benchmarks/peer.py --quick                          # 1 seed, 2 rounds
 
 Runs in ``.venv-bench`` (``make bench-env``: the ``bench`` extra, ``flwr``); our devices
 run from ``--fedmoe`` (default ``.venv/bin/fedmoe``: an environment without ``flwr``, whose
 dependencies raise a device's baseline). Resumable: finished runs under ``runs/peer/`` are
-read back. Writes ``results/peer/peer.{json,md,png}`` (``peer_quick.*`` with ``--quick``).
+read back; ``--reuse-peer results/peer/peer.json`` takes the peer's runs from an earlier
+result whose settings match (the peer does not depend on our code), so a change on our
+side reruns only ours. Writes ``results/peer/peer.{json,md,png}`` (``peer_quick.*`` with ``--quick``).
 """
 
 from __future__ import annotations
@@ -104,10 +107,13 @@ def checkpoint_facts(ckpt: Path) -> dict:
 # ---------------------------------------------------------------------------- ours
 def run_ours(args, ckpt: Path, seed: int, method: str, out: Path) -> dict:
     """One ``fedmoe simulate`` run (resumed: a finished ``report.json`` is read back).
-    ``method``: an assignment strategy, with ``+ffa`` for FFA-LoRA (B only; A frozen),
-    else LoRA A and B trained, as the peer trains them."""
+    ``method``: an assignment strategy, or ``fedalign`` (FedAlign-MoE over
+    ``random_kept``), with ``+ffa`` for FFA-LoRA (B only; A frozen), else LoRA A and B
+    trained, as the peer trains them."""
     report = out / "report.json"
     assignment, _, ffa = method.partition("+")
+    strategy = ["--strategy", "fedalign"] if assignment == "fedalign" else []
+    assignment = "random_kept" if assignment == "fedalign" else assignment
     if not report.is_file():
         cmd = [args.fedmoe, "simulate", "--model", str(ckpt), "--objective", "causal-lm", "--tasks", "bbc",
                "--devices", str(len(args.budgets)), "--rounds", str(args.rounds), "--seed", str(seed),
@@ -116,8 +122,9 @@ def run_ours(args, ckpt: Path, seed: int, method: str, out: Path) -> dict:
                "--lr", str(args.lr), "--max-seq-len", str(args.seq_len), "--lora-rank", str(args.rank),
                "--eval-max-samples", str(args.eval_samples), "--max-samples-per-task", str(args.samples),
                "--gradient-checkpointing", "--weight-format", args.weight_format,
-               "--update-precision", "int8", "--update-delta", "--update-error-feedback",
-               "--state-precision", "int8", "--out", str(out)] + ([] if ffa else ["--lora-train-a"])
+               "--update-precision", args.update_precision, "--update-delta", "--update-error-feedback",
+               "--state-precision", args.state_precision, "--out", str(out)] + strategy \
+            + ([] if ffa else ["--lora-train-a"])
         log.info("[ours %s s%d] %s", method, seed, " ".join(cmd[1:4]))
         with heavy_lock(args.lock):
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -243,15 +250,18 @@ def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, o
 # ---------------------------------------------------------------------------- table
 def summarise(run: dict, n_devices: int) -> dict:
     """Per-run figures: final perplexity, devices that trained, MiB per device-round in round
-    1 and later, worst peak / budget, seconds per round, experts held per device-round."""
+    1, in later rounds and in the last round (no shard downloads once holdings settle),
+    worst peak / budget, seconds per round, experts held per device-round."""
     rows = run["rows"]
     r1 = [r["bytes"] for r in rows if r["round"] == 1]
     later = [r["bytes"] for r in rows if r["round"] > 1]
+    last = [r["bytes"] for r in rows if r["round"] == max(x["round"] for x in rows)] if rows else []
     trained = sorted({r["device"] for r in rows})
     ratios = [r["peak"] / r["budget"] for r in rows if r.get("peak") and r.get("budget")]
     return {"final_perplexity": run["perplexity"][-1] if rows else None, "devices": len(trained),
             "fleet": n_devices, "mib_round1": sum(r1) / len(r1) / MiB if r1 else None,
             "mib_steady": sum(later) / len(later) / MiB if later else None,
+            "mib_last": sum(last) / len(last) / MiB if last and rows[-1]["round"] > 1 else None,
             "worst_peak_over_budget": max(ratios) if ratios else None,
             "over_budget": sum(1 for x in ratios if x > 1.0), "device_rounds": len(rows),
             "seconds_per_round": (sum(run["round_seconds"]) / len(run["round_seconds"])
@@ -267,7 +277,7 @@ def table(result: dict) -> dict:
     for m in methods:
         per_seed = [result["runs"][str(s)][m]["summary"] for s in seeds if m in result["runs"].get(str(s), {})]
         stats[m] = {k: mean_ci([p[k] for p in per_seed]) for k in
-                    ("final_perplexity", "devices", "mib_round1", "mib_steady", "worst_peak_over_budget",
+                    ("final_perplexity", "devices", "mib_round1", "mib_steady", "mib_last", "worst_peak_over_budget",
                      "seconds_per_round")}
         stats[m]["over_budget"] = sum(p["over_budget"] for p in per_seed)
         stats[m]["device_rounds"] = sum(p["device_rounds"] for p in per_seed)
@@ -291,12 +301,13 @@ def markdown(result: dict) -> str:
              f"{len(result['budgets'])} devices, budgets {', '.join(f'{b:g}' for b in result['budgets'])} GiB; "
              f"BBC News {result['partition']}, {result['rounds']} rounds of {result['steps']} steps, batch "
              f"{result['batch_size']}, T = {result['seq_len']}, LoRA rank {result['rank']}, lr {result['lr']}; "
-             f"seeds {result['seeds']}. Peer probe peaks (MiB): "
+             f"seeds {result['seeds']}. Ours: updates up as {result['update_precision']} deltas with error "
+             f"feedback, adapter state down in {result['state_precision']}. Peer probe peaks (MiB): "
              + ", ".join(f"{v} {p / MiB:.0f}" for v, p in result["probe_peaks"].items()) + ".", "",
              "| method | final held-out perplexity (mean ± std [95% CI]) | devices trained (of fleet) | "
-             "MiB / device-round, round 1 | MiB / device-round, later | worst peak / budget | device-rounds over "
-             "budget | experts held per device | s / round |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "MiB / device-round, round 1 | MiB / device-round, later | MiB / device-round, last round | "
+             "worst peak / budget | device-rounds over budget | experts held per device | s / round |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m in result["methods"]:
         s = t["stats"][m]
         ppl = s["final_perplexity"]
@@ -304,6 +315,7 @@ def markdown(result: dict) -> str:
             f"| {m} | {fmt(ppl['mean'], '.1f')} ± {fmt(ppl['std'], '.1f')} [{fmt(ppl['ci_lo'], '.1f')}, "
             f"{fmt(ppl['ci_hi'], '.1f')}] | {fmt(s['devices']['mean'], '.1f')} of {len(result['budgets'])} | "
             f"{fmt(s['mib_round1']['mean'], '.1f')} | {fmt(s['mib_steady']['mean'], '.2f')} | "
+            f"{fmt(s['mib_last']['mean'], '.2f')} | "
             f"{fmt(s['worst_peak_over_budget']['mean'], '.2f')} | {s['over_budget']} of {s['device_rounds']} | "
             f"{'–' if not s['experts_held'] else '-'.join(map(str, s['experts_held']))} | "
             f"{fmt(s['seconds_per_round']['mean'], '.0f')} |")
@@ -341,12 +353,36 @@ def plot(result: dict, path: Path) -> None:
     axes[1].bar(range(len(names)), [st[m]["devices"]["mean"] or 0 for m in names])
     axes[1].set(title=f"devices that trained (of {len(result['budgets'])})", xticks=range(len(names)))
     axes[1].set_xticklabels(names, rotation=30, ha="right", fontsize=7)
-    axes[2].bar(range(len(names)), [st[m]["mib_steady"]["mean"] or 0 for m in names])
-    axes[2].set(title="MiB per device-round after round 1", xticks=range(len(names)))
+    axes[2].bar(range(len(names)), [st[m]["mib_last"]["mean"] or 0 for m in names])
+    axes[2].set(title="MiB per device-round, last round", xticks=range(len(names)))
     axes[2].set_xticklabels(names, rotation=30, ha="right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+REUSE_KEYS = ("rounds", "budgets", "partition", "steps", "batch_size", "seq_len", "lr", "rank", "samples",
+              "eval_samples")
+
+
+def reused_peer_runs(args, facts: dict) -> tuple[dict[str, dict], dict[str, int]]:
+    """(seed -> ``peer <variant>`` -> run, the probed peaks), from ``args.reuse_peer``.
+
+    Raises:
+        SystemExit: the earlier result's settings or checkpoint differ from this run's (a
+            setting it lacks counts as its default here).
+    """
+    prior = json.loads(Path(args.reuse_peer).read_text())
+    defaults = {"samples": 900, "eval_samples": 64}
+    differ = [k for k in REUSE_KEYS if prior.get(k, defaults.get(k)) != getattr(args, k)]
+    if prior["checkpoint"]["config"] != facts["config"] or prior["checkpoint"]["params"] != facts["params"]:
+        differ.append("checkpoint")
+    if differ:
+        raise SystemExit(f"--reuse-peer {args.reuse_peer}: its settings differ from this run's "
+                         f"({', '.join(differ)})")
+    log.info("peer runs reused from %s (%s)", args.reuse_peer, ", ".join(sorted(prior["variants"])))
+    return ({s: {m: r for m, r in runs.items() if m.startswith("peer ")} for s, runs in prior["runs"].items()},
+            prior["probe_peaks"])
 
 
 # ---------------------------------------------------------------------------- main
@@ -356,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budgets", default="0.9,1.0,1.1,1.2,3.0,3.2", help="device budgets in GiB")
-    ap.add_argument("--ours", default="random_kept,fedmoe,random_kept+ffa",
-                    help="our assignment strategies (+ffa: FFA-LoRA, B only)")
+    ap.add_argument("--ours", default="random_kept,fedmoe,flex",
+                    help="our assignment strategies, or fedalign (FedAlign-MoE over random_kept); +ffa: FFA-LoRA "
+                         "(B only)")
     ap.add_argument("--variants", default="fp32,nf4,nf4+gc", help=f"peer variants ({', '.join(VARIANTS)})")
     ap.add_argument("--partition", default="dirichlet:0.5")
     ap.add_argument("--steps", type=int, default=4)
@@ -368,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=900, help="BBC texts shared out (seeded subset)")
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--weight-format", default="int8", help="our base shards")
+    ap.add_argument("--update-precision", default="nf4", help="our devices' update encoding (a delta with error "
+                    "feedback): fp16, bf16, int8, nf4")
+    ap.add_argument("--state-precision", default="int8", help="the adapter state sent down: fp32, fp16, bf16, int8, "
+                    "nf4")
+    ap.add_argument("--reuse-peer", help="an earlier result JSON whose peer runs to reuse (settings must match)")
     ap.add_argument("--peer-threads", type=int, default=2)
     ap.add_argument("--fedmoe", default=str(ROOT / ".venv" / "bin" / "fedmoe"))
     ap.add_argument("--work", default=str(ROOT / "runs" / "peer"))
@@ -392,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     facts = checkpoint_facts(ckpt)
     log.info("checkpoint %s: %.0fM parameters, experts %.0f%%", ckpt, facts["params"] / 1e6,
              100 * facts["expert_share"])
-    peaks = probe(args, ckpt, Path(args.work))
+    prior, peaks = reused_peer_runs(args, facts) if args.reuse_peer else ({}, None)
+    peaks = peaks or probe(args, ckpt, Path(args.work))
     runs: dict[str, dict] = {}
     names = {m: f"ours {m.partition('+')[0]}" + (" FFA-LoRA" if m.endswith("+ffa") else "") for m in args.ours}
     for s in seeds:
@@ -404,13 +447,20 @@ def main(argv: list[str] | None = None) -> int:
             log.info("[ours %s s%d] perplexity %s, %s", m, s, fmt(r["perplexity"][-1], ".1f"), r["summary"])
         first = runs[str(s)][names[args.ours[0]]]
         for v in args.variants:
+            resume = work / f"s{s}" / f"peer-{v.replace('+', '_')}" / "result.json"
+            if f"peer {v}" in prior.get(str(s), {}) and not resume.is_file():
+                resume.parent.mkdir(parents=True, exist_ok=True)
+                resume.write_text(json.dumps({k: x for k, x in prior[str(s)][f"peer {v}"].items()
+                                              if k != "summary"}))
             r = run_peer(args, ckpt, s, v, first, peaks[v], work / f"s{s}" / f"peer-{v.replace('+', '_')}")
             r["summary"] = summarise(r, len(args.budgets))
             runs[str(s)][f"peer {v}"] = r
             log.info("[peer %s s%d] %s", v, s, r["summary"])
     result = {"profile": profile, "seeds": seeds, "rounds": args.rounds, "budgets": args.budgets,
               "partition": args.partition, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-              "lr": args.lr, "rank": args.rank, "checkpoint": facts, "probe_peaks": peaks,
+              "lr": args.lr, "rank": args.rank, "samples": args.samples, "eval_samples": args.eval_samples,
+              "update_precision": args.update_precision, "state_precision": args.state_precision,
+              "peer_reused_from": args.reuse_peer, "checkpoint": facts, "probe_peaks": peaks,
               "ours": list(names.values()), "variants": [f"peer {v}" for v in args.variants],
               "methods": list(names.values()) + [f"peer {v}" for v in args.variants], "runs": runs}
     result["table"] = table(result)
