@@ -76,14 +76,18 @@ def prepare(cache_root: Path, formats=FORMATS) -> dict:
     return index
 
 
-def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int) -> dict:
-    """One device process: plan, load, train, measure (see the module docstring)."""
+def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int, allocator: str = "mmap",
+         experts: int | None = None) -> dict:
+    """One device process: plan, load, train, measure (see the module docstring).
+    ``allocator``: ``mmap`` (:func:`moe_model.budget.tune_allocator`, the device default)
+    or ``default`` (glibc's own; the oneDNN cache is bounded either way, as
+    ``EdgeClient`` does); ``experts``: hold this many per layer instead of the plan's."""
     import torch
 
     from moe_model import budget as B
 
     torch.set_num_threads(1)
-    B.tune_allocator()
+    B.tune_allocator() if allocator == "mmap" else B.bound_native_caches()
     from moe_model.shards import ShardCache
     from moe_model.submoe import SubMoE
     from moe_model.train import train_local
@@ -95,9 +99,9 @@ def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int) 
     s = spec()
     baseline = B.current_rss_bytes()
     # as EdgeClient does: the plan keeps the default headroom free above the measured baseline
-    k = B.max_experts_per_layer(s, budget, BATCH, LABELS, baseline + B.DEFAULT_HEADROOM_BYTES, fmt)
+    k = experts or B.max_experts_per_layer(s, budget, BATCH, LABELS, baseline + B.DEFAULT_HEADROOM_BYTES, fmt)
     out = {"format": fmt, "budget_bytes": budget, "baseline_rss_bytes": baseline, "experts_per_layer": k,
-           "headroom_bytes": B.DEFAULT_HEADROOM_BYTES}
+           "headroom_bytes": B.DEFAULT_HEADROOM_BYTES, "allocator": allocator}
     if k == 0:
         out.update(predicted_peak_bytes=None, peak_rss_bytes=baseline, note="not even one expert per layer fits")
         return out
@@ -127,6 +131,8 @@ def main() -> None:
     ap.add_argument("--work", default="runs/bench-memory")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cell", nargs=2, metavar=("FORMAT", "BUDGET"))
+    ap.add_argument("--allocator", default="mmap", choices=("mmap", "default"), help="with --cell (see cell())")
+    ap.add_argument("--experts", type=int, help="with --cell: experts per layer instead of the plan's")
     ap.add_argument("--model", help="a Hugging Face MoE checkpoint directory (causal LM) instead of MiniLM")
     ap.add_argument("--budgets", help="comma-separated budgets in GiB (default 0.5,1,2,4)")
     ap.add_argument("--seq-len", type=int, default=T, help="tokens per sample (default 64)")
@@ -139,7 +145,8 @@ def main() -> None:
              + (["--gradient-checkpointing"] if CHECKPOINTING else []))
     work = Path(args.work)
     if args.cell:
-        res = cell(args.cell[0], int(args.cell[1]), work / "index.json", work / "cache", args.steps)
+        res = cell(args.cell[0], int(args.cell[1]), work / "index.json", work / "cache", args.steps, args.allocator,
+                   args.experts)
         print("RESULT " + json.dumps(res))
         return
     work.mkdir(parents=True, exist_ok=True)

@@ -265,8 +265,28 @@ def test_device_config_turns_update_encoding_into_a_filter():
     assert DeviceConfig(**base).filters() == []
     (f,) = DeviceConfig(**base, update_precision="fp16", update_delta=True).filters()
     assert isinstance(f, UpdateEncoding) and (f.precision, f.delta) == ("fp16", True)
+    (f,) = DeviceConfig(**base, update_precision="nf4", update_delta=True, update_error_feedback=True).filters()
+    assert (f.precision, f.error_feedback) == ("nf4", True)
     with pytest.raises(ValueError):
-        DeviceConfig(**base, update_precision="nf4")
+        DeviceConfig(**base, update_precision="int4")
+
+
+def test_device_config_allocator_reaches_the_client(tmp_path, monkeypatch):
+    """``allocator: default`` builds the client with glibc's own setting (no mmap
+    threshold), ``mmap`` (the default) with it; anything else is refused."""
+    import edge_sdk.client
+    from edge_sdk.config import DeviceConfig
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a", "label": "x"}\n')
+    seen = []
+    monkeypatch.setattr(edge_sdk.client, "EdgeClient", lambda *a, **kw: seen.append(kw["low_memory"]))
+    base = dict(broker="mqtt://127.0.0.1:1", device_id="d", budget="1GiB", data=str(data))
+    DeviceConfig(**base).client()
+    DeviceConfig(**base, allocator="default").client()
+    assert seen == [True, False]
+    with pytest.raises(ValueError, match="allocator"):
+        DeviceConfig(**base, allocator="jemalloc")
 
 
 def test_aggregator_config_load_merges_a_section_override(tmp_path):
