@@ -87,7 +87,10 @@ def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int, 
     from moe_model import budget as B
 
     torch.set_num_threads(1)
-    B.tune_allocator() if allocator == "mmap" else B.bound_native_caches()
+    if allocator == "mmap":
+        B.tune_allocator()  # bounds the oneDNN cache too
+    else:
+        B.bound_native_caches()
     from moe_model.shards import ShardCache
     from moe_model.submoe import SubMoE
     from moe_model.train import train_local

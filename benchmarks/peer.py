@@ -255,13 +255,14 @@ def summarise(run: dict, n_devices: int) -> dict:
     rows = run["rows"]
     r1 = [r["bytes"] for r in rows if r["round"] == 1]
     later = [r["bytes"] for r in rows if r["round"] > 1]
-    last = [r["bytes"] for r in rows if r["round"] == max(x["round"] for x in rows)] if rows else []
+    last_round = max((r["round"] for r in rows), default=0)
+    last = [r["bytes"] for r in rows if r["round"] == last_round] if last_round > 1 else []
     trained = sorted({r["device"] for r in rows})
     ratios = [r["peak"] / r["budget"] for r in rows if r.get("peak") and r.get("budget")]
     return {"final_perplexity": run["perplexity"][-1] if rows else None, "devices": len(trained),
             "fleet": n_devices, "mib_round1": sum(r1) / len(r1) / MiB if r1 else None,
             "mib_steady": sum(later) / len(later) / MiB if later else None,
-            "mib_last": sum(last) / len(last) / MiB if last and rows[-1]["round"] > 1 else None,
+            "mib_last": sum(last) / len(last) / MiB if last else None,
             "worst_peak_over_budget": max(ratios) if ratios else None,
             "over_budget": sum(1 for x in ratios if x > 1.0), "device_rounds": len(rows),
             "seconds_per_round": (sum(run["round_seconds"]) / len(run["round_seconds"])
@@ -447,12 +448,9 @@ def main(argv: list[str] | None = None) -> int:
             log.info("[ours %s s%d] perplexity %s, %s", m, s, fmt(r["perplexity"][-1], ".1f"), r["summary"])
         first = runs[str(s)][names[args.ours[0]]]
         for v in args.variants:
-            resume = work / f"s{s}" / f"peer-{v.replace('+', '_')}" / "result.json"
-            if f"peer {v}" in prior.get(str(s), {}) and not resume.is_file():
-                resume.parent.mkdir(parents=True, exist_ok=True)
-                resume.write_text(json.dumps({k: x for k, x in prior[str(s)][f"peer {v}"].items()
-                                              if k != "summary"}))
-            r = run_peer(args, ckpt, s, v, first, peaks[v], work / f"s{s}" / f"peer-{v.replace('+', '_')}")
+            reused = prior.get(str(s), {}).get(f"peer {v}")
+            r = dict(reused) if reused else run_peer(args, ckpt, s, v, first, peaks[v],
+                                                     work / f"s{s}" / f"peer-{v.replace('+', '_')}")
             r["summary"] = summarise(r, len(args.budgets))
             runs[str(s)][f"peer {v}"] = r
             log.info("[peer %s s%d] %s", v, s, r["summary"])
