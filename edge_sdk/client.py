@@ -471,7 +471,8 @@ class EdgeClient:
 
         for t in terms:
             t.after_training(model)
-        tensors, ctx = model.adapter_state(), UpdateContext(a, model, state, train_items)
+        tensors = model.adapter_state()
+        ctx = UpdateContext(a, model, state, train_items, work_dir=self.cache.directory / "filters")
         for f in self.filters:
             tensors = f.on_update(tensors, ctx)
         update = encode_tensors(tensors, ctx.format, ctx.metadata)

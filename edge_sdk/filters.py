@@ -18,8 +18,12 @@ The client itself sees tensors and messages only. Filters shipped here:
 
 from __future__ import annotations
 
+import logging
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -28,6 +32,8 @@ from protocol.messages import Assignment, Hello, Stats
 
 if TYPE_CHECKING:  # protocol.signing loads cryptography (~7 MiB RSS): only devices that sign pay for it
     from protocol.signing import Signer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +48,9 @@ class UpdateContext:
         format: the weight format the update is encoded in (``protocol.codec``; a filter
             may change it, default fp32).
         metadata: safetensors metadata written with the update (a filter may add to it).
+        work_dir: a directory of the device's own (under its shard cache) where a filter
+            may keep state between rounds on disk instead of in memory; None: keep it in
+            memory.
     """
 
     assignment: Assignment
@@ -50,6 +59,7 @@ class UpdateContext:
     train_items: list
     format: str = "fp32"
     metadata: dict[str, str] = field(default_factory=dict)
+    work_dir: Path | None = None
 
 
 T = TypeVar("T")
@@ -93,8 +103,12 @@ class UpdateEncoding(Filter):
     per tensor, and adds it to the next round's delta before encoding (``d' = d + e``):
     the rounding errors cancel over rounds instead of adding up, so the sum of what the
     cloud received stays within one quantization step of the sum of the true deltas. The
-    residual costs the device one fp32 copy of its update; it is dropped for a tensor the
-    device no longer sends (an expert it no longer holds).
+    residual is one fp32 copy of the update; it is dropped for a tensor the device no
+    longer sends (an expert it no longer holds). Where the context gives a ``work_dir``
+    (``EdgeClient`` does) it waits there between rounds (``error-feedback.safetensors``)
+    and is read back one tensor at a time after training, so it takes no memory while
+    the device trains (the memory plan does not count it, ``moe_model.budget``); else it
+    stays in memory. A residual left on disk by an earlier process is never read.
 
     Args:
         precision: ``fp32`` (default), ``fp16``, ``bf16``, ``int8`` (a scale per row, or
@@ -121,7 +135,9 @@ class UpdateEncoding(Filter):
                              f"(got delta={delta}, precision={precision!r})")
         self.precision, self.delta, self.error_feedback = precision, delta, error_feedback
         self.residual: dict[str, torch.Tensor] = {}
-        """tensor name -> the encoding error of the last update that carried it (fp32)."""
+        """tensor name -> the encoding error of the last update that carried it (fp32), when
+        kept in memory."""
+        self._residual_file: Path | None = None
 
     def encoded(self, t: torch.Tensor) -> torch.Tensor:
         """What the cloud decodes of floating tensor ``t`` after this precision's encoding
@@ -139,17 +155,49 @@ class UpdateEncoding(Filter):
         if not self.error_feedback:
             return out
         residual: dict[str, torch.Tensor] = {}
-        for k, v in out.items():
-            if not v.is_floating_point():
-                continue
-            e = self.residual.pop(k, None)  # freed as it is used: one residual copy at a time, not two
-            v = v.float()
-            if e is not None and e.shape == v.shape:
-                v.add_(e)  # v is this call's own delta tensor
-            residual[k] = v - self.encoded(v)
-            out[k] = v
-        self.residual = residual
+        with self._last_residual() as last:
+            for k, v in out.items():
+                if not v.is_floating_point():
+                    continue
+                e = last(k)  # one old tensor at a time: one residual copy in memory, not two
+                v = v.float()
+                if e is not None and e.shape == v.shape:
+                    v.add_(e)  # v is this call's own delta tensor
+                residual[k] = v - self.encoded(v)
+                out[k] = v
+        self._keep(residual, ctx.work_dir)
         return out
+
+    @contextmanager
+    def _last_residual(self) -> Iterator[Callable[[str], torch.Tensor | None]]:
+        """A lookup of the last round's residual by tensor name (each taken once)."""
+        if self._residual_file is None:
+            yield lambda k: self.residual.pop(k, None)
+            return
+        from safetensors import safe_open
+
+        try:
+            f = safe_open(str(self._residual_file), framework="pt")
+        except Exception as e:  # noqa: BLE001  (a damaged file loses one round's residual, nothing more)
+            log.warning("error-feedback residual %s unreadable (%s); going on without it", self._residual_file, e)
+            yield lambda k: None
+            return
+        with f:
+            names = set(f.keys())
+            yield lambda k: f.get_tensor(k) if k in names else None
+
+    def _keep(self, residual: dict[str, torch.Tensor], work_dir: Path | None) -> None:
+        if work_dir is None:
+            self.residual, self._residual_file = residual, None
+            return
+        from safetensors.torch import save_file
+
+        work_dir.mkdir(parents=True, exist_ok=True)
+        path = work_dir / "error-feedback.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file(residual, str(tmp))
+        os.replace(tmp, path)
+        self.residual, self._residual_file = {}, path
 
 
 class Signing(Filter):

@@ -18,7 +18,16 @@ does not fit. The plan is the sum of (:class:`MemoryPlan`):
   (LoRA B [and A], router rows, head);
 - ``activations``: the family adapter's estimate for one training step;
 - ``workspace``: the larger of the largest transient dequantized expert weight and the
-  shard fetch window (:data:`FETCH_WINDOW_BYTES`, twice: chunks and the joined blob).
+  shard fetch window (:data:`FETCH_WINDOW_BYTES`, twice: chunks and the joined blob);
+- ``copies``: the adapter state received this round, which the device keeps through
+  training as its update's reference (fp32, the trainable part), and with LoRA A trained
+  A's seeded initial draw (``SubMoE`` resets to it);
+- ``overhead``: per held expert, its module objects and the allocator's fragmentation
+  around its small tensors (``ModelAdapter.expert_overhead_bytes``, measured).
+
+The error-feedback residual (``edge_sdk.filters.UpdateEncoding``) is not in the plan: the
+device keeps it on disk between rounds and reads it back after training, when the
+training peak's gradients, optimizer state and activations are gone.
 
 How the device measures what it compares with (``Stats.peak_rss_bytes``): the kernel's
 RSS high-water mark (``VmHWM`` of ``/proc/self/status``, reset at the start of each
@@ -88,6 +97,11 @@ class ParamCounts:
     """``(out_features, in_features, has_bias)`` of each linear of one expert."""
     expert_other: int = 0
     """Elements of one expert that are not in its linears."""
+    expert_lora_a: int = 0
+    """LoRA A elements per expert when A is trained (kept once more as its seeded initial
+    draw); 0 with A frozen."""
+    backbone_lora_a: int = 0
+    """Likewise for the backbone's LoRA A."""
 
 
 def param_counts(spec: ModelSpec) -> ParamCounts:
@@ -117,13 +131,15 @@ def _param_counts(spec_json: str) -> ParamCounts:
     bb_lora = sum(r * (m.in_features + m.out_features) for m in att)
     bb_lora_tr = sum(r * m.out_features for m in att) if not spec.lora.train_a else bb_lora
     hidden = model.head.in_features if model.head is not None else 0  # causal-lm: no task head
+    a_expert = sum(r * m.in_features for m in lin) if spec.lora.train_a else 0
+    a_bb = sum(r * m.in_features for m in att) if spec.lora.train_a else 0
     if trains_all_weights(spec):  # no LoRA: every weight trains
-        expert_lora, expert_lora_tr, bb_lora, bb_lora_tr = 0, expert, 0, backbone
+        expert_lora, expert_lora_tr, bb_lora, bb_lora_tr, a_expert, a_bb = 0, expert, 0, backbone, 0, 0
     linears = tuple((m.out_features, m.in_features, m.bias is not None) for m in lin)
     other = expert - sum(o * i + (o if b else 0) for o, i, b in linears)
     head_per_label = hidden + 1 if hidden else 0
     return ParamCounts(backbone, expert, expert_lora, expert_lora_tr, bb_lora, bb_lora_tr, hidden, head_per_label,
-                       len(layers), linears, other)
+                       len(layers), linears, other, a_expert, a_bb)
 
 
 @dataclass(frozen=True)
@@ -141,6 +157,14 @@ class MemoryPlan:
     weight_format: str = DEFAULT_WEIGHT_FORMAT
     experts: int = 0
     """Experts held in all layers together."""
+    copies: int = 0
+    """Adapter values kept beside the model while it trains: the state received this round
+    (the update's reference, one fp32 copy of the trainable part) and, with LoRA A
+    trained, A's seeded initial draw (fp32)."""
+    overhead: int = 0
+    """Per held expert, what no tensor count shows: its module objects and the allocator's
+    fragmentation around its small tensors, gradients and optimizer state
+    (``ModelAdapter.expert_overhead_bytes``, measured per family)."""
 
     @property
     def adapters(self) -> int:
@@ -151,7 +175,7 @@ class MemoryPlan:
     def total(self) -> int:
         """Predicted peak bytes: the sum of every byte component."""
         return (self.runtime + self.tokenizer + self.weights + self.lora + self.grads + self.optimizer
-                + self.activations + self.workspace)
+                + self.activations + self.workspace + self.copies + self.overhead)
 
     def as_dict(self) -> dict[str, int | str]:
         """Every field plus ``adapters`` and ``total`` (bytes; ``weight_format`` a string, ``experts`` a count)."""
@@ -214,11 +238,13 @@ def plan(
     weights = 4 * c.backbone + n * expert
     trainable = n * (c.expert_lora_trainable + c.router_row) + c.backbone_lora_trainable + c.head_per_label * num_labels
     lora = 4 * (n * (c.expert_lora + c.router_row) + c.backbone_lora + c.head_per_label * num_labels)
-    acts = get_adapter(spec.family).activation_bytes(spec, batch)
+    adapter = get_adapter(spec.family)
+    acts = adapter.activation_bytes(spec, batch)
     work = max([workspace_bytes(o, i, weight_format) for o, i, _ in c.expert_linears] + [2 * FETCH_WINDOW_BYTES])
+    copies = 4 * (trainable + n * c.expert_lora_a + c.backbone_lora_a)
     return MemoryPlan(runtime_bytes, weights, lora, 4 * trainable, 8 * trainable, acts,
-                      get_adapter(spec.family).tokenizer_bytes_for(spec), work,
-                      weight_format, n)
+                      adapter.tokenizer_bytes_for(spec), work, weight_format, n,
+                      copies, n * adapter.expert_overhead_bytes(spec))
 
 
 def estimate(

@@ -319,3 +319,37 @@ def test_quantized_state_down_sends_the_rounded_state_in_fewer_bytes(tmp_path, e
         received.clear()
     assert state_bytes["int8"] < 0.45 * state_bytes["fp32"], state_bytes
     assert state_bytes["nf4"] < 0.85 * state_bytes["int8"], state_bytes
+
+
+def test_error_feedback_residual_on_disk_matches_memory_and_takes_no_memory(tmp_path, caplog):
+    """With a work_dir the residual waits on disk between rounds: the same updates as
+    keeping it in memory, nothing held in memory, a damaged file costs one residual only,
+    and a file left by an earlier process is never read."""
+    g = torch.Generator().manual_seed(3)
+    sent = {"w": torch.randn(16, 64, generator=g), "b": torch.zeros(64)}
+    steps = [{"w": 1e-3 * torch.randn(16, 64, generator=g), "b": torch.full((64,), 1e-4)} for _ in range(4)]
+    mem, disk = (UpdateEncoding("nf4", delta=True, error_feedback=True) for _ in range(2))
+    for i, step in enumerate(steps):
+        trained = {k: sent[k] + step[k] for k in sent}
+        a = mem.on_update(dict(trained), UpdateContext(assignment=None, model=None, sent=sent, train_items=[]))
+        b = disk.on_update(dict(trained), UpdateContext(assignment=None, model=None, sent=sent, train_items=[],
+                                                        work_dir=tmp_path))
+        for k in a:
+            assert torch.equal(a[k], b[k]), (i, k)
+        assert disk.residual == {} and (tmp_path / "error-feedback.safetensors").is_file()
+    assert set(mem.residual) == {"w", "b"}
+
+    fresh = UpdateEncoding("nf4", delta=True, error_feedback=True)  # a new process: the old file is not its own
+    plain = UpdateEncoding("nf4", delta=True, error_feedback=True)
+    trained = {k: sent[k] + steps[0][k] for k in sent}
+    ctx = dict(assignment=None, model=None, sent=sent, train_items=[])
+    got = fresh.on_update(dict(trained), UpdateContext(**ctx, work_dir=tmp_path))
+    want = plain.on_update(dict(trained), UpdateContext(**ctx))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    (tmp_path / "error-feedback.safetensors").write_bytes(b"not a safetensors file")
+    with caplog.at_level("WARNING", logger="edge_sdk.filters"):
+        again = fresh.on_update(dict(trained), UpdateContext(**ctx, work_dir=tmp_path))
+    assert "unreadable" in caplog.text
+    assert all(torch.equal(again[k], want[k]) for k in want)  # as if there were no residual
+    assert (tmp_path / "error-feedback.safetensors").stat().st_size > 100  # rewritten, readable again

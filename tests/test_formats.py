@@ -10,6 +10,7 @@ from torch import nn
 
 from cloud.global_model import GlobalModel
 from moe_model.budget import estimate, max_experts_per_layer, plan
+from moe_model.models import get_adapter
 from moe_model.quant import QuantLinear, held_bytes
 from moe_model.shards import ShardCache, decode_shard
 from moe_model.submoe import SubMoE
@@ -168,8 +169,13 @@ def test_memory_plan_components_and_formats():
     assert plans["nf4"].weights < plans["int8"].weights < plans["bf16"].weights < plans["fp32"].weights
     p = plans["int8"]
     assert p.total == sum(p.as_dict()[k] for k in ("runtime", "tokenizer", "weights", "lora", "grads", "optimizer",
-                                                   "activations", "workspace"))
+                                                   "activations", "workspace", "copies", "overhead"))
     assert p.optimizer == 2 * p.grads and p.runtime == 1000 and p.experts == 8
+    # the received state kept through training (= the trainable part, fp32); overhead per held expert
+    assert p.copies == p.grads and p.overhead == p.experts * get_adapter(spec.family).expert_overhead_bytes(spec)
+    trained_a = plan(spec.model_copy(update={"lora": spec.lora.model_copy(update={"train_a": True})}), 8, "int8",
+                     batch=8, num_labels=5, runtime_bytes=1000)
+    assert trained_a.copies > trained_a.grads  # + LoRA A's initial draw, which SubMoE keeps
     assert plan(spec, 8, "int8", lora_rank=16, batch=8, num_labels=5).lora > p.lora
     assert plan(spec, 8, "int8", batch=8, seq_len=16, num_labels=5).activations < p.activations
     assert estimate(spec, 8, 8, 5, 1000, "int8") == p

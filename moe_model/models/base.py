@@ -85,6 +85,13 @@ class ModelAdapter(ABC):
     """Resident bytes its tokenizer adds once loaded (the memory plan counts them; see
     :meth:`tokenizer_bytes_for`)."""
 
+    expert_overhead: ClassVar[int] = 32 * 1024
+    """Bytes per held expert that no tensor count shows (module objects, allocator
+    fragmentation around its small LoRA tensors, gradients and optimizer state), for
+    :meth:`expert_overhead_bytes`. Measured on the upcycled MiniLM (``bert-upcycled``,
+    FFA-LoRA rank 8, int8 shards): peaks exceeded the tensor count by about 25 KiB per
+    held expert at 768 experts (``results/memory``)."""
+
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         if getattr(cls, "family", None):
@@ -122,6 +129,11 @@ class ModelAdapter(ABC):
         """Resident bytes ``spec``'s tokenizer adds once loaded (default :attr:`tokenizer_bytes`;
         0 without a tokenizer or base)."""
         return self.tokenizer_bytes if spec.tokenizer or spec.base else 0
+
+    def expert_overhead_bytes(self, spec: ModelSpec) -> int:
+        """Resident bytes per held expert beyond its tensors (default :attr:`expert_overhead`;
+        the memory plan's ``overhead``)."""
+        return self.expert_overhead
 
     @abstractmethod
     def activation_bytes(self, spec: ModelSpec, batch_size: int) -> int:

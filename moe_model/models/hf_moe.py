@@ -294,6 +294,13 @@ class HFMoEAdapter(ModelAdapter):
     attention_targets = ("q_proj", "v_proj")
     tokenizer_bytes = 8 * 1024**2
     """The fixed part of :meth:`tokenizer_bytes_for`."""
+    expert_overhead = 216 * 1024
+    """Measured on the random-init Qwen3-MoE of ``benchmarks/peer.py`` (gated experts of three
+    linears, LoRA rank 8 on A and B, gradient checkpointing, int8 shards): one device-round
+    holding 320 experts peaked 62 MiB further above the tensor count than one holding 64,
+    about 0.24 MiB per expert, of which 34 KiB is LoRA A's kept initial draw (counted in the
+    plan's ``copies``). Three linears' LoRA wrappers make 34 modules per expert (12 in
+    ``bert-upcycled``)."""
 
     def tokenizer_bytes_for(self, spec: ModelSpec) -> int:
         """``8 MiB + 6.5 x`` the checkpoint's ``tokenizer.json`` bytes (measured resident growth
