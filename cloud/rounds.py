@@ -60,8 +60,8 @@ from protocol.codec import (
 from protocol.experts import experts_by_device_from_json, experts_by_device_to_json, layers_to_json
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
-    MAX_OBJECTIVES, MIN_MINOR_FOR_EVALUATION, MIN_MINOR_FOR_EXTENSIONS, Ack, Assignment, BlobRef, Command, ExtraName,
-    Objective, Stats, TensorSpec, TrainConfig, encode,
+    MAX_OBJECTIVES, MIN_MINOR_FOR_EVALUATION, MIN_MINOR_FOR_EXTENSIONS, MIN_MINOR_FOR_STATE_PRECISION, Ack, Assignment,
+    BlobRef, Command, ExtraName, Objective, Stats, TensorSpec, TrainConfig, encode,
 )
 from protocol.topics import Topics
 
@@ -161,7 +161,8 @@ class RoundEngine:
         topics: the federation's topics.
         settings: round settings.
         eval_data: task -> test items ``(input, label id)``.
-        reject: ``(device_id, round, reason)`` -> reply to a device.
+        reject: ``(device_id, round, reason, *, kind=None, upload_id=None)`` -> reply to a device (the
+            message kind and update transfer id it refers to, where known).
         progress: ``(event, round, detail)`` -> operator progress.
         defences: update screening, the robust/DP wrapper of the strategy's aggregation
             part and the pre-commit guard (:mod:`cloud.robust`); default: screening and
@@ -177,7 +178,7 @@ class RoundEngine:
     def __init__(
         self, model: GlobalModel, registry: Registry, store: Store, strategy: Strategy, wire: Wire, topics: Topics,
         settings: RoundSettings, eval_data: dict[str, Sequence[tuple[Any, int]]],
-        reject: Callable[[str, int, str], None], progress: Callable[[str, int, dict], None],
+        reject: Callable[..., None], progress: Callable[[str, int, dict], None],
         defences: Defences | None = None, filters: Sequence[InboundFilter] | None = None,
     ):
         self.model, self.registry, self.store = model, registry, store
@@ -464,7 +465,8 @@ class RoundEngine:
             rnd.rejected[device_id] = f"the strategy gave no valid state to send: {type(e).__name__}: {e}"[:500]
             rnd.unsent.add(device_id)
             return
-        state = encode_tensors({**sent, **tensors}, self.settings.state_precision, exact=tensors)
+        precision = self.settings.state_precision if dev.protocol_minor >= MIN_MINOR_FOR_STATE_PRECISION else "fp32"
+        state = encode_tensors({**sent, **tensors}, precision, exact=tensors)
         ref = self.wire.publish_blob(self.topics.down(device_id, "state"), state, "state", rnd.number,
                                      uuid.uuid4().hex[:16])
         msg = Assignment(
@@ -479,15 +481,17 @@ class RoundEngine:
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
 
     # ------------------------------------------------------------------ incoming
-    def _check_current(self, device_id: str, round_: int, what: str) -> _Round | None:
+    def _check_current(self, device_id: str, round_: int, what: str, upload_id: str | None = None) -> _Round | None:
         rnd = self.current
         if rnd is None or round_ != rnd.number:
             cur = rnd.number if rnd else self.completed
             self.reject(device_id, round_,
-                        f"{what} for round {round_} rejected: current round is {cur} (stale or early)")
+                        f"{what} for round {round_} rejected: current round is {cur} (stale or early)",
+                        kind=what, upload_id=upload_id)
             return None
         if device_id not in rnd.selected:
-            self.reject(device_id, round_, f"{what} rejected: {device_id} was not selected in round {round_}")
+            self.reject(device_id, round_, f"{what} rejected: {device_id} was not selected in round {round_}",
+                        kind=what, upload_id=upload_id)
             return None
         return rnd
 
@@ -560,18 +564,19 @@ class RoundEngine:
         assignment (finite values, at most ``max_update_bytes``), stored in flight, and
         accepted once; a second, different update for the round is refused with a reply,
         an exact repeat ignored. Never raises for bad input."""
-        rnd = self._check_current(device_id, blob.header.round, "update")
+        refers = {"kind": "update", "upload_id": blob.header.id}
+        rnd = self._check_current(device_id, blob.header.round, "update", blob.header.id)
         if rnd is None:
             return
         if device_id in rnd.updates:
             if rnd.updates[device_id][0] != blob.header.sha:
-                self.reject(device_id, rnd.number, "a second, different update for this round was ignored")
+                self.reject(device_id, rnd.number, "a second, different update for this round was ignored", **refers)
             return
         try:
             tensors = self._decode_update(device_id, rnd.selected[device_id], blob.data)
         except Exception as e:  # CodecError, or the strategy's sent state failing its layout check
             rnd.rejected[device_id] = str(e)
-            self.reject(device_id, rnd.number, f"update rejected: {e}")
+            self.reject(device_id, rnd.number, f"update rejected: {e}", **refers)
             return
         rnd.updates[device_id] = (blob.header.sha, tensors)
         self.store.put_blob(f"inflight/{rnd.number}/update/{device_id}", blob.data)
@@ -613,7 +618,7 @@ class RoundEngine:
         (claimed samples, token and usage counts) and the strategy's
         :meth:`Strategy.stats_problem`, stored in flight and accepted once; refused with a
         reply otherwise. Never raises for bad input."""
-        rnd = self._check_current(device_id, stats.round, "stats")
+        rnd = self._check_current(device_id, stats.round, "stats", stats.update.transfer_id if stats.update else None)
         if rnd is None:
             return
         if device_id in rnd.stats:
@@ -623,7 +628,8 @@ class RoundEngine:
                                       self._train_for(rnd, device_id)) or self.strategy.stats_problem(device_id, stats)
         if problem:
             rnd.rejected[device_id] = problem
-            self.reject(device_id, rnd.number, f"stats rejected: {problem}")
+            self.reject(device_id, rnd.number, f"stats rejected: {problem}", kind="stats",
+                        upload_id=stats.update.transfer_id if stats.update else None)
             return
         rnd.stats[device_id] = stats
         if stats.baseline_rss_bytes and stats.baseline_rss_bytes != dev.runtime_bytes:
@@ -693,7 +699,9 @@ class RoundEngine:
                                                  "reported": sum(rnd.reported(d) for d in rnd.selected),
                                                  "selected": len(rnd.selected)})
         elif device_id in rnd.stats and device_id in rnd.updates:
-            self.reject(device_id, rnd.number, "stats reference an update other than the one received")
+            st = rnd.stats[device_id]
+            self.reject(device_id, rnd.number, "stats reference an update other than the one received", kind="stats",
+                        upload_id=st.update.transfer_id if st.update else None)
 
     # ------------------------------------------------------------------ close
     def should_close(self, now: float | None = None) -> bool:
@@ -757,7 +765,7 @@ class RoundEngine:
         screened = self.defences.screen_round(rnd.number, before, results)
         for d, why in screened.rejected.items():
             failures.append(Failure(d, f"update rejected by screening: {why}"))
-            self.reject(d, rnd.number, f"update rejected: {why}")
+            self.reject(d, rnd.number, f"update rejected: {why}", kind="update")
         accepted = screened.results
         need = max(1, math.ceil(self.settings.quorum * len(rnd.selected)))
         status = "ok" if len(accepted) >= need else "no_quorum"

@@ -25,19 +25,21 @@ re-sends assignments to devices that have not reported, and closes the round as 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import struct
 import threading
 import time
 from typing import Any, Sequence
 
 from moe_model.budget import tune_allocator
 from edge_sdk.data import encode_labels, load_text_file
-from protocol.chunking import MAX_HEADER, ChunkError, Reassembler, parse_chunk
+from protocol.chunking import MAGIC, MAX_HEADER, ChunkError, Reassembler, parse_chunk
 from protocol.logsafe import LogLimiter, RateLimiter, clip
 from protocol.signing import SignatureError
 from protocol.messages import (
-    MAX_CONTROL_BYTES, Ack, Command, Hello, MessageError, Progress, Stats, Status, encode, parse_message,
+    MAX_CONTROL_BYTES, MAX_INT, Ack, Command, Hello, MessageError, Progress, Stats, Status, encode, parse_message,
 )
 from protocol.topics import UP_KINDS, Topics
 from protocol.transport import Transport, TlsConfig
@@ -190,12 +192,14 @@ class Aggregator:
         return self.transport.chunk_payload_bytes
 
     # ------------------------------------------------------------------ replies / progress
-    def _reject(self, device_id: str, round_: int | None, reason: str) -> None:
+    def _reject(self, device_id: str, round_: int | None, reason: str, *, kind: str | None = None,
+                upload_id: str | None = None) -> None:
         """Count and log (rate-limited) a rejected message, and answer ``device_id`` with a
         ``reject`` command if its reply budget allows: one reply per kind of rejection per
         10 s, and per registered device 10 at once, then one per 2 s; ids that never said
         hello share one budget of 5, then one per 2 s. The reply is fire-and-forget, so a
-        flood never waits on PUBACK round trips."""
+        flood never waits on PUBACK round trips. It names what it refers to: the message
+        ``kind``, its ``round`` and the update's ``upload_id`` where known."""
         self.rejected += 1
         known = self.registry.get(device_id) is not None
         key = _reason_key(reason, known)
@@ -205,11 +209,17 @@ class Aggregator:
                 not (self._replies.allow(device_id) if known else self._stranger_replies.allow("")):
             return
         try:
-            msg = Command(command="reject", round=round_, reason=reason[:2000])
+            msg = Command(command="reject", round=round_, reason=reason[:2000], kind=kind, upload_id=upload_id)
             self.transport.publish_nowait(self.topics.down(device_id, "command"), encode(msg))
         except Exception as e:  # the reply is best effort; the rejection stands
             self._reject_log.log("reject reply failed", logging.WARNING, "could not send a reject to %s: %s",
                                  clip(device_id), clip(str(e), 200))
+
+    def _refuse(self, device_id: str, kind: str, payload: bytes, reason: str) -> None:
+        """:meth:`_reject` a message of ``kind`` that failed its checks, naming the round
+        and upload id that ``payload`` shows (:func:`refers_to`)."""
+        round_, upload_id = refers_to(kind, payload)
+        self._reject(device_id, round_, reason, kind=kind, upload_id=upload_id)
 
     def _drop(self, key: str, msg: str, *args: Any) -> None:
         """Refuse junk without a reply: counted in ``rejected`` and ``dropped``, logged
@@ -408,12 +418,13 @@ class Aggregator:
             unsigned = self.verification.unsigned(kind, props)
             if unsigned:  # the capped reply tells a misconfigured device why
                 self.dropped += 1
-                self._reject(device_id, None, f"{kind} rejected: {unsigned}")
+                self._refuse(device_id, kind, payload, f"{kind} rejected: {unsigned}")
                 return
         limit = self.cfg.max_update_bytes + 8 + MAX_HEADER if kind == "update" else MAX_CONTROL_BYTES
         if len(payload) > limit:
             self.dropped += 1
-            self._reject(device_id, None, f"{kind} rejected: payload of {len(payload)} bytes exceeds {limit}")
+            self._refuse(device_id, kind, payload[:8 + MAX_HEADER] if kind == "update" else b"",
+                         f"{kind} rejected: payload of {len(payload)} bytes exceeds {limit}")
             return
         try:
             if kind == "status":
@@ -428,6 +439,8 @@ class Aggregator:
                     return
                 msg = parse_message(payload, Hello)
                 self._same_device(device_id, msg.device_id)
+                if msg.task not in self.model.tasks:  # refused, not registered: it never counts as online
+                    raise MessageError(f"unknown task {msg.task!r}; this federation trains {sorted(self.model.tasks)}")
                 self.registry.register(msg)
                 return
             if self.registry.get(device_id) is None:
@@ -452,12 +465,12 @@ class Aggregator:
                 self._same_device(device_id, msg.device_id)
                 self.engine.on_ack(device_id, msg)
         except (MessageError, ChunkError, SignatureError) as e:
-            self._reject(device_id, None, f"{kind} rejected: {e}")
+            self._refuse(device_id, kind, payload, f"{kind} rejected: {e}")
         except Exception as e:  # a bug must not take the service down; the message is dropped
             self.internal_errors += 1
             self._reject_log.log(f"internal error on {kind}", logging.ERROR, "internal error handling %s from %s",
                                  kind, device_id, exc_info=True)
-            self._reject(device_id, None, f"{kind} rejected: internal error ({type(e).__name__})")
+            self._refuse(device_id, kind, payload, f"{kind} rejected: internal error ({type(e).__name__})")
 
     # Chunks of an incomplete update are acknowledged to the broker, so they are kept in
     # the store until the update completes: a restarted aggregator reloads them.
@@ -490,6 +503,32 @@ class Aggregator:
 
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 _NUMBER = re.compile(r"\d+")
+
+
+_UPLOAD_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def refers_to(kind: str, payload: bytes) -> tuple[int | None, str | None]:
+    """(round, upload id) of a refused message, read leniently from whatever of it parses
+    (a chunk's JSON header for ``update``; the JSON's ``round`` and ``update.transfer_id``
+    for control messages); None where the bytes do not show one. Never raises; reads at
+    most :data:`MAX_CONTROL_BYTES` of JSON."""
+    try:
+        if kind == "update":
+            if payload[:4] != MAGIC or len(payload) < 8:
+                return None, None
+            (hlen,) = struct.unpack(">I", payload[4:8])
+            obj = json.loads(payload[8:8 + hlen]) if hlen <= MAX_HEADER else None
+            ids = obj.get("id") if isinstance(obj, dict) else None
+        else:
+            obj = json.loads(payload) if len(payload) <= MAX_CONTROL_BYTES else None
+            up = obj.get("update") if isinstance(obj, dict) else None
+            ids = up.get("transfer_id") if isinstance(up, dict) else None
+        r = obj.get("round") if isinstance(obj, dict) else None
+        round_ = r if isinstance(r, int) and not isinstance(r, bool) and 0 <= r <= MAX_INT else None
+        return round_, ids if isinstance(ids, str) and _UPLOAD_ID.match(ids) else None
+    except (ValueError, UnicodeDecodeError, RecursionError, struct.error):
+        return None, None
 
 
 def _reason_key(reason: str, known: bool) -> str:

@@ -83,8 +83,9 @@ class Notice:
 
     ``kind`` is ``excluded`` (the cloud cannot use the device in ``round``: ``reason``,
     and for memory ``budget_bytes`` / ``needed_bytes`` / ``runtime_bytes``),
-    ``reject`` (a message of the device was refused) or ``round_failed`` (the round
-    closed without a new global model on the cloud).
+    ``reject`` (a message of the device was refused: ``message`` is its kind, ``upload_id``
+    the update's transfer id, where the cloud could read them) or ``round_failed`` (the
+    round closed without a new global model on the cloud).
     """
 
     kind: str
@@ -93,6 +94,8 @@ class Notice:
     budget_bytes: int | None = None
     needed_bytes: int | None = None
     runtime_bytes: int | None = None
+    message: str | None = None
+    upload_id: str | None = None
 
 
 MAX_NOTICES = 100
@@ -336,9 +339,10 @@ class EdgeClient:
         what = {"reject": "the cloud rejected a message of round %s: %s",
                 "excluded": "the cloud cannot use this device in round %s: %s",
                 "round_failed": "round %s closed without a new global model: %s"}[msg.command]
-        log.warning("%s: " + what, self.device_id, msg.round, msg.reason)
+        refers = "".join(f" [{k} {v}]" for k, v in (("kind", msg.kind), ("upload", msg.upload_id)) if v)
+        log.warning("%s: " + what + "%s", self.device_id, msg.round, msg.reason, refers)
         self.notices.append(Notice(msg.command, msg.round, msg.reason or "", msg.budget_bytes, msg.needed_bytes,
-                                   msg.runtime_bytes))
+                                   msg.runtime_bytes, msg.kind, msg.upload_id))
         del self.notices[:-MAX_NOTICES]
 
     def stop(self) -> None:
@@ -420,7 +424,9 @@ class EdgeClient:
             self._ack(a.round, False, f"round failed on device: {type(e).__name__}: {e}", attempt=a.attempt)
 
     def _ack(self, rnd: int, accepted: bool, reason: str | None = None, **extra: Any) -> None:
-        msg = Ack(device_id=self.device_id, round=rnd, accepted=accepted, reason=reason, **extra)
+        # an exception's text can be any length; the ack's reason may hold 1000 characters
+        msg = Ack(device_id=self.device_id, round=rnd, accepted=accepted,
+                  reason=None if reason is None else reason[:1000], **extra)
         self.transport.publish(self.topics.up(self.device_id, "ack"), encode(msg))
 
     def _train_round(self, a: Assignment) -> None:

@@ -41,17 +41,24 @@ class ChunkError(ValueError):
 class ChunkHeader(BaseModel):
     """Header of one chunk message."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     id: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     """Transfer (upload) id, unique per sender and round."""
     kind: str = Field(pattern=r"^[a-z0-9_.-]{1,32}$")
+    """What the blob is: ``update``, ``state`` (adapter state down) or ``shard``."""
     round: int = Field(ge=0)
+    """The round the blob belongs to (a base-weight shard: the model version)."""
     seq: int = Field(ge=0)
+    """This chunk's index, ``0 <= seq < n``."""
     n: int = Field(ge=1, le=1_000_000)
+    """Number of chunks of the blob (at most one per byte of it)."""
     size: int = Field(ge=0)
+    """Bytes of the whole blob."""
     sha: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """sha256 (lowercase hex) of the whole blob."""
     csha: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """sha256 (lowercase hex) of this chunk's data."""
 
 
 @dataclass
@@ -117,7 +124,7 @@ def parse_chunk(payload: bytes, max_blob_bytes: int) -> tuple[ChunkHeader, bytes
     if hlen > MAX_HEADER or 8 + hlen > len(payload):
         raise ChunkError(f"chunk header length {hlen} is invalid")
     try:
-        header = ChunkHeader.model_validate(json.loads(payload[8 : 8 + hlen]))
+        header = ChunkHeader.model_validate(json.loads(payload[8 : 8 + hlen]), strict=True)
     except (ValidationError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ChunkError(f"malformed chunk header: {str(e)[:200]}") from None
     if header.size > max_blob_bytes:

@@ -32,19 +32,26 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 3
+PROTOCOL_MINOR = 4
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
 state blob) and ``Stats.extras``; 3 added the objective terms ``private_router`` and
 ``evaluate_received`` and delta-encoded updates (``fedmoe.encoding: delta``; an
 aggregator older than minor 3 would read a delta as a state: configure
-``update_delta`` only against a minor-3 aggregator). A peer ignores unknown fields and
+``update_delta`` only against a minor-3 aggregator); 4 added ``Command.kind`` and
+``Command.upload_id`` (which message a ``reject`` refers to), the ``reject`` of a hello
+whose task the federation does not train, and adapter state sent in a precision other
+than fp32 (``state_precision``: int8 with per-column scales for tall tensors, nf4, fp16,
+bf16), which the cloud therefore sends only to devices of minor 4 or later (older ones get
+fp32). A peer ignores unknown fields and
 unknown commands of a newer minor version, so the cloud sends objectives and extra
 tensors only to devices that announced minor 2 or later (an older device would silently
 train without them) and the evaluation term only to minor 3 or later."""
 MIN_MINOR_FOR_EXTENSIONS = 2
 """Lowest ``Hello.protocol_minor`` that understands objectives, extra tensors and extras."""
+MIN_MINOR_FOR_STATE_PRECISION = 4
+"""Lowest ``Hello.protocol_minor`` that decodes adapter state in a precision other than fp32."""
 MIN_MINOR_FOR_EVALUATION = 3
 """Lowest ``Hello.protocol_minor`` whose SDK has the ``evaluate_received`` term (a minor-2
 device would refuse the whole assignment over the unknown term)."""
@@ -101,7 +108,7 @@ class _Strict(BaseModel):
     float field (nested lists included) must be finite; every integer field is bounded
     (:data:`MAX_INT` or tighter)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -482,8 +489,10 @@ class Command(_Message):
     """Cloud -> device, on ``down/command``.
 
     - ``stop``: the federation is over; leave.
-    - ``reject``: a message this device sent was refused (``reason``; ``round`` where
-      known).
+    - ``reject``: a message this device sent was refused (``reason``); ``kind`` names the
+      kind of message (``hello``, ``ack``, ``stats``, ``update``, ``status``), ``round``
+      and ``upload_id`` (the update's transfer id, for ``update`` chunks and ``stats``)
+      which one, wherever the refused bytes let the cloud read them.
     - ``excluded``: the cloud cannot use this device in ``round`` (``reason`` says why,
       e.g. its budget is below the memory plan of one expert per layer; ``budget_bytes``,
       ``needed_bytes`` and ``runtime_bytes`` give the figures where memory is the cause).
@@ -500,6 +509,10 @@ class Command(_Message):
     budget_bytes: int | None = Field(None, gt=0, le=2**50)
     needed_bytes: int | None = Field(None, ge=0, le=2**62)
     runtime_bytes: int | None = Field(None, ge=0, le=2**50)
+    kind: str | None = Field(None, pattern=r"^[a-z_]{1,32}$")
+    """``reject``: the kind of message refused (its topic's last level)."""
+    upload_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """``reject``: the transfer id of the refused update (chunks, or the ``update`` of stats)."""
 
 
 class Progress(_Message):

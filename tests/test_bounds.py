@@ -471,3 +471,59 @@ def test_lying_device_over_mosquitto_is_refused_and_round_completes(mosquitto_ur
     assert rec["status"] == "ok" and set(rec["devices"]) == {"dev0"} and rec["round"] == 1
     assert "exceeds the 50 samples its hello declared" in rec["failures"]["liar"]
     assert fed.aggregator.internal_errors == 0
+
+
+def test_rejects_name_the_kind_round_and_upload_they_refer_to(tmp_path, monkeypatch):
+    """A schema failure still tells the device which message failed: the kind, the round and
+    the update's transfer id its bytes show; an unknown task is refused at hello (with a
+    reply) and the device is never registered, so it does not count as online."""
+    agg, replies = _offline(str(tmp_path), monkeypatch)
+    h = Hello(device_id="stranger", sdk_version="x", budget_bytes=2**40, weight_formats=["int8"], num_samples=10,
+              task="no-such-task", runtime_bytes=0)
+    agg._handle("fl/v1/bd/dev/stranger/up/hello", encode(h))
+    assert agg.registry.get("stranger") is None and agg.registry.online() == []
+    (reply,) = [c for d, c in replies if d == "stranger"]
+    assert reply.command == "reject" and reply.kind == "hello" and "unknown task 'no-such-task'" in reply.reason
+
+    _hello(agg, "dev-1")
+    assert agg.engine.start_round()
+    bad = json.loads(encode(_stats(agg, "dev-1", _upload(agg, "dev-1"), 10)))
+    bad["num_samples"] = "10"  # no coercion: a string is not an integer
+    replies.clear()
+    _send(agg, "dev-1", json.dumps(bad).encode())
+    (reply,) = replies
+    assert reply[1].kind == "stats" and reply[1].round == 1 and reply[1].upload_id == "u-dev-1"
+    assert "num_samples" in reply[1].reason
+
+    replies.clear()  # an update chunk for a stale round: the chunk header names it
+    chunks, _ = split_blob(b"\0" * 3000, 4096, "late-7", "update", 0)
+    agg._handle("fl/v1/bd/dev/dev-1/up/update", chunks[0])
+    (reply,) = replies
+    assert (reply[1].kind, reply[1].round, reply[1].upload_id) == ("update", 0, "late-7")
+
+    replies.clear()  # bytes that show nothing: the kind only
+    agg._handle("fl/v1/bd/dev/dev-1/up/ack", b"\xff not json")
+    (reply,) = replies
+    assert (reply[1].kind, reply[1].round, reply[1].upload_id) == ("ack", None, None)
+
+
+def test_state_in_a_lossy_precision_goes_only_to_devices_that_decode_it(tmp_path, monkeypatch):
+    """``state_precision`` int8 reaches a minor-4 device as int8; a minor-3 device (whose SDK
+    predates per-column scales) gets its state in fp32 instead of one it cannot decode."""
+    from protocol.codec import decode_tensors
+    from protocol.messages import MIN_MINOR_FOR_STATE_PRECISION
+
+    agg, _ = _offline(str(tmp_path), monkeypatch, state_precision="int8")
+    blobs = {}
+    record = agg.engine.wire.publish_blob
+    monkeypatch.setattr(agg.engine.wire, "publish_blob", lambda topic, data, kind, round, transfer_id=None: (
+        blobs.__setitem__(topic.split("/")[4], data), record(topic, data, kind, round, transfer_id))[1])
+    _hello(agg, "new", minor=MIN_MINOR_FOR_STATE_PRECISION)
+    _hello(agg, "old", minor=MIN_MINOR_FOR_STATE_PRECISION - 1)
+    assert agg.engine.start_round()
+    fmts = {}
+    for d, data in blobs.items():
+        meta: dict[str, str] = {}
+        decode_tensors(data, 2**26, metadata_out=meta)
+        fmts[d] = meta["format"]
+    assert fmts == {"new": "int8", "old": "fp32"}

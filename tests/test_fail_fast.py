@@ -211,3 +211,19 @@ def test_other_bitsandbytes_warnings_still_pass():
 
     assert not logger.filter(record("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ..."))
     assert logger.filter(record("some other bitsandbytes warning: %s"))
+
+
+def test_an_exception_text_of_any_length_still_makes_a_valid_ack():
+    """A round that fails with a 5,000-character error is refused with a valid ack (the
+    reason cut to the schema's 1,000 characters) instead of the device stopping."""
+    from edge_sdk.client import EdgeClient
+    from protocol.messages import Ack, parse_message
+    from protocol.topics import Topics
+
+    sent = []
+    client = EdgeClient.__new__(EdgeClient)
+    client.device_id, client.topics = "dev-1", Topics("ff")
+    client.transport = type("T", (), {"publish": lambda self, topic, payload, **kw: sent.append(payload)})()
+    client._ack(3, False, "round failed on device: " + "x" * 5000)
+    ack = parse_message(sent[0], Ack)
+    assert not ack.accepted and len(ack.reason) == 1000 and ack.reason.startswith("round failed on device: x")

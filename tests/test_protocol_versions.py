@@ -21,8 +21,8 @@ from protocol.messages import (
 from protocol.topics import Topics
 from tests.test_messages import SHA, hello, stats_dict
 
-NEWER = "protocol major version 2 is not supported (this peer speaks 1.3; same-major messages with unknown " \
-        "fields are accepted)"
+NEWER = (f"protocol major version 2 is not supported (this peer speaks {PROTOCOL_VERSION}.{PROTOCOL_MINOR}; "
+         "same-major messages with unknown fields are accepted)")
 
 
 def _with(msg, **extra) -> bytes:
@@ -41,7 +41,7 @@ def assignment() -> Assignment:
 
 
 def test_versions():
-    assert (PROTOCOL_VERSION, PROTOCOL_MINOR) == (1, 3)
+    assert (PROTOCOL_VERSION, PROTOCOL_MINOR) == (1, 4)
     assert hello().protocol_minor == 0 and hello().protocol_version == PROTOCOL_VERSION  # absent: a 1.0 device
     for bad in (-1, 10_001):
         with pytest.raises(MessageError, match="protocol_minor"):
