@@ -182,7 +182,10 @@ def _provision(args: argparse.Namespace) -> int:
     if args.count:
         ids += [f"{args.prefix}{i}" for i in range(args.count)]
     hosts = [h for h in (args.tls_host or "").split(",") if h]
-    p = provision(args.out, ids, tls_hosts=hosts, port=args.port)
+    try:
+        p = provision(args.out, ids, tls_hosts=hosts, port=args.port, broker_user=args.broker_user or None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     print(f"{len(p.devices)} devices in {p.out}: devices/<id>.json (device --credentials), aggregator.json "
           f"(aggregator --credentials), device_keys.json (aggregator --device-keys), passwd, acl, mosquitto.conf"
           + (", tls/" if p.ca_file else ""))
@@ -284,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prefix", default="dev")
     v.add_argument("--tls-host", help="comma-separated broker host names/IPs: write a CA and server certificate")
     v.add_argument("--port", type=int, default=8883, help="listener port in the generated mosquitto.conf")
+    v.add_argument("--broker-user", default="mosquitto",
+                   help="system account a broker started as root runs as; provisioning as root makes it the owner "
+                        "of the broker's files ('' to leave ownership and the conf's user line alone)")
     v.set_defaults(func=_provision)
 
     u = sub.add_parser("upcycle", help="sparse-upcycle a dense Llama checkpoint into a Hugging Face Mixtral/Qwen2-MoE",

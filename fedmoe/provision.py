@@ -50,6 +50,10 @@ topic readwrite fl/v1/#
 """
 
 
+DEFAULT_BROKER_USER = "mosquitto"
+"""The account Debian's and the upstream Mosquitto packages run the broker as."""
+
+
 def mosquitto_password_line(username: str, password: str, iterations: int = 101) -> str:
     """One Mosquitto 2.x password-file line: ``user:$7$iterations$salt$hash``.
 
@@ -125,11 +129,15 @@ def make_tls(out: Path, hosts: Iterable[str], days: int = 825) -> None:
     (out / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def mosquitto_conf(out: Path, port: int = 8883, host: str = "", tls: bool = True, persistence: bool = True) -> str:
-    """A Mosquitto 2.x config using the provisioned files in ``out`` (absolute paths)."""
+def mosquitto_conf(out: Path, port: int = 8883, host: str = "", tls: bool = True, persistence: bool = True,
+                   broker_user: str | None = None) -> str:
+    """A Mosquitto 2.x config using the provisioned files in ``out`` (absolute paths);
+    ``broker_user``: the account a broker started as root runs as (Mosquitto's ``user``
+    option; ignored by a broker started as anyone else)."""
     out = out.resolve()
     lines = [
         "# written by `fedmoe provision`; see examples/deploy/mosquitto.conf for the commented version",
+        *([f"user {broker_user}"] if broker_user else []),
         "per_listener_settings false",
         "allow_anonymous false",
         f"password_file {out / 'passwd'}",
@@ -144,6 +152,35 @@ def mosquitto_conf(out: Path, port: int = 8883, host: str = "", tls: bool = True
         lines += [f"certfile {out / 'tls' / 'server.crt'}", f"keyfile {out / 'tls' / 'server.key'}",
                   "tls_version tlsv1.2"]
     return "\n".join(lines) + "\n"
+
+
+def _hand_to_broker(out: Path, broker_user: str | None) -> None:
+    """As root: give ``broker_user`` the files a broker reads (still 0600: nobody else
+    reads them) and its persistence directory; as anyone else nothing (the broker then runs
+    as that same user and reads its files)."""
+    (out / "broker-data").mkdir(exist_ok=True)
+    if not broker_user or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return
+    import pwd
+
+    try:
+        account = pwd.getpwnam(broker_user)
+    except KeyError:
+        raise ValueError(f"broker user {broker_user!r} is not a system account: create it, or pass the account "
+                         "the broker runs as (--broker-user)") from None
+    for p in [out / "passwd", out / "acl", out / "broker-data", out / "tls" / "server.key", out / "tls" / "server.crt"]:
+        if p.exists():
+            os.chown(p, account.pw_uid, account.pw_gid)
+    def enterable(d: Path) -> bool:
+        st = d.stat()
+        return bool(st.st_mode & 0o001 or st.st_uid == account.pw_uid or (st.st_gid == account.pw_gid
+                                                                         and st.st_mode & 0o010))
+
+    closed = [d for d in [out.resolve(), *out.resolve().parents] if not enterable(d)]
+    if closed:
+        log.warning("the broker's user %s cannot enter %s: keep the deployment directory where it can (e.g. "
+                    "/etc/fedmoe), or mosquitto -c %s will not read its files", broker_user, closed[0],
+                    out / "mosquitto.conf")
 
 
 @dataclass
@@ -176,7 +213,8 @@ class Provisioned:
 
 
 def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[str] = (),
-              aggregator_user: str = AGGREGATOR_USER, port: int = 8883) -> Provisioned:
+              aggregator_user: str = AGGREGATOR_USER, port: int = 8883,
+              broker_user: str | None = DEFAULT_BROKER_USER) -> Provisioned:
     """Create (or extend) a deployment directory; see the module docstring.
 
     Args:
@@ -185,9 +223,15 @@ def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[st
         tls_hosts: host names / IPs for the broker's server certificate (none: no TLS files).
         aggregator_user: the aggregator's MQTT username.
         port: listener port written into ``mosquitto.conf``.
+        broker_user: the system account the broker runs as when started as root
+            (Mosquitto drops to it, default ``mosquitto``): written into ``mosquitto.conf``
+            and, when provisioning as root, made owner of the files the broker reads
+            (``passwd``, ``acl``, ``tls/server.*``) and of its persistence directory, so
+            ``mosquitto -c {out}/mosquitto.conf`` works as written. None: neither.
 
     Raises:
-        ValueError: an invalid device id, or a device id equal to the aggregator's username.
+        ValueError: an invalid device id, a device id equal to the aggregator's username,
+            or (as root) a ``broker_user`` that is not a system account.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,6 +268,7 @@ def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[st
     (out / "acl").write_text(ACL_TEXT.format(aggregator=aggregator["username"]))
     (out / "device_keys.json").write_text(
         json.dumps({d: i["public_key"] for d, i in sorted(devices.items())}, indent=1))
-    (out / "mosquitto.conf").write_text(mosquitto_conf(out, port, tls=ca.exists()))
+    (out / "mosquitto.conf").write_text(mosquitto_conf(out, port, tls=ca.exists(), broker_user=broker_user))
+    _hand_to_broker(out, broker_user)
     log.info("provisioned %d devices in %s (%d new)", len(devices), out, len(ids))
     return Provisioned(out, devices, aggregator)

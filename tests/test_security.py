@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+from pathlib import Path
+
 import time
 
 import pytest
@@ -255,3 +260,54 @@ def test_provision_cli_writes_a_deployment(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedmoe", "provision", "--out", str(out), "--devices", "a/b"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "invalid device id" in proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root: the broker drops to its user")
+def test_provisioned_config_starts_mosquitto_as_written(tmp_path):
+    """README's two commands verbatim: ``fedmoe provision`` as root, then ``mosquitto -c
+    secrets/mosquitto.conf`` (which drops to the ``mosquitto`` account) accepts a
+    provisioned device over TLS and refuses a wrong password."""
+    import pwd
+    import socket
+    import subprocess
+    import tempfile
+
+    try:
+        account = pwd.getpwnam("mosquitto")
+    except KeyError:
+        pytest.skip("no mosquitto system account")
+    base = Path(tempfile.mkdtemp(prefix="fedmoe-deploy-", dir="/tmp"))  # pytest's tmp_path is 0700 root
+    base.chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "fedmoe", "provision", "--out", str(base / "secrets"),
+                           "--devices", "dev-7", "--tls-host", "127.0.0.1", "--port", str(port)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (base / "secrets" / "passwd").stat().st_uid == account.pw_uid
+    assert (base / "secrets" / "tls" / "server.key").stat().st_mode & 0o077 == 0  # still private
+    broker = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto",
+                               "-c", str(base / "secrets" / "mosquitto.conf")], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            assert broker.poll() is None, broker.stderr.read().decode(errors="replace")[-2000:]
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        info = load_credentials(base / "secrets" / "devices" / "dev-7.json")
+        tls = TlsConfig(info["tls_ca"])
+        t = Transport(f"mqtts://127.0.0.1:{port}", "dev-7-c", username="dev-7", password=info["password"], tls=tls,
+                      protocol="5")
+        t.connect(10)
+        t.close()
+        with pytest.raises(TransportError, match="refused"):
+            Transport(f"mqtts://127.0.0.1:{port}", "dev-7-d", username="dev-7", password="wrong", tls=tls,
+                      protocol="5").connect(10)
+    finally:
+        broker.terminate()
+        broker.wait(10)
+        shutil.rmtree(base, ignore_errors=True)
