@@ -19,17 +19,14 @@ def _setup_logging(verbose: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers' verbosity and progress bars by environment: importing transformers here would
+    # decide its optional libraries before a device keeps them out (edge_sdk.lean)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for name in ("amqtt", "transitions", "bitsandbytes", "httpx", "urllib3"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 TINY_MODEL = {"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -146,6 +143,9 @@ def _device(args: argparse.Namespace) -> int:
     settings = given(args, schema_options(DeviceConfig))
     try:  # the config, its files and the data, before the client connects
         cfg = DeviceConfig.load(args.config, **settings) if args.config else DeviceConfig(**settings)
+        from edge_sdk.lean import keep_out_unused
+
+        keep_out_unused(cfg.quant_backend)  # before the client imports transformers and peft
         client = cfg.check_paths().client()
     except ValidationError as e:  # fields named as options, unless they come from the file
 
