@@ -117,6 +117,8 @@ OPTIONS: dict[str, Option] = {
     "update_error_feedback": Option("device.update_error_feedback", switch=True),
     "state_precision": Option("state_precision", "precision the cloud sends each device's adapter state in "
                                                  "(fp16/bf16 halve the download, int8 quarters it, nf4 ~7x)"),
+    "device_memory_limit": Option("device_memory_limit", "run each device in a memory cgroup whose hard limit is "
+                                                         "its budget; the report counts OOM kills", switch=True),
 }
 """The ``fedmoe simulate`` options: ``--NAME`` (``_`` as ``-``) sets the field at the
 option's path; ``SimulationConfig(NAME=...)`` does the same (:data:`ALIASES`)."""
@@ -240,6 +242,11 @@ class SimulationConfig(FederationSettings):
     """Use a seeded random subset of this many items of each task (smaller runs)."""
     device: DeviceSettings = Field(default_factory=DeviceSettings)
     """The devices' settings (``threads``, ``val_fraction``, ``formats``, ``headroom``, ...)."""
+    device_memory_limit: bool = False
+    """Run each device process in its own memory cgroup whose hard limit is its budget, as
+    a phone or container enforces one (:mod:`fedmoe.cgroups`); the report's
+    ``device_cgroups`` gives each device's OOM kills and peak charge. Fails fast where no
+    memory cgroup can be created."""
     extra_aggregator: dict[str, Any] = Field(default_factory=dict)
     """Further aggregator-config keys (merged last; checked as an :class:`AggregatorConfig`)."""
 
@@ -660,6 +667,12 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     t_start = time.time()
     cfg.validate()
     _check_strategies(cfg)
+    if cfg.device_memory_limit:
+        from .cgroups import unavailable
+
+        why = unavailable()
+        if why:
+            raise SimulationConfigError(f"--device-memory-limit: {why} (needs root or a delegated cgroup)")
     out = Path(cfg.out)
     given = bool(cfg.budgets) or cfg.budget_range is not None  # auto budgets (set by _prepare_data) fit by design
     devices, tasks = _prepare_data(cfg, out / "data")
@@ -678,6 +691,7 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     url = cfg.broker or broker.url
     protocol = ["--protocol", "3.1.1"] if broker else []
     procs = _Processes(out / "logs")
+    limits: dict[str, Any] = {}  # device id -> fedmoe.cgroups.MemoryLimit
     watcher = Transport(url, f"sim-watch-{federation}", protocol="3.1.1" if broker else "auto")
     try:
         watcher.connect()
@@ -692,6 +706,11 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
             fields = {k: fields[k] for k in schema_options(DeviceConfig) if k in fields}  # the --help order
             path.write_text(yaml.safe_dump(fields, sort_keys=False))
             procs.start(d["device_id"], ["device", "--config", str(path)], cfg.device.threads or 1)
+            if cfg.device_memory_limit:
+                from .cgroups import MemoryLimit
+
+                limits[d["device_id"]] = MemoryLimit(d["device_id"], d["budget_bytes"])
+                limits[d["device_id"]].add(procs.procs[d["device_id"]].pid)
         _watch(watcher, procs, cfg.rounds)
         rc = procs.procs["aggregator"].wait()
         if rc != 0:
@@ -701,6 +720,12 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
         watcher.close()
         if broker is not None:
             broker.stop()
+        cgroups = {d: lim.report() for d, lim in limits.items()}
+        for lim in limits.values():
+            lim.remove()
+    if cgroups:
+        kills = {d: c["oom_kills"] for d, c in cgroups.items() if c["oom_kills"]}
+        log.info("devices in memory cgroups at their budgets: %s", f"OOM kills {kills}" if kills else "no OOM kill")
     from cloud.store import Store
 
     st = Store(f"sqlite:///{store}")
@@ -713,6 +738,7 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
         "initial_per_task": initial.get("per_task"),
         "rounds": rounds,
         "wall_seconds": time.time() - t_start,
+        **({"device_cgroups": cgroups} if cgroups else {}),
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     R.plot_all(report, out)
@@ -731,7 +757,9 @@ def _watch(watcher: Transport, procs: _Processes, rounds: int) -> None:
         for name, p in procs.procs.items():
             if name != "aggregator" and name not in dead and p.poll() not in (None, 0):
                 dead.add(name)
-                log.warning("device process %s exited with %s:\n%s", name, p.returncode, procs.tail(name, 10))
+                log.warning("device process %s exited with %s%s:\n%s", name, p.returncode,
+                            " (SIGKILL: the OOM killer, if it ran in a memory cgroup)" if p.returncode == -9 else "",
+                            procs.tail(name, 10))
         if m is None:
             continue
         try:

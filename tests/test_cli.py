@@ -9,10 +9,16 @@ import pytest
 
 @pytest.mark.slow
 def test_simulate_tiny_writes_report_and_plots(tmp_path):
+    """Also, where a memory cgroup can be created, every device runs under a hard limit equal
+    to its budget (``--device-memory-limit``), as a phone or container would run it."""
+    from fedmoe.cgroups import unavailable
+
+    limited = unavailable() is None
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "fedmoe", "simulate", "--tiny", "--out", str(out), "--devices", "3", "--rounds", "2",
-         "--max-steps", "4", "--partition", "classes:2", "--eval-max-samples", "64", "--budgets", "700MiB,720MiB"],
+         "--max-steps", "4", "--partition", "classes:2", "--eval-max-samples", "64", "--budgets", "700MiB,720MiB"]
+        + (["--device-memory-limit"] if limited else []),
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,6 +36,10 @@ def test_simulate_tiny_writes_report_and_plots(tmp_path):
     for png in ("accuracy.png", "bytes.png", "expert_load.png"):
         assert (out / png).stat().st_size > 1000
     assert "round" in proc.stdout and "MiB down" in proc.stdout  # the per-round table
+    if limited:
+        cg = report["device_cgroups"]
+        assert sorted(cg) == sorted(r["devices"]) and all(c["oom_kills"] == 0 for c in cg.values()), cg
+        assert all(0 < c["peak_bytes"] <= c["limit_bytes"] for c in cg.values()), cg
 
 
 def test_cli_rejects_bad_arguments(tmp_path):
