@@ -29,6 +29,8 @@ override any of these by dotted key::
       FedMoE: {strategy: composed, assignment: fedmoe, assignment_params: {probe_steps: 2}}
       FedAvg int8: {strategy: composed, assignment: full, update: {precision: int8, delta: true}}   # device upload
       FedAvg int8 down: {strategy: composed, assignment: full, state_precision: int8}              # cloud download
+      FedAvg nf4 base: {strategy: composed, assignment: full, weight_format: nf4}  # base shards in nf4 (budgets
+                                                                                    # stay those of weight_format)
     compare: [[FedMoE, FedAvg]]      # a − b, paired over seeds, in every setting
     target_fraction: 0.9             # rounds to this fraction of the best method's final accuracy
     profiles:
@@ -120,8 +122,9 @@ def load_config(path: str | Path, profile: str = "full") -> dict[str, Any]:
                  for d in cfg["grid"].get("data", []) if d not in cells.DATA_SOURCES]
     problems += [f"method {m!r}: update {v['update']!r}: {e}" for m, v in cfg["methods"].items()
                  if (e := _update_problem(v.get("update")))]
-    problems += [f"method {m!r}: state_precision {v['state_precision']!r} is not one of {', '.join(WEIGHT_FORMATS)}"
-                 for m, v in cfg["methods"].items() if v.get("state_precision", "fp32") not in WEIGHT_FORMATS]
+    problems += [f"method {m!r}: {k} {v[k]!r} is not one of {', '.join(WEIGHT_FORMATS)}"
+                 for m, v in cfg["methods"].items() for k in ("state_precision", "weight_format")
+                 if v.get(k, "fp32") not in WEIGHT_FORMATS]
     b = cfg["budgets"]
     if not (isinstance(b, dict) and (len(b.get("experts", ())) == 2 or b.get("cycle"))):
         problems.append("budgets: {experts: [lo, hi]} or {cycle: [k, ...]} expected")
@@ -199,7 +202,8 @@ def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any
         out, url, spec=spec, task=data, labels=labels, test=test,
         device_data=[[train[j] for j in part] for part in parts],
         budgets=budgets_for(cfg, spec, len(labels), setting["devices"], seed, fmt_), method=method,
-        train=cfg["train"], rounds=cfg["rounds"], weight_format=fmt_, eval_samples=cfg["eval_samples"], seed=seed,
+        train=cfg["train"], rounds=cfg["rounds"], weight_format=method.get("weight_format", fmt_),
+        eval_samples=cfg["eval_samples"], seed=seed,
         defences=cfg["defences"], eval_threads_n=cfg["eval_threads"], round_timeout_s=cfg["round_timeout_s"],
         config={"setting": setting})
 

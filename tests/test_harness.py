@@ -56,6 +56,8 @@ def test_profiles_override_by_dotted_key_and_the_grid_is_a_product(tmp_path):
      "update precision must be one of"),
     ({"methods": {"X": {"strategy": "composed", "state_precision": "int4"}}, "compare": []},
      "state_precision 'int4' is not one of"),
+    ({"methods": {"X": {"strategy": "composed", "weight_format": "int4"}}, "compare": []},
+     "weight_format 'int4' is not one of"),
     ({"methods": {"X": {"strategy": "composed", "update": {"precision": "int8", "error_feedback": True}}},
       "compare": []}, "error_feedback needs delta"),
     ({"methods": {"X": {"strategy": "composed", "update": {"bits": 4}}}, "compare": []}, "unexpected keyword"),
