@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel
 
@@ -76,19 +76,22 @@ def rendered() -> dict[str, str]:
     return {name: json.dumps(s, indent=2, sort_keys=True) + "\n" for name, s in schemas().items()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Write (or with ``--check`` compare) ``protocol/schemas/*.json``; returns the exit status."""
-    ap = argparse.ArgumentParser(description="Generate the protocol's JSON Schemas from its pydantic models.")
+def sync_files(argv: list[str] | None, files: dict[str, str], default_dir: Path, what: str, module: str,
+               same: Callable[[str, str, str], bool] = lambda name, a, b: a == b) -> int:
+    """The command line of a generated-files module: write ``files`` (name -> text) into
+    ``--dir`` (default ``default_dir``), deleting other ``*.json`` there, or with
+    ``--check`` exit 1 listing the files that differ (``same(name, committed, generated)``)
+    or should not be there. Returns the exit status."""
+    ap = argparse.ArgumentParser(description=f"Generate the protocol's {what}.")
     ap.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 if any file differs")
-    ap.add_argument("--dir", type=Path, default=SCHEMA_DIR)
+    ap.add_argument("--dir", type=Path, default=default_dir)
     args = ap.parse_args(argv)
-    files = rendered()
     if args.check:
         stale = [n for n, text in files.items()
-                 if not (args.dir / n).is_file() or (args.dir / n).read_text() != text]
+                 if not (args.dir / n).is_file() or not same(n, (args.dir / n).read_text(), text)]
         stale += [p.name for p in sorted(args.dir.glob("*.json")) if p.name not in files]
         if stale:
-            print(f"out of date in {args.dir}: {', '.join(stale)} (run python -m protocol.schema)", file=sys.stderr)
+            print(f"out of date in {args.dir}: {', '.join(stale)} (run python -m {module})", file=sys.stderr)
             return 1
         return 0
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -97,8 +100,13 @@ def main(argv: list[str] | None = None) -> int:
             p.unlink()
     for n, text in files.items():
         (args.dir / n).write_text(text)
-    print(f"wrote {len(files)} schemas to {args.dir}")
+    print(f"wrote {len(files)} {what} to {args.dir}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write (or with ``--check`` compare) ``protocol/schemas/*.json``; returns the exit status."""
+    return sync_files(argv, rendered(), SCHEMA_DIR, "JSON Schemas", "protocol.schema")
 
 
 if __name__ == "__main__":

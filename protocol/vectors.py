@@ -23,10 +23,8 @@ checks itself against these files: parse every ``valid`` message, refuse every
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -176,23 +174,10 @@ def rendered() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write (or with ``--check`` compare) ``protocol/vectors/*.json``; returns the exit status."""
-    ap = argparse.ArgumentParser(description="Generate the protocol's golden test vectors.")
-    ap.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 if any file differs")
-    ap.add_argument("--dir", type=Path, default=VECTOR_DIR)
-    args = ap.parse_args(argv)
-    files = rendered()
-    if args.check:
-        stale = [n for n, t in files.items() if not (args.dir / n).is_file()
-                 or _normative(n, (args.dir / n).read_text()) != _normative(n, t)]
-        if stale:
-            print(f"out of date in {args.dir}: {', '.join(stale)} (run python -m protocol.vectors)", file=sys.stderr)
-            return 1
-        return 0
-    args.dir.mkdir(parents=True, exist_ok=True)
-    for n, t in files.items():
-        (args.dir / n).write_text(t)
-    print(f"wrote {len(files)} vector files to {args.dir}")
-    return 0
+    from .schema import sync_files
+
+    return sync_files(argv, rendered(), VECTOR_DIR, "golden vector files", "protocol.vectors",
+                      same=lambda n, committed, generated: _normative(n, committed) == _normative(n, generated))
 
 
 if __name__ == "__main__":
