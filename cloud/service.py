@@ -6,7 +6,8 @@ schema is :mod:`cloud.config`; ``AggregatorConfig`` & co. are re-exported here).
 engine (schema, topic/device-id agreement, known device, chunk checksums, size
 limits); a message that fails is logged with its reason and, where a device can be
 named, answered on that device's ``down/command`` topic with a ``reject``. Floods of
-junk stay cheap: junk is refused by cheap checks before its payload is parsed, rejections
+junk stay cheap: junk is refused by cheap checks before its payload is parsed (the reply
+names the round and upload id a bounded scan of its first 4 KiB finds), rejections
 are logged rate-limited (a few lines, then a summary a minute), and replies are capped
 per device and never wait for a PUBACK (:meth:`Aggregator._handle`, :meth:`Aggregator._reject`).
 
@@ -397,8 +398,9 @@ class Aggregator:
         Never raises for bad input: it is rejected with a reply (see the module docstring).
         Junk is refused cheaply, in this order, before its payload is parsed: malformed
         topics (no reply); with signatures, devices that are not provisioned (no reply) and
-        update/stats messages without signature properties; oversize payloads. Replies
-        and log lines are rate-limited (:meth:`_reject`).
+        update/stats messages without signature properties; oversize payloads (a reply's
+        round and upload id come from a bounded scan, :func:`refers_to`). Replies and log
+        lines are rate-limited (:meth:`_reject`).
         """
         if len(topic) > self._max_topic:
             self._drop("topic too long", "ignored message on a topic of %d characters: %s", len(topic), clip(topic))
@@ -440,6 +442,8 @@ class Aggregator:
                 msg = parse_message(payload, Hello)
                 self._same_device(device_id, msg.device_id)
                 if msg.task not in self.model.tasks:  # refused, not registered: it never counts as online
+                    if self.registry.get(device_id) is not None:  # known under another task: not selected now
+                        self.registry.set_online(device_id, False)
                     raise MessageError(f"unknown task {msg.task!r}; this federation trains {sorted(self.model.tasks)}")
                 self.registry.register(msg)
                 return
@@ -508,23 +512,30 @@ _NUMBER = re.compile(r"\d+")
 _UPLOAD_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
+REFERS_SCAN_BYTES = 4096
+"""Bytes of a refused payload :func:`refers_to` looks at (a chunk header, or the head of a
+control message's JSON): a flood of large junk costs one bounded scan each."""
+_ROUND_RE = re.compile(rb'"round"\s*:\s*(\d{1,19})(?![\d.eE])')
+_TRANSFER_RE = re.compile(rb'"transfer_id"\s*:\s*"([A-Za-z0-9_.-]{1,64})"')
+
+
 def refers_to(kind: str, payload: bytes) -> tuple[int | None, str | None]:
-    """(round, upload id) of a refused message, read leniently from whatever of it parses
-    (a chunk's JSON header for ``update``; the JSON's ``round`` and ``update.transfer_id``
-    for control messages); None where the bytes do not show one. Never raises; reads at
-    most :data:`MAX_CONTROL_BYTES` of JSON."""
+    """(round, upload id) a refused message shows, for the reply: a chunk's JSON header for
+    ``update`` (its ``round`` and ``id``); for a control message the first ``"round"``
+    and ``"transfer_id"`` members found in its first :data:`REFERS_SCAN_BYTES` bytes (a
+    scan, not a parse: the message failed its checks). None where the bytes show none.
+    Never raises."""
     try:
         if kind == "update":
             if payload[:4] != MAGIC or len(payload) < 8:
                 return None, None
             (hlen,) = struct.unpack(">I", payload[4:8])
             obj = json.loads(payload[8:8 + hlen]) if hlen <= MAX_HEADER else None
-            ids = obj.get("id") if isinstance(obj, dict) else None
+            r, ids = (obj.get("round"), obj.get("id")) if isinstance(obj, dict) else (None, None)
         else:
-            obj = json.loads(payload) if len(payload) <= MAX_CONTROL_BYTES else None
-            up = obj.get("update") if isinstance(obj, dict) else None
-            ids = up.get("transfer_id") if isinstance(up, dict) else None
-        r = obj.get("round") if isinstance(obj, dict) else None
+            head = payload[:REFERS_SCAN_BYTES]
+            m, t = _ROUND_RE.search(head), _TRANSFER_RE.search(head)
+            r, ids = int(m.group(1)) if m else None, t.group(1).decode() if t else None
         round_ = r if isinstance(r, int) and not isinstance(r, bool) and 0 <= r <= MAX_INT else None
         return round_, ids if isinstance(ids, str) and _UPLOAD_ID.match(ids) else None
     except (ValueError, UnicodeDecodeError, RecursionError, struct.error):

@@ -478,7 +478,7 @@ class EdgeClient:
         for t in terms:
             t.after_training(model)
         tensors = model.adapter_state()
-        ctx = UpdateContext(a, model, state, train_items, work_dir=self.cache.directory / "filters")
+        ctx = UpdateContext(a, model, state, train_items, work_dir=self.cache.directory / "filters" / self.device_id)
         for f in self.filters:
             tensors = f.on_update(tensors, ctx)
         update = encode_tensors(tensors, ctx.format, ctx.metadata)

@@ -48,9 +48,9 @@ class UpdateContext:
         format: the weight format the update is encoded in (``protocol.codec``; a filter
             may change it, default fp32).
         metadata: safetensors metadata written with the update (a filter may add to it).
-        work_dir: a directory of the device's own (under its shard cache) where a filter
-            may keep state between rounds on disk instead of in memory; None: keep it in
-            memory.
+        work_dir: a directory of this device's own (``filters/<device id>`` under its shard
+            cache, which devices may share) where a filter may keep state between rounds on
+            disk instead of in memory; None: keep it in memory.
     """
 
     assignment: Assignment
@@ -192,11 +192,16 @@ class UpdateEncoding(Filter):
             return
         from safetensors.torch import save_file
 
-        work_dir.mkdir(parents=True, exist_ok=True)
         path = work_dir / "error-feedback.safetensors"
-        tmp = path.with_suffix(".tmp")
-        save_file(residual, str(tmp))
-        os.replace(tmp, path)
+        try:
+            work_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            save_file(residual, str(tmp))
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk loses this round's residual; last round's is never used twice
+            log.warning("error-feedback residual not kept (%s); the next update goes without it", e)
+            self.residual, self._residual_file = {}, None
+            return
         self.residual, self._residual_file = {}, path
 
 

@@ -23,12 +23,14 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def _mounts() -> list[tuple[str, str, set[str]]]:
+def _mounts() -> list[tuple[str, str, str, set[str]]]:
+    """``(mount point, root inside its hierarchy, fs type, super options)`` from mountinfo."""
     out = []
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        parts = line.split()
-        if len(parts) >= 4:
-            out.append((parts[1], parts[2], set(parts[3].split(","))))
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        a, b = left.split(), right.split()
+        if len(a) >= 5 and len(b) >= 3:
+            out.append((a[4], a[3], b[0], set(b[2].split(","))))
     return out
 
 
@@ -45,8 +47,16 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
+def _under(point: str, root: str, path: str) -> Path:
+    """The directory of cgroup ``path`` in a hierarchy mounted at ``point`` from ``root``
+    (a container's mount shows only its own part of the tree)."""
+    rel = os.path.relpath(path, root) if root != "/" else path.lstrip("/")
+    return Path(point) / ("" if rel == "." else rel)
+
+
 def memory_cgroup() -> tuple[str, Path]:
-    """``("v2" | "v1", directory of this process's memory cgroup)``.
+    """``("v2" | "v1", directory of this process's memory cgroup)``: v2 where the memory
+    controller is enabled for its child groups, else the v1 memory hierarchy.
 
     Raises:
         OSError: no memory controller is mounted where this process can use it.
@@ -54,29 +64,44 @@ def memory_cgroup() -> tuple[str, Path]:
     if not Path("/proc/self/cgroup").is_file():
         raise OSError("no /proc/self/cgroup: not Linux")
     mounts, own = _mounts(), _own_paths()
-    for point, fstype, _ in mounts:
+    for point, root, fstype, _ in mounts:
         if fstype == "cgroup2" and "0" in own:
-            d = Path(point) / own["0"].lstrip("/")
-            if "memory" in (d / "cgroup.controllers").read_text().split() if (d / "cgroup.controllers").is_file() \
-                    else False:
+            d = _under(point, root, own["0"])
+            control = d / "cgroup.subtree_control"
+            if control.is_file() and "memory" in control.read_text().split():
                 return "v2", d
-    for point, fstype, opts in mounts:
+    for point, root, fstype, opts in mounts:
         if fstype == "cgroup" and "memory" in opts and "memory" in own:
-            return "v1", Path(point) / own["memory"].lstrip("/")
-    raise OSError("no memory cgroup controller (v2 or v1) is mounted")
+            return "v1", _under(point, root, own["memory"])
+    raise OSError("no memory controller for child cgroups (v2: 'memory' not in this cgroup's "
+                  "cgroup.subtree_control, which needs a delegated cgroup; v1: not mounted)")
+
+
+_LIMIT_FILE = {"v2": "memory.max", "v1": "memory.limit_in_bytes"}
 
 
 def unavailable() -> str | None:
     """Why :class:`MemoryLimit` cannot work here, or None when it can (a child group is
-    created and removed to find out)."""
+    created, its limit file looked for, and removed)."""
     try:
         version, base = memory_cgroup()
         probe = base / f"fedmoe-probe-{os.getpid()}"
         probe.mkdir()
-        probe.rmdir()
+        try:
+            if not (probe / _LIMIT_FILE[version]).is_file():
+                return f"a child of {base} has no {_LIMIT_FILE[version]} (memory controller not enabled for it)"
+        finally:
+            probe.rmdir()
     except OSError as e:
         return f"cannot create a memory cgroup: {e}"
     return None
+
+
+def _swap_bytes() -> int:
+    try:
+        return sum(int(line.split()[2]) * 1024 for line in Path("/proc/swaps").read_text().splitlines()[1:])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class MemoryLimit:
@@ -100,21 +125,39 @@ class MemoryLimit:
         self.limit_bytes = int(limit_bytes)
         self.path = base / f"fedmoe-{os.getpid()}-{name}"
         self.path.mkdir(exist_ok=True)
+        try:
+            self._limit()
+        except OSError:
+            self.remove(0)
+            raise
+
+    def _limit(self) -> None:
         if self.version == "v2":
             (self.path / "memory.max").write_text(str(self.limit_bytes))
             if (self.path / "memory.swap.max").exists():
                 (self.path / "memory.swap.max").write_text("0")
         else:
             (self.path / "memory.limit_in_bytes").write_text(str(self.limit_bytes))
-            for knob, value in (("memory.memsw.limit_in_bytes", self.limit_bytes),  # no swapping past it
-                                ("memory.move_charge_at_immigrate", 3)):  # earlier charges move along
-                try:
-                    (self.path / knob).write_text(str(value))
-                except OSError:
-                    pass
+            try:  # no swapping past the limit
+                (self.path / "memory.memsw.limit_in_bytes").write_text(str(self.limit_bytes))
+            except OSError:
+                if _swap_bytes():
+                    log.warning("swap is on and %s cannot limit it (no swap accounting): a process over its "
+                                "limit may swap instead of being killed", self.path)
+
+    def preexec(self):
+        """For ``subprocess.Popen(preexec_fn=...)``: the child joins the group before it runs
+        anything, so every byte it allocates is charged to it."""
+        procs = str(self.path / "cgroup.procs")
+
+        def join() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        return join
 
     def add(self, pid: int) -> None:
-        """Move process ``pid`` into the group (its children follow it)."""
+        """Move a running process ``pid`` into the group (its later children follow it; what
+        it allocated before stays charged where it was on v2, :meth:`preexec` avoids that)."""
         (self.path / "cgroup.procs").write_text(str(int(pid)))
 
     def _read(self, name: str) -> str:

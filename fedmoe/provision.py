@@ -155,9 +155,9 @@ def mosquitto_conf(out: Path, port: int = 8883, host: str = "", tls: bool = True
 
 
 def _hand_to_broker(out: Path, broker_user: str | None) -> None:
-    """As root: give ``broker_user`` the files a broker reads (still 0600: nobody else
-    reads them) and its persistence directory; as anyone else nothing (the broker then runs
-    as that same user and reads its files)."""
+    """As root: give ``broker_user`` the files a broker reads (the password file and the
+    server key stay 0600: nobody else reads them) and its persistence directory; as anyone
+    else nothing (the broker then runs as that same user and reads its files)."""
     (out / "broker-data").mkdir(exist_ok=True)
     if not broker_user or not hasattr(os, "geteuid") or os.geteuid() != 0:
         return
@@ -176,7 +176,8 @@ def _hand_to_broker(out: Path, broker_user: str | None) -> None:
         return bool(st.st_mode & 0o001 or st.st_uid == account.pw_uid or (st.st_gid == account.pw_gid
                                                                          and st.st_mode & 0o010))
 
-    closed = [d for d in [out.resolve(), *out.resolve().parents] if not enterable(d)]
+    tls = [out.resolve() / "tls"] if (out / "tls").is_dir() else []
+    closed = [d for d in [*tls, out.resolve(), *out.resolve().parents] if not enterable(d)]
     if closed:
         log.warning("the broker's user %s cannot enter %s: keep the deployment directory where it can (e.g. "
                     "/etc/fedmoe), or mosquitto -c %s will not read its files", broker_user, closed[0],

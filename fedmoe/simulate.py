@@ -26,7 +26,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -626,12 +626,12 @@ class _Processes:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, args: list[str], threads: int) -> None:
+    def start(self, name: str, args: list[str], threads: int, preexec: Callable[[], None] | None = None) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         logf = (self.log_dir / f"{name}.log").open("w")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "fedmoe", *args], stdout=logf,
-                                            stderr=subprocess.STDOUT, env=env)
+                                            stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
 
     def tail(self, name: str, lines: int = 30) -> str:
         text = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
@@ -691,9 +691,17 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     url = cfg.broker or broker.url
     protocol = ["--protocol", "3.1.1"] if broker else []
     procs = _Processes(out / "logs")
-    limits: dict[str, Any] = {}  # device id -> fedmoe.cgroups.MemoryLimit
+    limits: dict[str, Any] = {}  # device id -> fedmoe.cgroups.MemoryLimit, made before any process starts
     watcher = Transport(url, f"sim-watch-{federation}", protocol="3.1.1" if broker else "auto")
     try:
+        if cfg.device_memory_limit:
+            from .cgroups import MemoryLimit
+
+            for d in devices:
+                try:
+                    limits[d["device_id"]] = MemoryLimit(d["device_id"], d["budget_bytes"])
+                except OSError as e:
+                    raise SimulationConfigError(f"--device-memory-limit: {e}") from None
         watcher.connect()
         watcher.subscribe(Topics(federation).progress())
         procs.start("aggregator", ["aggregator", "--broker", url, "--config", str(out / "aggregator.yaml"),
@@ -705,12 +713,9 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
             fields = dev.model_dump(mode="json", exclude_none=True)
             fields = {k: fields[k] for k in schema_options(DeviceConfig) if k in fields}  # the --help order
             path.write_text(yaml.safe_dump(fields, sort_keys=False))
-            procs.start(d["device_id"], ["device", "--config", str(path)], cfg.device.threads or 1)
-            if cfg.device_memory_limit:
-                from .cgroups import MemoryLimit
-
-                limits[d["device_id"]] = MemoryLimit(d["device_id"], d["budget_bytes"])
-                limits[d["device_id"]].add(procs.procs[d["device_id"]].pid)
+            lim = limits.get(d["device_id"])
+            procs.start(d["device_id"], ["device", "--config", str(path)], cfg.device.threads or 1,
+                        preexec=lim.preexec() if lim else None)
         _watch(watcher, procs, cfg.rounds)
         rc = procs.procs["aggregator"].wait()
         if rc != 0:

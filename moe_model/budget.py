@@ -21,7 +21,8 @@ does not fit. The plan is the sum of (:class:`MemoryPlan`):
   shard fetch window (:data:`FETCH_WINDOW_BYTES`, twice: chunks and the joined blob);
 - ``copies``: the adapter state received this round, which the device keeps through
   training as its update's reference (fp32, the trainable part), and with LoRA A trained
-  A's seeded initial draw (``SubMoE`` resets to it);
+  A's seeded initial draw (``SubMoE`` resets to it); with full fine-tuning, ``SubMoE``'s
+  own copy of every weight beside the held shards and their initial values;
 - ``overhead``: per held expert, its module objects and the allocator's fragmentation
   around its small tensors (``ModelAdapter.expert_overhead_bytes``, measured).
 
@@ -160,7 +161,8 @@ class MemoryPlan:
     copies: int = 0
     """Adapter values kept beside the model while it trains: the state received this round
     (the update's reference, one fp32 copy of the trainable part) and, with LoRA A
-    trained, A's seeded initial draw (fp32)."""
+    trained, A's seeded initial draw (fp32); with full fine-tuning, two more fp32 copies of
+    the weights (SubMoE's own beside the held shards, and the initial values)."""
     overhead: int = 0
     """Per held expert, what no tensor count shows: its module objects and the allocator's
     fragmentation around its small tensors, gradients and optimizer state
@@ -242,6 +244,8 @@ def plan(
     acts = adapter.activation_bytes(spec, batch)
     work = max([workspace_bytes(o, i, weight_format) for o, i, _ in c.expert_linears] + [2 * FETCH_WINDOW_BYTES])
     copies = 4 * (trainable + n * c.expert_lora_a + c.backbone_lora_a)
+    if trains_all_weights(spec):  # SubMoE's own copy of the weights (the shards stay held) and their initial values
+        copies += 2 * 4 * (n * c.expert + c.backbone)
     return MemoryPlan(runtime_bytes, weights, lora, 4 * trainable, 8 * trainable, acts,
                       adapter.tokenizer_bytes_for(spec), work, weight_format, n,
                       copies, n * adapter.expert_overhead_bytes(spec))

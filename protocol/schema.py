@@ -7,8 +7,9 @@ each, committed under ``protocol/schemas/<ClassName>.json``; ``tests/test_schema
 fails when a model changes and the committed files do not. Implementations in other
 languages validate against these files.
 
-Wire rules the schemas express: JSON types are exact (``"1"`` is not an integer, ``1`` not
-a boolean: the peers validate strictly); ``v`` and ``type`` are required (the parser
+Wire rules the schemas express: JSON types (``"1"`` is not an integer, ``1`` not a
+boolean: the peers validate strictly; JSON Schema, unlike the peers, counts ``1.0`` as an
+integer); ``v`` and ``type`` are required (the parser
 refuses a message without them, although the Python models default them); every bound of the models (lengths, ranges,
 patterns) is there. What they relax on purpose: a control message's objects admit
 unknown keys (``additionalProperties`` is not false), because a peer drops the fields of a

@@ -13,8 +13,7 @@ WHY = unavailable()
 
 
 def _allocate(mib: int) -> list[str]:
-    return [sys.executable, "-c", f"import time; time.sleep(0.3); x = bytearray({mib} * 2**20); "
-            "x[::4096] = b'1' * len(x[::4096]); time.sleep(0.2)"]
+    return [sys.executable, "-c", f"x = bytearray({mib} * 2**20); x[::4096] = b'1' * len(x[::4096])"]
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"no writable memory cgroup: {WHY}")
@@ -22,8 +21,7 @@ def test_a_process_over_its_limit_is_killed_and_counted_one_under_it_is_not():
     for mib, killed in ((40, False), (300, True)):
         lim = MemoryLimit(f"test-{mib}", 150 * 2**20)
         try:
-            p = subprocess.Popen(_allocate(mib))
-            lim.add(p.pid)
+            p = subprocess.Popen(_allocate(mib), preexec_fn=lim.preexec())  # in the group before it runs
             rc = p.wait(60)
             got = lim.report()
         finally:

@@ -353,3 +353,25 @@ def test_error_feedback_residual_on_disk_matches_memory_and_takes_no_memory(tmp_
     assert "unreadable" in caplog.text
     assert all(torch.equal(again[k], want[k]) for k in want)  # as if there were no residual
     assert (tmp_path / "error-feedback.safetensors").stat().st_size > 100  # rewritten, readable again
+
+
+def test_error_feedback_residual_that_cannot_be_written_is_dropped_not_reused(tmp_path, monkeypatch):
+    """A full disk loses one round's residual: the next update goes without it (never with
+    the residual already used once)."""
+    import safetensors.torch
+
+    sent = {"w": torch.zeros(16, 64)}
+    ctx = dict(assignment=None, model=None, sent=sent, train_items=[])
+    step = {"w": 1e-3 * torch.randn(16, 64, generator=torch.Generator().manual_seed(5))}
+    disk, plain = (UpdateEncoding("nf4", delta=True, error_feedback=True) for _ in range(2))
+    disk.on_update(dict(step), UpdateContext(**ctx, work_dir=tmp_path))  # round 1: residual on disk
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    disk.on_update(dict(step), UpdateContext(**ctx, work_dir=tmp_path))  # round 2: used, new one not kept
+    monkeypatch.undo()
+    got = disk.on_update(dict(step), UpdateContext(**ctx, work_dir=tmp_path))  # round 3: none
+    want = plain.on_update(dict(step), UpdateContext(**ctx))
+    assert torch.equal(got["w"], want["w"])
