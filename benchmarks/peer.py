@@ -412,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                     "nf4")
     ap.add_argument("--reuse-peer", help="an earlier result JSON whose peer runs to reuse (settings must match)")
     ap.add_argument("--peer-threads", type=int, default=2)
+    ap.add_argument("--checkpoint", help="an existing Hugging Face MoE checkpoint directory (e.g. the SmolLM2-MoE "
+                                         "of `fedmoe upcycle`) instead of the random-init Qwen3-MoE; give --budgets "
+                                         "and --out to suit it")
     ap.add_argument("--fedmoe", default=str(ROOT / ".venv" / "bin" / "fedmoe"))
     ap.add_argument("--work", default=str(ROOT / "runs" / "peer"))
     ap.add_argument("--out", default=str(ROOT / "results" / "peer"))
@@ -429,14 +432,17 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown peer variant {v!r}; known: {', '.join(VARIANTS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     profile = "quick" if args.quick else "full"
-    work = Path(args.work) / profile
+    base = Path(args.work) / (Path(args.checkpoint).name if args.checkpoint else "")  # probes and runs per checkpoint
+    work = base / profile
     work.mkdir(parents=True, exist_ok=True)
-    ckpt = make_checkpoint(Path(args.work) / "qwen3moe-random")
+    if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
+        ap.error(f"--checkpoint {args.checkpoint}: no config.json there")
+    ckpt = Path(args.checkpoint) if args.checkpoint else make_checkpoint(Path(args.work) / "qwen3moe-random")
     facts = checkpoint_facts(ckpt)
     log.info("checkpoint %s: %.0fM parameters, experts %.0f%%", ckpt, facts["params"] / 1e6,
              100 * facts["expert_share"])
     prior, peaks = reused_peer_runs(args, facts) if args.reuse_peer else ({}, None)
-    peaks = peaks or probe(args, ckpt, Path(args.work))
+    peaks = peaks or probe(args, ckpt, base)
     runs: dict[str, dict] = {}
     names = {m: f"ours {m.partition('+')[0]}" + (" FFA-LoRA" if m.endswith("+ffa") else "") for m in args.ours}
     for s in seeds:
