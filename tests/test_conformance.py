@@ -1,0 +1,63 @@
+"""The conformance runner (fedmoe.conformance) passes the reference device and names what a
+broken one does wrong, over a real (embedded) broker."""
+
+import threading
+
+from edge_sdk import EdgeClient
+from edge_sdk.filters import Filter
+from fedmoe.conformance import check_device, default_config
+from fedmoe.datasets import bbc_news
+from tests.conftest import tiny_spec
+
+
+def _config(federation: str):
+    cfg = default_config(federation)
+    labels = cfg.tasks["bbc"].labels
+    return cfg.model_copy(update={"model": tiny_spec(num_experts=4), "round_timeout_s": 20.0,
+                                  "start_timeout_s": 60.0}), labels
+
+
+def _run(url, tmp_path, federation, filters=()):
+    cfg, labels = _config(federation)
+    items, _ = bbc_news()
+    device = EdgeClient(url, "dut-1", items[:40], federation=federation, budget_bytes="8GiB", task="bbc",
+                        cache_dir=str(tmp_path / "cache"), protocol="3.1.1", filters=list(filters))
+    t = threading.Thread(target=lambda: device.run(idle_timeout=120), daemon=True)
+    t.start()
+    try:
+        return check_device(url, "dut-1", cfg.model_copy(update={"protocol": "3.1.1"}), timeout_s=300)
+    finally:
+        device.stop()
+        t.join(30)
+
+
+def test_the_reference_device_passes(embedded_url, tmp_path):
+    report = _run(embedded_url, tmp_path, "conf-ok")
+    assert report.passed, "\n".join(report.lines())
+    assert [c.number for c in report.checks] == list(range(1, 10))
+
+
+class _WrongReference(Filter):
+    """A device whose stats name another update than the one it sent."""
+
+    def on_stats(self, stats):
+        return stats.model_copy(update={"update": stats.update.model_copy(update={"transfer_id": "not-sent"})})
+
+
+class _MoreSamples(Filter):
+    """A device whose stats claim more samples than its hello declared."""
+
+    def on_stats(self, stats):
+        return stats.model_copy(update={"num_samples": stats.num_samples * 10})
+
+
+def test_broken_devices_fail_the_rules_they_break(embedded_url, tmp_path):
+    # the cloud itself matches stats to the update by sha256, so only the runner notices
+    report = _run(embedded_url, tmp_path / "a", "conf-ref", filters=[_WrongReference()])
+    failed = {c.number: c.detail for c in report.checks if not c.passed}
+    assert set(failed) == {6}, "\n".join(report.lines())
+    assert "not-sent" in failed[6]
+    report = _run(embedded_url, tmp_path / "b", "conf-samples", filters=[_MoreSamples()])
+    failed = {c.number: c.detail for c in report.checks if not c.passed}
+    assert set(failed) == {8, 9}, "\n".join(report.lines())
+    assert "stats round 1" in failed[8] and "samples" in failed[8]
