@@ -139,6 +139,20 @@ def test_submoe_on_quantized_mmap_shards_equals_dequantized(fmt, tmp_path):
         assert m.num_base_bytes() < ref.num_base_bytes()
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_backbone_loaded_as_fp32_owns_its_tensors(fmt, tmp_path):
+    """The backbone (held in fp32) does not keep viewing the cached file: overwriting the
+    file afterwards changes nothing the device holds (its mapped pages can go)."""
+    gm = GlobalModel(tiny_spec(), {"t": ["a", "b"]}, fmt)
+    data = gm.shard_bytes["backbone"]
+    cache = ShardCache(tmp_path)
+    cache.put(sha256_hex(data), data)
+    held = cache.load(sha256_hex(data), keep_quantized=False)
+    before = {k: v.clone() for k, v in held.items()}
+    (tmp_path / f"{sha256_hex(data)}.safetensors").write_bytes(b"\0" * len(data))
+    assert all(torch.equal(held[k], before[k]) for k in held)
+
+
 def test_cache_detects_corruption_and_evicts_lru(tmp_path):
     cache = ShardCache(tmp_path, max_bytes=None)
     blobs = [encode_tensors({"w": torch.randn(64, 64)}, "int8") for _ in range(4)]
