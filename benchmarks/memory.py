@@ -115,7 +115,8 @@ def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int, 
 
     experts = {layer: list(range(k)) for layer in get_adapter(s.family).moe_layers(s)}
     cache = ShardCache(cache_root / fmt)
-    held = {sid: cache.load(index[sid], keep_quantized=sid != "backbone")
+    keep_bb = get_adapter(s.family).quantized_backbone  # as EdgeClient holds it
+    held = {sid: cache.load(index[sid], keep_quantized=sid != "backbone" or keep_bb)
             for sid in ["backbone"] + [f"L{layer}.E{e}" for layer in experts for e in experts[layer]]}
     B.release_free_memory()
     model = SubMoE(s, experts, "bbc", LABELS, held)

@@ -41,6 +41,7 @@ from protocol.messages import (
 from protocol.transport import Transport, TlsConfig, publish_packet_bytes
 
 from moe_model import budget as B
+from moe_model.models import get_adapter
 from moe_model.quant_bnb import check_backend
 from moe_model.shards import ShardCache
 from moe_model.stats import ActivationStats
@@ -581,6 +582,11 @@ class EdgeClient:
             Ids of the shards downloaded from the broker this round.
         """
         fetched = []
+        quantized_backbone = get_adapter(a.model.family).quantized_backbone
+
+        def keep(shard_id: str) -> bool:  # held as stored (experts; the backbone where the family can)
+            return shard_id != "backbone" or quantized_backbone
+
         wanted = {m.sha256 for m in a.shards}
         self.cache.pinned = set(wanted)
         for sha in [s for s in self._decoded if s not in wanted]:
@@ -589,7 +595,7 @@ class EdgeClient:
         for m in a.shards:
             if m.sha256 in self._decoded or m.sha256 in missing:
                 continue
-            held = self.cache.load(m.sha256, keep_quantized=m.shard_id != "backbone")
+            held = self.cache.load(m.sha256, keep_quantized=keep(m.shard_id))
             if held is None:
                 missing[m.sha256] = m
             else:
@@ -615,7 +621,7 @@ class EdgeClient:
             for m in active.values():
                 self.transport.unsubscribe(m.topic + "/#")
         for sha, m in missing.items():
-            held = self.cache.load(sha, keep_quantized=m.shard_id != "backbone")
+            held = self.cache.load(sha, keep_quantized=keep(m.shard_id))
             if held is None:
                 raise ValueError(f"shard {m.shard_id} vanished from the cache")
             self._decoded[sha] = held

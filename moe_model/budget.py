@@ -10,9 +10,10 @@ does not fit. The plan is the sum of (:class:`MemoryPlan`):
   ``hello``; :data:`DEFAULT_RUNTIME_BYTES` when unknown (measured here: 445 MiB RSS on
   Linux x86-64, torch 2.13, transformers 5.23);
 - ``tokenizer``: the family's tokenizer once loaded (``ModelAdapter.tokenizer_bytes_for``);
-- ``weights``: base weights as held: the backbone in fp32, each expert linear in the
-  shard format (:func:`moe_model.quant.held_bytes`: fp32, bf16, int8 + row scales, nf4
-  + block absmax);
+- ``weights``: base weights as held: each expert linear in the shard format
+  (:func:`moe_model.quant.held_bytes`: fp32, bf16, int8 + row scales, nf4 + block
+  absmax), the backbone's linears and embedding tables likewise where the family keeps
+  them quantized (``ModelAdapter.quantized_backbone``), the rest of the backbone in fp32;
 - ``lora``: LoRA A and B, router rows and head (fp32);
 - ``grads`` and ``optimizer``: gradients and two AdamW moments of the trainable part
   (LoRA B [and A], router rows, head);
@@ -103,6 +104,12 @@ class ParamCounts:
     draw); 0 with A frozen."""
     backbone_lora_a: int = 0
     """Likewise for the backbone's LoRA A."""
+    backbone_linears: tuple[tuple[int, int, bool], ...] = ()
+    """``(out_features, in_features, has_bias)`` of each backbone linear a family with
+    ``ModelAdapter.quantized_backbone`` holds in the shard format (else empty: fp32)."""
+    backbone_embeddings: tuple[tuple[int, int], ...] = ()
+    """``(num_embeddings, dim)`` of each embedding table such a family holds in the shard
+    format (rows dequantized as they are looked up)."""
 
 
 def param_counts(spec: ModelSpec) -> ParamCounts:
@@ -134,13 +141,20 @@ def _param_counts(spec_json: str) -> ParamCounts:
     hidden = model.head.in_features if model.head is not None else 0  # causal-lm: no task head
     a_expert = sum(r * m.in_features for m in lin) if spec.lora.train_a else 0
     a_bb = sum(r * m.in_features for m in att) if spec.lora.train_a else 0
+    bb_lin: tuple[tuple[int, int, bool], ...] = ()
+    bb_emb: tuple[tuple[int, int], ...] = ()
+    if adapter.quantized_backbone and not trains_all_weights(spec):
+        skip = expert_ids | router_ids | head_ids
+        held = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding)) and id(m.weight) not in skip]
+        bb_lin = tuple((m.out_features, m.in_features, m.bias is not None) for m in held if isinstance(m, nn.Linear))
+        bb_emb = tuple((m.num_embeddings, m.embedding_dim) for m in held if isinstance(m, nn.Embedding))
     if trains_all_weights(spec):  # no LoRA: every weight trains
         expert_lora, expert_lora_tr, bb_lora, bb_lora_tr, a_expert, a_bb = 0, expert, 0, backbone, 0, 0
     linears = tuple((m.out_features, m.in_features, m.bias is not None) for m in lin)
     other = expert - sum(o * i + (o if b else 0) for o, i, b in linears)
     head_per_label = hidden + 1 if hidden else 0
     return ParamCounts(backbone, expert, expert_lora, expert_lora_tr, bb_lora, bb_lora_tr, hidden, head_per_label,
-                       len(layers), linears, other, a_expert, a_bb)
+                       len(layers), linears, other, a_expert, a_bb, bb_lin, bb_emb)
 
 
 @dataclass(frozen=True)
@@ -237,12 +251,18 @@ def plan(
     n = _count(c, assignment)
     expert = sum(held_bytes(o, i, weight_format, b) for o, i, b in c.expert_linears) + 4 * c.expert_other \
         if c.expert_linears else 4 * c.expert
-    weights = 4 * c.backbone + n * expert
+    mats = c.backbone_linears + tuple((v, h, False) for v, h in c.backbone_embeddings)
+    weights = 4 * (c.backbone - sum(o * i + (o if b else 0) for o, i, b in mats)) \
+        + sum(held_bytes(o, i, weight_format, b) for o, i, b in mats) + n * expert
+    # transient fp32 weights: per matmul (experts, backbone linears); an nf4 table whose rows
+    # are not whole 64-value blocks is dequantized whole (moe_model.quant.QuantEmbedding)
+    whole = [(v, h) for v, h in c.backbone_embeddings if weight_format == "nf4" and h % 64]
     trainable = n * (c.expert_lora_trainable + c.router_row) + c.backbone_lora_trainable + c.head_per_label * num_labels
     lora = 4 * (n * (c.expert_lora + c.router_row) + c.backbone_lora + c.head_per_label * num_labels)
     adapter = get_adapter(spec.family)
     acts = adapter.activation_bytes(spec, batch)
-    work = max([workspace_bytes(o, i, weight_format) for o, i, _ in c.expert_linears] + [2 * FETCH_WINDOW_BYTES])
+    work = max([workspace_bytes(o, i, weight_format) for o, i, _ in c.expert_linears + c.backbone_linears]
+               + [workspace_bytes(v, h, weight_format) for v, h in whole] + [2 * FETCH_WINDOW_BYTES])
     copies = 4 * (trainable + n * c.expert_lora_a + c.backbone_lora_a)
     if trains_all_weights(spec):  # SubMoE's own copy of the weights (the shards stay held) and their initial values
         copies += 2 * 4 * (n * c.expert + c.backbone)

@@ -164,6 +164,50 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
 
 
+class QuantEmbedding(nn.Module):
+    """A frozen embedding table held in a shard format (the weight of a :class:`QuantLinear`
+    from the backbone shard): ``forward(ids (...,) int64)`` -> ``(..., H)`` fp32,
+    dequantizing only the rows looked up (int8 row scales, bf16; nf4 when ``H`` is a
+    multiple of the 64-value block, else the whole table per call). Takes the place of an
+    ``nn.Embedding`` (same ``weight`` property for inspection, ``padding_idx`` kept).
+
+    Raises:
+        ValueError: ``q`` has a bias (an embedding has none).
+    """
+
+    def __init__(self, q: QuantLinear, padding_idx: int | None = None):
+        super().__init__()
+        if q.bias is not None:
+            raise ValueError("an embedding table has no bias")
+        self.q, self.padding_idx = q, padding_idx
+        self.num_embeddings, self.embedding_dim = q.out_features, q.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized table ``(V, H)`` (allocates)."""
+        return self.q.dequantized()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``(...,)`` token ids -> ``(..., H)`` fp32 rows."""
+        q, h = self.q, self.embedding_dim
+        flat = ids.reshape(-1)
+        if q.fmt == "int8":
+            rows = q.qweight_data.index_select(0, flat).float() * q.qweight_scale.reshape(-1, 1).index_select(0, flat)
+        elif q.fmt == "bf16":
+            rows = q.qweight_data.index_select(0, flat).float()
+        elif h % NF4_BLOCK == 0:
+            packed = q.qweight_data.view(self.num_embeddings, h // 2).index_select(0, flat)
+            absmax = q.qweight_scale.view(self.num_embeddings, h // NF4_BLOCK).index_select(0, flat)
+            rows = _dequant_nf4_fast(packed.reshape(-1), absmax.reshape(-1), (flat.numel(), h))
+        else:
+            rows = q.dequantized().index_select(0, flat)
+        return rows.reshape(*ids.shape, h)
+
+    def held_bytes(self) -> int:
+        """Bytes the table holds (weight storage and scales)."""
+        return self.q.held_bytes()
+
+
 def quantized_from_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], fmt: str,
                            prefix: str) -> QuantLinear:
     """Build a :class:`QuantLinear` from a shard's stored tensors ``{prefix}weight`` (+

@@ -24,7 +24,7 @@ from protocol.experts import Experts
 from protocol.messages import ModelSpec
 
 from .models.base import MoEModel, get_adapter, trains_all_weights
-from .quant import QuantLinear, swap_in_quantized
+from .quant import QuantEmbedding, QuantLinear, swap_in_quantized
 from .quant_bnb import convert
 from .shards import block_paths, join_shards
 
@@ -51,6 +51,12 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         mod._buffers[attr] = tensor
     else:
         raise KeyError(f"model has no parameter or buffer {name!r}")
+
+
+def _swap_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    """Put ``new`` in place of the module at ``path``."""
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new)
 
 
 def _placeholder(model: nn.Module, path: str, q: QuantLinear) -> None:
@@ -102,7 +108,9 @@ class SubMoE(nn.Module):
         else:
             model = self.adapter.build(spec, self.experts, num_labels, device="meta")
             for name, t in join_shards(model, base_shards).items():
-                if isinstance(t, QuantLinear):
+                if isinstance(t, QuantLinear) and isinstance(model.get_submodule(name), nn.Embedding):
+                    _swap_module(model, name, QuantEmbedding(t, model.get_submodule(name).padding_idx))
+                elif isinstance(t, QuantLinear):
                     quantized[name] = t
                     _placeholder(model, name, t)
                 else:

@@ -120,11 +120,14 @@ def test_submoe_on_quantized_mmap_shards_equals_dequantized(fmt, tmp_path):
     for sid in ["backbone", "L1.E0", "L1.E2"]:
         data = gm.shard_bytes[sid]
         cache.put(sha256_hex(data), data)
-        held[sid] = cache.load(sha256_hex(data), keep_quantized=sid != "backbone")
+        held[sid] = cache.load(sha256_hex(data))  # held as stored, the backbone too (bert-upcycled)
     m = SubMoE(spec, experts, "t", 2, held).eval()
     ref = SubMoE(spec, experts, "t", 2, {k: decode_shard(b) for k, b in gm.shard_bytes.items()}).eval()
     fc1 = m.model.bert.encoder.layer[1].intermediate.experts["0"].fc1
     assert type(fc1.base_layer).__name__ == ("Linear" if fmt == "fp32" else "QuantLinear")
+    emb, query = m.model.bert.embeddings.word_embeddings, m.model.bert.encoder.layer[0].attention.self.query
+    assert type(emb).__name__ == ("Embedding" if fmt == "fp32" else "QuantEmbedding")
+    assert type(query.base_layer).__name__ == ("Linear" if fmt == "fp32" else "QuantLinear")  # LoRA around it
     state = {k: torch.randn_like(v) for k, v in ref.adapter_state().items()}
     m.load_adapter_state(state)
     ref.load_adapter_state(state)
@@ -288,3 +291,17 @@ def test_bitsandbytes_backend_computes_what_the_torch_backend_computes(fmt, tmp_
     assert evaluate(m, items).loss < before
     with pytest.raises(ValueError, match="unknown quantization backend"):
         SubMoE(spec, experts, "t", 2, held, quant_backend="cuda-magic")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "bf16"])
+@pytest.mark.parametrize("hidden", [128, 96])  # nf4: whole blocks per row, and the fallback
+def test_quant_embedding_rows_equal_the_dequantized_table(fmt, hidden):
+    from moe_model.quant import QuantEmbedding
+
+    table = nn.Linear(hidden, 50, bias=False)  # a (V, H) weight, quantized as the backbone shard is
+    q = QuantLinear.from_linear(table, fmt)
+    emb = QuantEmbedding(q, padding_idx=0)
+    ids = torch.tensor([[0, 7, 49], [3, 3, 12]])
+    assert emb(ids).shape == (2, 3, hidden)
+    assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, q.dequantized()))
+    assert emb.held_bytes() < 50 * hidden * 4

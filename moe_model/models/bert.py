@@ -81,6 +81,7 @@ class BertUpcycledAdapter(ModelAdapter):
     family = "bert-upcycled"
     attention_targets = ("query", "value")
     tokenizer_bytes = 12 * 1024**2
+    quantized_backbone = True
     """Measured: the all-MiniLM-L6-v2 fast tokenizer."""
 
     def config(self, spec: ModelSpec) -> BertConfig:
