@@ -376,6 +376,7 @@ class SimulationConfig(FederationSettings):
 
 
 _BASELINE_PROBE = (
+    "from edge_sdk.lean import keep_out_unused; keep_out_unused()\n"  # as `fedmoe device` does
     "import torch; torch.set_num_threads(1)\n"
     "import fedmoe.cli, edge_sdk.config, edge_sdk.data, protocol.transport\n"
     "from edge_sdk import EdgeClient\nfrom moe_model import budget as B\n"
