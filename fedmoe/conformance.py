@@ -29,7 +29,6 @@ Rules (numbers as in the report):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import sys
 import threading
@@ -222,35 +221,27 @@ def check_device(broker: str, device_id: str, cfg: Any = None, timeout_s: float 
               "; ".join(bad_acks + [f"no ack for {x}" for x in missing])))
 
     accepted = [a for a in assignments if acks.get((a.round, a.attempt)) and acks[(a.round, a.attempt)].accepted]
-    chunks, problems = {}, []
-    for m in (m for m in up if kind(m) == "update"):
-        try:
-            from protocol.chunking import parse_chunk
+    from protocol.chunking import ChunkError, Reassembler
 
-            h, data = parse_chunk(m.payload, cfg.max_update_bytes)
-            chunks.setdefault((h.round, h.id), {})[h.seq] = (h, data)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"{type(e).__name__}: {e}")
+    rx, problems = Reassembler(cfg.max_update_bytes), []
     blobs: dict[int, tuple[ChunkHeader, bytes]] = {}
-    for (rnd, tid), parts in chunks.items():
-        h = parts[next(iter(parts))][0]
-        if len(parts) != h.n or any(p[0].model_dump(exclude={"seq", "csha"}) != h.model_dump(exclude={"seq", "csha"})
-                                    for p in parts.values()):
-            problems.append(f"transfer {tid}: {len(parts)} of {h.n} chunks, or headers that disagree")
+    for m in (m for m in up if kind(m) == "update"):
+        try:  # header schema, chunk and blob checksums, agreement between a transfer's chunks
+            blob = rx.add(device_id, m.payload)
+        except ChunkError as e:
+            problems.append(f"ChunkError: {e}")
             continue
-        blob = b"".join(parts[i][1] for i in range(h.n))
-        if hashlib.sha256(blob).hexdigest() != h.sha or len(blob) != h.size or h.kind != "update":
-            problems.append(f"transfer {tid}: reassembled bytes do not match the header's sha256/size, or kind "
-                            f"{h.kind!r} is not 'update'")
-            continue
-        blobs[rnd] = (h, blob)
+        if blob is not None and blob.header.kind != "update":
+            problems.append(f"transfer {blob.header.id}: kind {blob.header.kind!r} is not 'update'")
+        elif blob is not None:
+            blobs[blob.header.round] = (blob.header, blob.data)
     missing = [a.round for a in accepted if a.round not in blobs]
     add(Check(5, "an accepted round's update arrives as valid chunks of one transfer", not problems and not missing,
               "; ".join(problems + [f"no complete update for round {r}" for r in missing])))
 
     stats_problems = []
+    got = [_parse(m.payload, Stats) for m in up if kind(m) == "stats"]
     for a in accepted:
-        got = [s for s in (_parse(m.payload, Stats) for m in up if kind(m) == "stats")]
         valid = [s for s, _ in got if s is not None and s.round == a.round]
         if not valid:
             stats_problems.append(f"round {a.round}: no valid stats" + "".join(f" ({w})" for _, w in got if w))
