@@ -42,7 +42,7 @@ from protocol.signing import SignatureError
 from protocol.messages import (
     MAX_CONTROL_BYTES, MAX_INT, Ack, Command, Hello, MessageError, Progress, Stats, Status, encode, parse_message,
 )
-from protocol.topics import UP_KINDS, Topics
+from protocol.topics import UP_KINDS, Topics, check_id
 from protocol.transport import Transport, TlsConfig
 
 from .config import AggregatorConfig, FederationSettings, StrategyConfig, TaskConfig  # noqa: F401  (re-exported)
@@ -509,9 +509,6 @@ _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 _NUMBER = re.compile(r"\d+")
 
 
-_UPLOAD_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
 REFERS_SCAN_BYTES = 4096
 """Bytes of a refused payload :func:`refers_to` looks at (a chunk header, or the head of a
 control message's JSON): a flood of large junk costs one bounded scan each."""
@@ -537,7 +534,10 @@ def refers_to(kind: str, payload: bytes) -> tuple[int | None, str | None]:
             m, t = _ROUND_RE.search(head), _TRANSFER_RE.search(head)
             r, ids = int(m.group(1)) if m else None, t.group(1).decode() if t else None
         round_ = r if isinstance(r, int) and not isinstance(r, bool) and 0 <= r <= MAX_INT else None
-        return round_, ids if isinstance(ids, str) and _UPLOAD_ID.match(ids) else None
+        try:  # the id rule of topic levels and transfer ids
+            return round_, check_id(ids) if isinstance(ids, str) else None
+        except ValueError:
+            return round_, None
     except (ValueError, UnicodeDecodeError, RecursionError, struct.error):
         return None, None
 

@@ -51,6 +51,7 @@ from typing import Mapping, Sequence
 import psutil
 from torch import nn
 
+from protocol.codec import NF4_BLOCK
 from protocol.config import parse_bytes as _parse_bytes
 from protocol.messages import ModelSpec
 
@@ -256,7 +257,7 @@ def plan(
         + sum(held_bytes(o, i, weight_format, b) for o, i, b in mats) + n * expert
     # transient fp32 weights: per matmul (experts, backbone linears); an nf4 table whose rows
     # are not whole 64-value blocks is dequantized whole (moe_model.quant.QuantEmbedding)
-    whole = [(v, h) for v, h in c.backbone_embeddings if weight_format == "nf4" and h % 64]
+    whole = [(v, h) for v, h in c.backbone_embeddings if weight_format == "nf4" and h % NF4_BLOCK]
     trainable = n * (c.expert_lora_trainable + c.router_row) + c.backbone_lora_trainable + c.head_per_label * num_labels
     lora = 4 * (n * (c.expert_lora + c.router_row) + c.backbone_lora + c.head_per_label * num_labels)
     adapter = get_adapter(spec.family)
