@@ -76,14 +76,37 @@ def prepare(cache_root: Path, formats=FORMATS) -> dict:
     return index
 
 
+def _sampler(stop, out: list) -> None:
+    """Read this process's footprint every millisecond (a lower bound of its peak, to check
+    ``PeakMeter``'s upper bound against)."""
+    from moe_model import budget as B
+
+    while not stop.wait(0.001):
+        out[0] = max(out[0], B.current_footprint_bytes())
+
+
 def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int, allocator: str = "mmap",
          experts: int | None = None) -> dict:
     """One device process: plan, load, train, measure (see the module docstring).
     ``allocator``: ``mmap`` (:func:`moe_model.budget.tune_allocator`, the device default)
     or ``default`` (glibc's own; the oneDNN cache is bounded either way, as
-    ``EdgeClient`` does); ``experts``: hold this many per layer instead of the plan's."""
+    ``EdgeClient`` does); ``experts``: hold this many per layer instead of the plan's.
+
+    Returns the plan, both peaks (RSS; footprint, the budget's measure, as
+    ``moe_model.budget.PeakMeter`` bounds it, and as sampled every millisecond), and the
+    footprint's decomposition (bytes): ``baseline`` (imports, as ``fedmoe device``),
+    ``backbone`` (its shard loaded), ``experts`` (their shards loaded), ``model`` (the
+    sub-MoE built: LoRA, router, head, module objects), ``tokenizer`` (loaded),
+    ``training`` (the peak above that: activations, gradients, optimizer state,
+    workspace) and ``growth`` (what stays after training)."""
+    import threading
+
+    from edge_sdk.lean import keep_out_unused
+
+    keep_out_unused()  # as `fedmoe device` does, before torch/transformers/peft
     import torch
 
+    import edge_sdk.client  # noqa: F401  (a device process's imports: its baseline)
     from moe_model import budget as B
 
     torch.set_num_threads(1)
@@ -100,36 +123,59 @@ def cell(fmt: str, budget: int, index_file: Path, cache_root: Path, steps: int, 
     items, labels = bbc_news()
     train = [(x, labels.index(y)) for x, y in items[: steps * BATCH]]
     s = spec()
-    baseline = B.current_rss_bytes()
+    B.release_free_memory()
+    baseline, baseline_rss = B.current_footprint_bytes(), B.current_rss_bytes()
     # as EdgeClient does: the plan keeps the default headroom free above the measured baseline
     k = experts or B.max_experts_per_layer(s, budget, BATCH, LABELS, baseline + B.DEFAULT_HEADROOM_BYTES, fmt)
-    out = {"format": fmt, "budget_bytes": budget, "baseline_rss_bytes": baseline, "experts_per_layer": k,
-           "headroom_bytes": B.DEFAULT_HEADROOM_BYTES, "allocator": allocator}
+    out = {"format": fmt, "budget_bytes": budget, "baseline_bytes": baseline, "baseline_rss_bytes": baseline_rss,
+           "experts_per_layer": k, "headroom_bytes": B.DEFAULT_HEADROOM_BYTES, "allocator": allocator}
     if k == 0:
-        out.update(predicted_peak_bytes=None, peak_rss_bytes=baseline, note="not even one expert per layer fits")
+        out.update(predicted_peak_bytes=None, peak_rss_bytes=baseline_rss, peak_footprint_bytes=baseline,
+                   note="not even one expert per layer fits")
         return out
     p = B.plan(s, k, fmt, batch=BATCH, num_labels=LABELS, runtime_bytes=baseline)
-    B.reset_peak_rss()
+    sampled, stop = [0], threading.Event()
+    sampler = threading.Thread(target=_sampler, args=(stop, sampled), daemon=True)
+    meter = B.PeakMeter().start()
+    sampler.start()
     index = json.loads(index_file.read_text())[fmt]
     from moe_model.models import get_adapter
 
     experts = {layer: list(range(k)) for layer in get_adapter(s.family).moe_layers(s)}
     cache = ShardCache(cache_root / fmt)
     keep_bb = get_adapter(s.family).quantized_backbone  # as EdgeClient holds it
-    held = {sid: cache.load(index[sid], keep_quantized=sid != "backbone" or keep_bb)
-            for sid in ["backbone"] + [f"L{layer}.E{e}" for layer in experts for e in experts[layer]]}
-    B.release_free_memory()
+    held = {"backbone": cache.load(index["backbone"], keep_quantized=keep_bb)}
+    at = {"backbone": B.current_footprint_bytes()}
+    held.update({sid: cache.load(index[sid]) for sid in [f"L{x}.E{e}" for x in experts for e in experts[x]]})
+    at["experts"] = B.current_footprint_bytes()
     model = SubMoE(s, experts, "bbc", LABELS, held)
+    del held
+    B.release_free_memory()
+    at["model"] = B.current_footprint_bytes()
+    model.collate(train[:1])  # loads the tokenizer
+    B.release_free_memory()
+    meter.mark()
+    at["tokenizer"] = B.current_footprint_bytes()
     t0 = time.perf_counter()
-    r = train_local(model, train, TrainConfig(max_steps=steps, batch_size=BATCH, lr=1e-3), seed=0)
-    peak = B.peak_rss_bytes()
-    out.update(predicted_peak_bytes=p.total, plan=p.as_dict(), peak_rss_bytes=peak, model_peak_bytes=peak - baseline,
-               step_seconds=(time.perf_counter() - t0) / max(r.steps, 1), base_bytes_held=model.num_base_bytes())
+    r = train_local(model, train, TrainConfig(max_steps=steps, batch_size=BATCH, lr=1e-3), seed=0,
+                    progress=meter.mark)  # as EdgeClient measures
+    step = (time.perf_counter() - t0) / max(r.steps, 1)
+    peak, footprint = meter.peaks()
+    stop.set()
+    sampler.join()
+    end = B.current_footprint_bytes()
+    out.update(predicted_peak_bytes=p.total, plan=p.as_dict(), peak_rss_bytes=peak, peak_footprint_bytes=footprint,
+               sampled_peak_footprint_bytes=sampled[0], model_peak_bytes=footprint - baseline, step_seconds=step,
+               base_bytes_held=model.num_base_bytes(),
+               measured={"baseline": baseline, "backbone": at["backbone"] - baseline,
+                         "experts": at["experts"] - at["backbone"], "model": at["model"] - at["experts"],
+                         "tokenizer": at["tokenizer"] - at["model"], "training": footprint - at["tokenizer"],
+                         "growth": end - at["tokenizer"]})
     return out
 
 
 def main() -> None:
-    global MODEL, T, CHECKPOINTING
+    global MODEL, T, CHECKPOINTING, BATCH
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results/memory")
     ap.add_argument("--work", default="runs/bench-memory")
@@ -140,12 +186,16 @@ def main() -> None:
     ap.add_argument("--model", help="a Hugging Face MoE checkpoint directory (causal LM) instead of MiniLM")
     ap.add_argument("--budgets", help="comma-separated budgets in GiB (default 0.5,1,2,4)")
     ap.add_argument("--seq-len", type=int, default=T, help="tokens per sample (default 64)")
+    ap.add_argument("--batch", type=int, default=BATCH, help="training batch size (default 8)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="recompute activations in backward (ModelSpec.gradient_checkpointing)")
+    ap.add_argument("--experts-grid", help="comma-separated experts per layer, e.g. 1,2,4,8: one int8 cell each at "
+                                           "the tightest budget that holds them (the plan + headroom), instead of "
+                                           "the budget x format grid")
     args = ap.parse_args()
-    MODEL, T, CHECKPOINTING = args.model, args.seq_len, args.gradient_checkpointing
+    MODEL, T, CHECKPOINTING, BATCH = args.model, args.seq_len, args.gradient_checkpointing, args.batch
     budgets = tuple(float(x) for x in args.budgets.split(",")) if args.budgets else BUDGETS_GIB
-    extra = ((["--model", args.model] if args.model else []) + ["--seq-len", str(T)]
+    extra = ((["--model", args.model] if args.model else []) + ["--seq-len", str(T), "--batch", str(BATCH)]
              + (["--gradient-checkpointing"] if CHECKPOINTING else []))
     work = Path(args.work)
     if args.cell:
@@ -160,46 +210,71 @@ def main() -> None:
     rows = []
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
-    for gib in budgets:
-        for fmt in FORMATS:
-            budget = int(gib * 2**30)
-            proc = subprocess.run([sys.executable, __file__, "--cell", fmt, str(budget), "--work", str(work),
-                                   "--steps", str(args.steps), *extra], capture_output=True, text=True, env=env)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                raise RuntimeError(f"cell {fmt} {gib} GiB failed:\n{proc.stderr[-3000:]}")
-            r = json.loads(line[7:])
-            r["budget_gib"] = gib
-            r["within_budget"] = r["peak_rss_bytes"] <= budget
-            if r.get("predicted_peak_bytes"):
-                r["error"] = (r["predicted_peak_bytes"] - r["peak_rss_bytes"]) / r["peak_rss_bytes"]
-            rows.append(r)
-            print(f"{gib:>4} GiB {fmt:>5}: {r['experts_per_layer']:>3} experts/layer, predicted "
-                  f"{(r.get('predicted_peak_bytes') or 0) / 2**20:7.0f} MiB, measured {r['peak_rss_bytes'] / 2**20:7.0f} "
-                  f"MiB, error {100 * r.get('error', 0):+5.1f}%, within budget: {r['within_budget']}", flush=True)
+    grid = ([("int8", 0, int(k)) for k in args.experts_grid.split(",")] if args.experts_grid else
+            [(fmt, int(gib * 2**30), None) for gib in budgets for fmt in FORMATS])
+    for i, (fmt, budget, k) in enumerate(grid):
+        proc = subprocess.run([sys.executable, __file__, "--cell", fmt, str(budget), "--work", str(work),
+                               "--steps", str(args.steps), *extra, *(["--experts", str(k)] if k else [])],
+                              capture_output=True, text=True, env=env)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            raise RuntimeError(f"cell {fmt} {budget} {k} failed:\n{proc.stderr[-3000:]}")
+        r = json.loads(line[7:])
+        if k:  # the tightest budget that holds k experts per layer, as EdgeClient would need it
+            r["budget_bytes"] = (r["predicted_peak_bytes"] or 0) + r["headroom_bytes"]
+        r["budget_gib"] = round(r["budget_bytes"] / 2**30, 3)
+        r["within_budget"] = r["peak_footprint_bytes"] <= r["budget_bytes"]
+        if r.get("predicted_peak_bytes"):
+            r["error"] = (r["predicted_peak_bytes"] - r["peak_footprint_bytes"]) / r["peak_footprint_bytes"]
+        rows.append(r)
+        print(f"[{i + 1}/{len(grid)}] {r['budget_gib']:>5} GiB {fmt:>5}: {r['experts_per_layer']:>3} experts/layer, "
+              f"predicted {(r.get('predicted_peak_bytes') or 0) / 2**20:5.0f} MiB, footprint "
+              f"{r['peak_footprint_bytes'] / 2**20:5.0f} MiB (RSS {r['peak_rss_bytes'] / 2**20:5.0f}), error "
+              f"{100 * r.get('error', 0):+5.1f}%, within budget: {r['within_budget']}", flush=True)
     write(rows, Path(args.out))
 
 
+PARTS = ("baseline", "backbone", "experts", "model", "tokenizer", "training")
+
+
 def write(rows: list[dict], out: Path) -> None:
+    """``memory.json`` (summary + cells), ``memory.md`` (plan vs both measures, and the
+    footprint's decomposition per cell) and ``memory.png``."""
     out.mkdir(parents=True, exist_ok=True)
     errs = [abs(r["error"]) for r in rows if "error" in r]
     summary = {"cells": len(rows), "all_within_budget": all(r["within_budget"] for r in rows),
-               "max_abs_error": max(errs) if errs else None,
+               "max_abs_error": max(errs) if errs else None, "measure": "footprint (moe_model.budget.PeakMeter)",
                "setup": {"experts": spec().num_experts, "seq_len": T, "batch": BATCH, "lora_rank": 8,
                          "model": MODEL or "all-MiniLM-L6-v2 upcycled, MoE layers 1, 3, 5",
                          "objective": spec().objective, "threads": 1,
                          "gradient_checkpointing": CHECKPOINTING}}
     (out / "memory.json").write_text(json.dumps({"summary": summary, "cells": rows}, indent=1))
-    lines = ["| budget | format | experts/layer | predicted MiB | measured peak MiB | baseline MiB | error | <= budget |",
-             "|---|---|---|---|---|---|---|---|"]
+    mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    lines = ["| budget MiB | format | experts/layer | plan MiB | peak footprint MiB | error | peak RSS MiB "
+             "| baseline footprint / RSS MiB | <= budget |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pred = r.get("predicted_peak_bytes")
-        lines.append(f"| {r['budget_gib']} GiB | {r['format']} | {r['experts_per_layer']} | "
-                     f"{pred / 2**20:.0f} | " if pred else f"| {r['budget_gib']} GiB | {r['format']} | 0 | - | ")
-        lines[-1] += (f"{r['peak_rss_bytes'] / 2**20:.0f} | {r['baseline_rss_bytes'] / 2**20:.0f} | "
-                      f"{100 * r['error']:+.1f}% | {'yes' if r['within_budget'] else 'NO'} |" if pred else
-                      f"{r['peak_rss_bytes'] / 2**20:.0f} | {r['baseline_rss_bytes'] / 2**20:.0f} | - | "
-                      f"{'yes' if r['within_budget'] else 'NO'} |")
+        err = f"{100 * r['error']:+.1f}%" if pred else "-"
+        lines.append(f"| {mib(r['budget_bytes'])} | {r['format']} | {r['experts_per_layer']} | "
+                     f"{mib(pred) if pred else '-'} | {mib(r['peak_footprint_bytes'])} | "
+                     f"{err} | {mib(r['peak_rss_bytes'])} | "
+                     f"{mib(r['baseline_bytes'])} / {mib(r['baseline_rss_bytes'])} | "
+                     f"{'yes' if r['within_budget'] else 'NO'} |")
+    lines += ["", "Footprint by part (MiB): measured / planned. " + ", ".join(PARTS) + "; planned training = "
+              "gradients + optimizer + activations + workspace (+ copies; the cell receives no state).", "",
+              "| format | experts/layer | " + " | ".join(PARTS) + " | growth kept |",
+              "|---|---|" + "---|" * (len(PARTS) + 1)]
+    for r in rows:
+        if "measured" not in r:
+            continue
+        m, p = r["measured"], r["plan"]
+        planned = {"baseline": p["runtime"], "backbone": None, "experts": None, "model": p["lora"] + p["overhead"],
+                   "tokenizer": p["tokenizer"], "training": p["training"] + p["copies"]}
+        lines.append(f"| {r['format']} | {r['experts_per_layer']} | " + " | ".join(
+            f"{mib(m[x])} / {mib(planned[x])}" if planned[x] is not None else mib(m[x]) for x in PARTS)
+            + f" | {mib(m['growth'])} |")
+    lines.append("\nweights planned (backbone + experts): " + ", ".join(
+        f"{r['experts_per_layer']}e {r['format']} {mib(r['plan']['weights'])}" for r in rows if "plan" in r))
     (out / "memory.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -209,12 +284,13 @@ def write(rows: list[dict], out: Path) -> None:
 
         fig, ax = plt.subplots(figsize=(9, 4))
         xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [(r.get("predicted_peak_bytes") or 0) / 2**20 for r in rows], 0.4,
-               label="predicted")
-        ax.bar([x + 0.2 for x in xs], [r["peak_rss_bytes"] / 2**20 for r in rows], 0.4, label="measured peak RSS")
+        ax.bar([x - 0.27 for x in xs], [(r.get("predicted_peak_bytes") or 0) / 2**20 for r in rows], 0.27,
+               label="plan")
+        ax.bar(list(xs), [r["peak_footprint_bytes"] / 2**20 for r in rows], 0.27, label="peak footprint")
+        ax.bar([x + 0.27 for x in xs], [r["peak_rss_bytes"] / 2**20 for r in rows], 0.27, label="peak RSS")
         ax.scatter(list(xs), [r["budget_bytes"] / 2**20 for r in rows], color="k", marker="_", s=300, label="budget")
-        ax.set_xticks(list(xs), [f"{r['budget_gib']}G\n{r['format']}\n{r['experts_per_layer']}e" for r in rows],
-                      fontsize=7)
+        ax.set_xticks(list(xs), [f"{r['budget_bytes'] / 2**20:.0f}M\n{r['format']}\n{r['experts_per_layer']}e"
+                                 for r in rows], fontsize=7)
         ax.set_ylabel("MiB")
         ax.legend(fontsize=8)
         fig.tight_layout()

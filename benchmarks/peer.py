@@ -11,7 +11,9 @@ is random-init so the benchmark runs on 2 CPU cores: the perplexities start near
 vocabulary size and show how much each method learns in a few rounds, not a useful LM.
 
 Per seed: each of our methods is one ``fedmoe simulate`` run (devices are processes with
-their own budgets; bytes counted on the wire, peak RSS per device-round; updates up as
+their own budgets; bytes counted on the wire, peak footprint per device-round (anonymous
++ shared + swap, ``moe_model.budget.PeakMeter``, what budgets are held against; RSS too);
+updates up as
 deltas with error feedback in ``--update-precision``, the adapter state down in
 ``--state-precision``). Then each peer variant federates the same device
 shards with ``flwr``'s own ``FedAvg`` strategy driven round by round in this process (its
@@ -19,7 +21,7 @@ simulation engine needs Ray), each device-round a fresh ``peer_client.py`` proce
 (FlowerTune builds its model in every ``fit``); bytes are the serialised ``FitIns`` /
 ``FitRes`` protobufs (``flwr.common.serde``), plus, in round 1, the checkpoint's
 safetensors (what a FlowerTune client downloads from the Hub). A device takes part in a
-peer variant only if the variant's probed peak RSS (one device-round on the largest shard)
+peer variant only if the variant's probed peak footprint (one device-round on the largest shard)
 fits its budget, as a practitioner would decide; the peer's measured peaks are reported
 against the budgets too. The peer's global adapter is evaluated here after every round on
 the same held-out texts with the same perplexity definition.
@@ -133,7 +135,7 @@ def run_ours(args, ckpt: Path, seed: int, method: str, out: Path) -> dict:
     for rd in r["rounds"]:
         for d, v in (rd.get("devices") or {}).items():
             rows.append({"round": rd["round"], "device": d, "bytes": v["bytes_up"] + v["bytes_down"],
-                         "peak": v.get("peak_rss_bytes"), "budget": v.get("budget_bytes"),
+                         "peak": v.get("peak_bytes") or v.get("peak_rss_bytes"), "budget": v.get("budget_bytes"),
                          "experts": sum(len(e) for e in (v.get("experts") or {}).values())})
     return {"perplexity": [r["initial_perplexity"]] + [rd.get("perplexity") for rd in r["rounds"]],
             "round_seconds": [rd["seconds"] for rd in r["rounds"]], "rows": rows,
@@ -162,12 +164,17 @@ def client_job(args, ckpt: Path, variant: str, data: str, seed: int, work: Path,
     return res
 
 
+PEAK_MEASURE = "footprint"
+"""What every peak in a result is (``peak_measure``): results before 2026-11-26 measured RSS."""
+
+
 def probe(args, ckpt: Path, work: Path) -> dict[str, int]:
-    """Each variant's peak RSS (bytes) in one device-round on a 600-text BBC shard."""
+    """Each variant's peak footprint (bytes; what a budget is held against, as for our
+    devices) in one device-round on a 600-text BBC shard."""
     from edge_sdk.data import write_jsonl
     from fedmoe.simulate import split_task
 
-    path = work / "probe" / "peaks.json"
+    path = work / "probe" / "footprint_peaks.json"
     if path.is_file():
         return json.loads(path.read_text())
     items, _, train_idx, _ = split_task("bbc", 0)
@@ -178,7 +185,7 @@ def probe(args, ckpt: Path, work: Path) -> dict[str, int]:
         with heavy_lock(args.lock):
             res = client_job(args, ckpt, v, str(work / "probe" / "data.jsonl"), 0, work / "probe", v.replace("+", "_"),
                              None)
-        peaks[v] = res["peak_rss_bytes"]
+        peaks[v] = res["peak_footprint_bytes"]
         log.info("[peer probe] %s: peak %.0f MiB, %.1f s a step", v, peaks[v] / MiB, res["train_seconds"] / args.steps)
     path.write_text(json.dumps(peaks))
     return peaks
@@ -229,7 +236,7 @@ def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, o
                 results.append((None, fit_res))
                 first = base_bytes if rnd == 1 else 0
                 rows.append({"round": rnd, "device": d["device_id"], "bytes": up + down + first,
-                             "peak": res["peak_rss_bytes"], "budget": d["budget_bytes"],
+                             "peak": res["peak_footprint_bytes"], "budget": d["budget_bytes"],
                              "experts": CHECKPOINT["num_experts"] * CHECKPOINT["num_hidden_layers"]})
                 Path(res["adapter"]).unlink()
             params, _ = strategy.aggregate_fit(rnd, results, [])
@@ -328,8 +335,9 @@ def markdown(result: dict) -> str:
                      f"{sig}")
     lines += ["", "Bytes: ours counted on the wire by the devices (MQTT, chunk headers, control); the peer's are "
               "its serialised FitIns/FitRes protobufs plus, in round 1, the checkpoint's safetensors. Peaks: "
-              "per-process VmHWM. A device takes part in a peer variant only if the variant's probed peak fits "
-              "its budget; a variant that fits no device has no row figures.", ""]
+              f"per-process peak {result.get('peak_measure', 'rss (VmHWM)')}. A device takes part in a peer "
+              "variant only if the variant's probed peak fits its budget; a variant that fits no device has no "
+              "row figures.", ""]
     return "\n".join(lines)
 
 
@@ -378,6 +386,8 @@ def reused_peer_runs(args, facts: dict) -> tuple[dict[str, dict], dict[str, int]
     differ = [k for k in REUSE_KEYS if prior.get(k, defaults.get(k)) != getattr(args, k)]
     if prior["checkpoint"]["config"] != facts["config"] or prior["checkpoint"]["params"] != facts["params"]:
         differ.append("checkpoint")
+    if prior.get("peak_measure", "rss") != PEAK_MEASURE:  # its peaks and probe would be RSS, ours footprint
+        differ.append(f"peak_measure ({prior.get('peak_measure', 'rss')})")
     if differ:
         raise SystemExit(f"--reuse-peer {args.reuse_peer}: its settings differ from this run's "
                          f"({', '.join(differ)})")
@@ -465,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
               "lr": args.lr, "rank": args.rank, "samples": args.samples, "eval_samples": args.eval_samples,
               "update_precision": args.update_precision, "state_precision": args.state_precision,
               "peer_reused_from": args.reuse_peer, "checkpoint": facts, "probe_peaks": peaks,
+              "peak_measure": PEAK_MEASURE,
               "ours": list(names.values()), "variants": [f"peer {v}" for v in args.variants],
               "methods": list(names.values()) + [f"peer {v}" for v in args.variants], "runs": runs}
     result["table"] = table(result)

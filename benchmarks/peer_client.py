@@ -130,12 +130,12 @@ def run(job: dict) -> dict:
     import torch
 
     from edge_sdk.data import load_text_file, train_val_split
-    from moe_model.budget import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from moe_model.budget import PeakMeter, current_footprint_bytes, current_rss_bytes
 
     torch.set_num_threads(int(job.get("threads", 1)))
     torch.manual_seed(int(job["seed"]))
-    baseline = current_rss_bytes()
-    reset_peak_rss()
+    baseline, baseline_footprint = current_rss_bytes(), current_footprint_bytes()
+    meter = PeakMeter().start()  # as EdgeClient measures: RSS, and the footprint a budget is held against
     t0 = time.time()
     model, tok = build(job["checkpoint"], job["variant"], int(job["rank"]), float(job["alpha"]))
     if job.get("adapter_in"):
@@ -161,11 +161,14 @@ def run(job: dict) -> dict:
         loss.backward()
         opt.step()
         loss_sum += loss.item()
+        meter.mark()
     train_s = time.time() - t1
     state = trainable_state(model)
     np.savez(job["adapter_out"], **{k: v.numpy() for k, v in state.items()})
+    peak, footprint = meter.peaks()
     return {"train_loss": loss_sum / max(steps, 1), "steps": steps, "samples": len(texts), "load_seconds": load_s,
-            "train_seconds": train_s, "peak_rss_bytes": peak_rss_bytes(), "baseline_rss_bytes": baseline,
+            "train_seconds": train_s, "peak_rss_bytes": peak, "baseline_rss_bytes": baseline,
+            "peak_footprint_bytes": footprint, "baseline_footprint_bytes": baseline_footprint,
             "trainable": sorted(state), "trainable_numel": sum(v.numel() for v in state.values())}
 
 

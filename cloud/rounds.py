@@ -879,7 +879,9 @@ class RoundEngine:
             devices[r.device_id] = {
                 "task": r.task, "bytes_up": st.bytes_up, "bytes_down": st.bytes_down,
                 "payload_up": st.payload_up, "payload_down": st.payload_down,
-                "peak_rss_bytes": st.peak_rss_bytes, "baseline_rss_bytes": st.baseline_rss_bytes,
+                "peak_rss_bytes": st.peak_rss_bytes, "peak_footprint_bytes": st.peak_footprint_bytes,
+                # what the budget is held against: the footprint from minor-5 devices, RSS before
+                "peak_bytes": st.peak_footprint_bytes or st.peak_rss_bytes, "baseline_rss_bytes": st.baseline_rss_bytes,
                 "budget_bytes": dev.budget_bytes, "experts": Experts(r.experts).to_json(),
                 "shards_fetched": st.shards_fetched, "samples": st.num_samples, "val_accuracy": st.val_accuracy,
                 "train_loss": st.train_loss, "train_seconds": st.train_seconds,

@@ -74,8 +74,11 @@ class RoundSummary:
     experts: dict[int, list[int]]
     seconds: float
     predicted_peak_bytes: int = 0
-    """The memory plan's total for the round (compare with ``peak_rss_bytes``)."""
+    """The memory plan's total for the round (compare with ``peak_footprint_bytes``)."""
     weight_format: str = ""
+    peak_footprint_bytes: int = 0
+    """Peak footprint (anonymous + shared + swap, ``moe_model.budget.PeakMeter``): what the
+    budget and the plan are held against."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,10 @@ class EdgeClient:
         protocol, username, password, tls, max_payload: MQTT settings
             (:class:`protocol.transport.Transport`).
         runtime_bytes: memory the process uses outside the model (the memory plan's
-            fixed part); measured now (resident set size) unless given.
+            fixed part); measured now unless given, as the footprint
+            (:func:`moe_model.budget.current_footprint_bytes`: anonymous + shared +
+            swapped memory, what an OS limit enforces; RSS also counts clean file pages
+            the kernel drops under pressure).
         headroom_bytes: reserve added to the measured ``runtime_bytes`` and kept free
             below the plan every round (:data:`moe_model.budget.DEFAULT_HEADROOM_BYTES`
             when ``runtime_bytes`` is measured; 0 when it is given: the caller's number
@@ -220,7 +226,8 @@ class EdgeClient:
         if headroom_bytes < 0:
             raise ValueError(f"headroom_bytes must be >= 0, got {headroom_bytes}")
         if runtime_bytes is None:
-            runtime_bytes = B.current_rss_bytes() or B.DEFAULT_RUNTIME_BYTES
+            B.release_free_memory()
+            runtime_bytes = B.current_footprint_bytes() or B.DEFAULT_RUNTIME_BYTES
         self.headroom_bytes = int(headroom_bytes)
         self.runtime_bytes = runtime_bytes + self.headroom_bytes
         """The plan's fixed part as reported in ``hello`` and ``stats``: the measured
@@ -434,7 +441,7 @@ class EdgeClient:
         t0 = time.perf_counter()
         if self.model_dir is not None and a.model.family == "hf-moe":  # this device's copy of config + tokenizer
             a = a.model_copy(update={"model": a.model.model_copy(update={"base": self.model_dir, "tokenizer": None})})
-        B.reset_peak_rss()
+        meter = B.PeakMeter().start()
         labels = list(a.labels)
         plan = B.estimate(a.model, a.experts, a.train.batch_size, len(labels), self.runtime_bytes, a.weight_format)
         if plan.total > self.budget_bytes:
@@ -456,6 +463,7 @@ class EdgeClient:
         fetched = self._fetch_shards(a)
         model = self._model_for(a, len(labels))
         B.release_free_memory()
+        meter.mark()
         self._wait(lambda: a.state.transfer_id in self._inbox.states, a.deadline, "adapter state")
         extra = {name: (tuple(t.shape), EXTRA_DTYPES[t.dtype]) for name, t in a.tensors.items()}
         state = decode_tensors(self._inbox.states.pop(a.state.transfer_id), MAX_STATE_BYTES,
@@ -468,7 +476,7 @@ class EdgeClient:
 
         stats = ActivationStats(model.model.moe_blocks(), a.model.num_experts, hidden=a.train.collect_hidden)
         result = train_local(model, train_items, a.train, terms=[t for t in terms if t.adds_loss], stats=stats,
-                             seed=self.seed * 100_003 + a.round)
+                             seed=self.seed * 100_003 + a.round, progress=meter.mark)
         extras = {f"{t.name}.{k}": [float(x) for x in v] for t in terms for k, v in t.statistics().items()}
         # at the training batch size, which the memory plan covers (a causal LM's (B, T, vocab) logits at
         # evaluate's default batch of 32 took 2.1 GiB where the plan said 1.6 GiB)
@@ -488,8 +496,8 @@ class EdgeClient:
         ref = self._publish("update", a.round, lambda: self.transport.publish_blob(
             self.topics.up(self.device_id, "update"), update, "update", a.round, transfer_id=upload_id,
             user_properties=props))
-        peak = B.peak_rss_bytes()
-        self._recalibrate(a.round, peak, plan.total)
+        peak, footprint = meter.peaks()
+        self._recalibrate(a.round, footprint, plan.total)
         topic = self.topics.up(self.device_id, "stats")
         sent0, recv0 = self._mark
         down = self.transport.bytes_received - recv0
@@ -500,7 +508,8 @@ class EdgeClient:
                 train_loss=result.loss, val_loss=val.loss if val else None,
                 val_accuracy=val.accuracy if val else None, layers=stats.layer_stats(), update=ref,
                 train_seconds=result.seconds, bytes_up=bytes_up, bytes_down=down, peak_rss_bytes=peak,
-                baseline_rss_bytes=self.runtime_bytes, shards_fetched=fetched, predicted_peak_bytes=plan.total,
+                peak_footprint_bytes=footprint, baseline_rss_bytes=self.runtime_bytes, shards_fetched=fetched,
+                predicted_peak_bytes=plan.total,
                 weight_format=a.weight_format, payload_up=len(update),
                 payload_down=self._blob_bytes_received - self._blob_mark, extras=extras,
             )
@@ -523,6 +532,7 @@ class EdgeClient:
         self.history.append(RoundSummary(
             a.round, result.loss, val.accuracy if val else float("nan"), up, down, peak, fetched,
             {k: list(v) for k, v in a.experts.items()}, time.perf_counter() - t0, plan.total, a.weight_format,
+            footprint,
         ))
 
     def _publish(self, kind: str, rnd: int, send: Callable[[], R]) -> R:
@@ -553,13 +563,13 @@ class EdgeClient:
         """
         if peak <= planned or self.runtime_bytes <= 0:
             if peak > planned - self.headroom_bytes:
-                log.info("%s round %d: peak RSS %.1f MiB is within the memory plan's %.1f MiB but used %.1f of "
+                log.info("%s round %d: peak footprint %.1f MiB is within the memory plan's %.1f MiB but used %.1f of "
                          "its %.0f MiB headroom", self.device_id, rnd, peak / 2**20, planned / 2**20,
                          (peak - planned + self.headroom_bytes) / 2**20, self.headroom_bytes / 2**20)
             return
         raise_by = peak - planned + self.headroom_bytes
-        log.warning("%s round %d: peak RSS %.1f MiB exceeded the memory plan's %.1f MiB; counting %.1f MiB more in "
-                    "the runtime baseline from now on", self.device_id, rnd, peak / 2**20, planned / 2**20,
+        log.warning("%s round %d: peak footprint %.1f MiB exceeded the memory plan's %.1f MiB; counting %.1f MiB "
+                    "more in the runtime baseline from now on", self.device_id, rnd, peak / 2**20, planned / 2**20,
                     raise_by / 2**20)
         self.runtime_bytes += raise_by
 

@@ -141,7 +141,7 @@ def table(report: dict[str, Any]) -> str:
     notes = [f"round {r['round']}: {d} {'excluded' if d in (r.get('excluded') or {}) else 'failed'}: {why}"
              for r in report["rounds"] for d, why in sorted({**(r.get("failures") or {}),
                                                              **(r.get("excluded") or {})}.items())]
-    lines += ["", "experts = held per device, of all layers; peak% = the highest peak RSS as % of its device's "
+    lines += ["", "experts = held per device, of all layers; peak% = the highest peak footprint as % of its device's "
                   "budget; out = devices excluded + failed"]
     if notes:
         lines += ["devices left out:", *notes]
@@ -149,10 +149,12 @@ def table(report: dict[str, Any]) -> str:
 
 
 def _peak_share(record: dict[str, Any]) -> float | None:
-    """The highest measured peak RSS over the round's reporting devices, as % of that
-    device's memory budget (None when no device reported both)."""
-    shares = [100 * d["peak_rss_bytes"] / d["budget_bytes"] for d in record["devices"].values()
-              if d.get("peak_rss_bytes") and d.get("budget_bytes")]
+    """The highest measured peak over the round's reporting devices (``peak_bytes``: the
+    footprint, or the RSS in records before it), as % of that device's memory budget
+    (None when no device reported both)."""
+    peaks = [(d.get("peak_bytes") or d.get("peak_rss_bytes"), d.get("budget_bytes"))
+             for d in record["devices"].values()]
+    shares = [100 * p / b for p, b in peaks if p and b]
     return max(shares) if shares else None
 
 

@@ -382,12 +382,13 @@ _BASELINE_PROBE = (
     "from edge_sdk import EdgeClient\nfrom moe_model import budget as B\n"
     "B.tune_allocator()\n"
     "import sys; data = edge_sdk.data.load_text_file(sys.argv[1]) if len(sys.argv) > 1 else None\n"
-    "print(B.current_rss_bytes())\n"
+    "B.release_free_memory(); print(B.current_footprint_bytes())\n"
 )
 
 
 def device_baseline_bytes(data: str | Path | None = None) -> int:
-    """RSS (bytes) of a fresh device process after the imports ``fedmoe device`` makes,
+    """Footprint (bytes, ``moe_model.budget.current_footprint_bytes``) of a fresh device
+    process after the imports ``fedmoe device`` makes,
     before any model, plus :data:`moe_model.budget.DEFAULT_HEADROOM_BYTES`: the runtime
     baseline ``EdgeClient`` reports (its data adds a little: ``data``, a device's data
     file, is loaded too). Raises RuntimeError if the probe process fails."""

@@ -6,9 +6,8 @@ randomMoE) and the device checks every assignment against it and refuses one tha
 does not fit. The plan is the sum of (:class:`MemoryPlan`):
 
 - ``runtime``: the process before any model is built (Python, torch, transformers,
-  MQTT); measured on the device at start-up (resident set size), and sent in its
-  ``hello``; :data:`DEFAULT_RUNTIME_BYTES` when unknown (measured here: 445 MiB RSS on
-  Linux x86-64, torch 2.13, transformers 5.23);
+  MQTT); measured on the device at start-up (its footprint, below), and sent in its
+  ``hello``; :data:`DEFAULT_RUNTIME_BYTES` when unknown;
 - ``tokenizer``: the family's tokenizer once loaded (``ModelAdapter.tokenizer_bytes_for``);
 - ``weights``: base weights as held: each expert linear in the shard format
   (:func:`moe_model.quant.held_bytes`: fp32, bf16, int8 + row scales, nf4 + block
@@ -18,8 +17,11 @@ does not fit. The plan is the sum of (:class:`MemoryPlan`):
 - ``grads`` and ``optimizer``: gradients and two AdamW moments of the trainable part
   (LoRA B [and A], router rows, head);
 - ``activations``: the family adapter's estimate for one training step;
-- ``workspace``: the larger of the largest transient dequantized expert weight and the
-  shard fetch window (:data:`FETCH_WINDOW_BYTES`, twice: chunks and the joined blob);
+- ``workspace``: the largest transient dequantized weight (one matmul's fp32 weight);
+- ``fetch``: the shard fetch window (:data:`FETCH_WINDOW_BYTES`, twice: chunks and the
+  joined blob), held only while shards download, before training: the total counts the
+  larger of it and the training step's gradients, optimizer state, activations and
+  workspace, not both;
 - ``copies``: the adapter state received this round, which the device keeps through
   training as its update's reference (fp32, the trainable part), and with LoRA A trained
   A's seeded initial draw (``SubMoE`` resets to it); with full fine-tuning, ``SubMoE``'s
@@ -31,14 +33,19 @@ The error-feedback residual (``edge_sdk.filters.UpdateEncoding``) is not in the 
 device keeps it on disk between rounds and reads it back after training, when the
 training peak's gradients, optimizer state and activations are gone.
 
-How the device measures what it compares with (``Stats.peak_rss_bytes``): the kernel's
-RSS high-water mark (``VmHWM`` of ``/proc/self/status``, reset at the start of each
-round through ``/proc/self/clear_refs``; ``getrusage`` ``ru_maxrss`` where that is
-unavailable; the current RSS, :func:`current_rss_bytes`, comes from ``psutil``) over the
-round, which includes the pre-model baseline
-(``Stats.baseline_rss_bytes``, the measured ``runtime``); the model's own peak is the
-difference. ``benchmarks/memory.py`` compares predicted and measured peaks over a
-grid of budgets and formats.
+What the plan predicts, and the budget is held against, is the **footprint**
+(:func:`footprint_of`): anonymous + shared-memory resident pages + swap, what a cgroup
+limit, Android's low-memory killer and iOS (``phys_footprint``) act on. RSS also counts
+clean file-backed pages (shared libraries' code), which the kernel drops under pressure
+instead of killing: a device budgeted on RSS leaves about a quarter of its budget unused.
+Every weight a device holds is its own anonymous copy (``ShardCache.load`` copies off the
+mapped file), so the footprint counts it. The device measures the round's peak footprint
+with :class:`PeakMeter` (RSS high-water mark minus file-backed pages, per training step)
+and reports it as ``Stats.peak_footprint_bytes`` beside the RSS peak
+(``Stats.peak_rss_bytes``); both include the pre-model baseline
+(``Stats.baseline_rss_bytes``, the measured ``runtime``). ``benchmarks/memory.py``
+compares predicted and measured peaks over a grid of budgets and formats and decomposes
+each cell's footprint.
 """
 
 from __future__ import annotations
@@ -57,7 +64,10 @@ from protocol.messages import ModelSpec
 
 from .models.base import get_adapter, trains_all_weights
 
-DEFAULT_RUNTIME_BYTES = 445 * 1024**2
+DEFAULT_RUNTIME_BYTES = 290 * 1024**2
+"""The runtime baseline assumed for a device that reports none: a device process's
+footprint after ``fedmoe device``'s imports, measured here at 274 MiB (375 MiB RSS;
+Linux x86-64, torch 2.13, transformers 5.24, peft 0.18), rounded up."""
 DEFAULT_WEIGHT_FORMAT = "int8"
 """Format assumed when none is given (the aggregator's default ``weight_format``)."""
 DEFAULT_HEADROOM_BYTES = 32 * 1024**2
@@ -182,6 +192,8 @@ class MemoryPlan:
     """Per held expert, what no tensor count shows: its module objects and the allocator's
     fragmentation around its small tensors, gradients and optimizer state
     (``ModelAdapter.expert_overhead_bytes``, measured per family)."""
+    fetch: int = 0
+    """The shard download window (bytes), held before training, never with it."""
 
     @property
     def adapters(self) -> int:
@@ -189,14 +201,22 @@ class MemoryPlan:
         return self.lora + self.grads + self.optimizer
 
     @property
+    def training(self) -> int:
+        """What exists only while a step trains: gradients, optimizer state, activations,
+        workspace (bytes)."""
+        return self.grads + self.optimizer + self.activations + self.workspace
+
+    @property
     def total(self) -> int:
-        """Predicted peak bytes: the sum of every byte component."""
-        return (self.runtime + self.tokenizer + self.weights + self.lora + self.grads + self.optimizer
-                + self.activations + self.workspace + self.copies + self.overhead)
+        """Predicted peak bytes: what is held all round (runtime, tokenizer, weights, LoRA,
+        copies, overhead) plus the larger of :attr:`training` and :attr:`fetch`."""
+        return (self.runtime + self.tokenizer + self.weights + self.lora + self.copies + self.overhead
+                + max(self.training, self.fetch))
 
     def as_dict(self) -> dict[str, int | str]:
-        """Every field plus ``adapters`` and ``total`` (bytes; ``weight_format`` a string, ``experts`` a count)."""
-        return {**asdict(self), "adapters": self.adapters, "total": self.total}
+        """Every field plus ``adapters``, ``training`` and ``total`` (bytes; ``weight_format`` a
+        string, ``experts`` a count)."""
+        return {**asdict(self), "adapters": self.adapters, "training": self.training, "total": self.total}
 
 
 MemoryEstimate = MemoryPlan
@@ -233,7 +253,7 @@ def plan(
         runtime_bytes: the process's measured baseline (``runtime``).
 
     Returns:
-        The breakdown; ``.total`` is the predicted peak RSS in bytes.
+        The breakdown; ``.total`` is the predicted peak footprint in bytes.
 
     Raises:
         ValueError: unknown weight format.
@@ -261,15 +281,17 @@ def plan(
     trainable = n * (c.expert_lora_trainable + c.router_row) + c.backbone_lora_trainable + c.head_per_label * num_labels
     lora = 4 * (n * (c.expert_lora + c.router_row) + c.backbone_lora + c.head_per_label * num_labels)
     adapter = get_adapter(spec.family)
-    acts = adapter.activation_bytes(spec, batch)
+    held = [assignment] * c.moe_layers if isinstance(assignment, int) else \
+        [v if isinstance(v, int) else len(v) for v in assignment.values()]
+    acts = adapter.activation_bytes(spec, batch, held)
     work = max([workspace_bytes(o, i, weight_format) for o, i, _ in c.expert_linears + c.backbone_linears]
-               + [workspace_bytes(v, h, weight_format) for v, h in whole] + [2 * FETCH_WINDOW_BYTES])
+               + [workspace_bytes(v, h, weight_format) for v, h in whole], default=0)
     copies = 4 * (trainable + n * c.expert_lora_a + c.backbone_lora_a)
     if trains_all_weights(spec):  # SubMoE's own copy of the weights (the shards stay held) and their initial values
         copies += 2 * 4 * (n * c.expert + c.backbone)
     return MemoryPlan(runtime_bytes, weights, lora, 4 * trainable, 8 * trainable, acts,
                       adapter.tokenizer_bytes_for(spec), work, weight_format, n,
-                      copies, n * adapter.expert_overhead_bytes(spec))
+                      copies, n * adapter.expert_overhead_bytes(spec), 2 * FETCH_WINDOW_BYTES)
 
 
 def estimate(
@@ -304,15 +326,97 @@ def max_experts_per_layer(
     return best
 
 
-def _status_kib(field: str) -> int | None:
+_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmSwap")
+
+
+def memory_status() -> dict[str, int]:
+    """This process's memory counters from ``/proc/self/status``, in bytes: ``VmRSS``,
+    ``VmHWM`` (RSS high-water mark), ``RssAnon``, ``RssFile`` (clean or dirty file-backed
+    pages: shared libraries, mapped files), ``RssShmem``, ``VmSwap``. Empty where
+    ``/proc`` is unavailable (not Linux)."""
+    out: dict[str, int] = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+                key, _, rest = line.partition(":")
+                if key in _FIELDS:
+                    out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+def footprint_of(status: Mapping[str, int]) -> int:
+    """The footprint in a :func:`memory_status` reading: anonymous + shared-memory
+    resident pages + swapped-out pages (bytes): what a cgroup limit, Android's
+    low-memory killer and iOS's ``phys_footprint`` hold against a process. File-backed
+    pages are left out: the kernel drops clean ones under pressure instead of killing."""
+    return status.get("RssAnon", 0) + status.get("RssShmem", 0) + status.get("VmSwap", 0)
+
+
+def current_footprint_bytes() -> int:
+    """This process's footprint now (:func:`footprint_of`), in bytes; falls back to the
+    RSS (:func:`current_rss_bytes`, an over-estimate) where ``/proc`` is unavailable."""
+    st = memory_status()
+    return footprint_of(st) if "RssAnon" in st else current_rss_bytes()
+
+
+class PeakMeter:
+    """Peak RSS and peak footprint of this process over a span (one device round).
+
+    The kernel keeps a high-water mark of RSS (``VmHWM``) but not of the footprint
+    (anonymous + shared + swap, :func:`footprint_of`). The meter bounds it from above,
+    segment by segment: each :meth:`mark` closes a segment and opens the next by reading
+    ``VmHWM`` and the file-backed resident size ``RssFile``, then resetting ``VmHWM``
+    (:func:`reset_peak_rss`). Within a segment ``footprint(t) = rss(t) - file(t) <=
+    VmHWM - file(segment start)`` as long as file-backed pages (library code touched for
+    the first time, nothing else is mapped: shards are copied off their files) do not
+    shrink, which they do only when the kernel reclaims them under memory pressure. The
+    bound is loose by the file pages a segment maps (a shard read while loading: one
+    shard at a time, before training, far below the training peak); marks
+    after every training step (``EdgeClient`` passes :meth:`mark` as ``train_local``'s
+    progress callback) keep each segment's new code pages, the bound's slack, small
+    (measured in ``benchmarks/memory.py`` against a 1 ms sampler). The meter never reports
+    less than a footprint read at a mark. Where ``/proc`` is unavailable both peaks are
+    the RSS peak.
+
+    Use::
+
+        meter = PeakMeter().start(); ...; meter.mark(); ...; rss, footprint = meter.peaks()
+    """
+
+    def __init__(self) -> None:
+        self._file: int | None = None
+        self._rss = 0
+        self._footprint = 0
+
+    def start(self) -> "PeakMeter":
+        """Reset the peaks and open the first segment."""
+        self._file, self._rss, self._footprint = None, 0, 0
+        reset_peak_rss()
+        self.mark()
+        return self
+
+    def mark(self, *_: object) -> None:
+        """Close the current segment and open the next (any arguments are ignored, so
+        the meter can be a progress callback)."""
+        st = memory_status()
+        if "RssFile" not in st or "VmHWM" not in st:
+            return
+        self._rss = max(self._rss, st["VmHWM"])
+        fp = footprint_of(st)
+        seg = st["VmHWM"] - (self._file if self._file is not None else st["RssFile"])
+        self._footprint = max(self._footprint, fp, seg)
+        self._file = st["RssFile"]
+        reset_peak_rss()
+
+    def peaks(self) -> tuple[int, int]:
+        """``(peak RSS, peak footprint)`` in bytes since :meth:`start` (closes a segment)."""
+        self.mark()
+        if self._rss == 0:  # no /proc: the lifetime RSS peak for both
+            rss = peak_rss_bytes()
+            return rss, rss
+        return self._rss, self._footprint
 
 
 def current_rss_bytes() -> int:
@@ -340,9 +444,9 @@ def reset_peak_rss() -> bool:
 def peak_rss_bytes() -> int:
     """RSS high-water mark since the last :func:`reset_peak_rss` (``VmHWM``), in bytes;
     falls back to ``getrusage`` (lifetime peak)."""
-    kib = _status_kib("VmHWM")
-    if kib is not None:
-        return kib * 1024
+    hwm = memory_status().get("VmHWM")
+    if hwm is not None:
+        return hwm
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

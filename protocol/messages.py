@@ -32,7 +32,7 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 4
+PROTOCOL_MINOR = 5
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
@@ -44,7 +44,9 @@ aggregator older than minor 3 would read a delta as a state: configure
 whose task the federation does not train, and adapter state sent in a precision other
 than fp32 (``state_precision``: int8 with per-column scales for tall tensors, nf4, fp16,
 bf16), which the cloud therefore sends only to devices of minor 4 or later (older ones get
-fp32). A peer ignores unknown fields and
+fp32); 5 added ``Stats.peak_footprint_bytes`` and made a device's memory figures
+(``Hello.runtime_bytes``, ``Stats.baseline_rss_bytes``, ``Stats.predicted_peak_bytes``)
+footprint, not RSS (anonymous + shared + swapped memory: what an OS limit enforces). A peer ignores unknown fields and
 unknown commands of a newer minor version, so the cloud sends objectives and extra
 tensors only to devices that announced minor 2 or later (an older device would silently
 train without them) and the evaluation term only to minor 3 or later."""
@@ -311,7 +313,8 @@ class Hello(_Message):
     """Local samples (at most :data:`MAX_SAMPLES`); its stats may never claim more."""
     task: TaskName
     runtime_bytes: int | None = Field(None, ge=0, le=2**50)
-    """Measured process memory before any model is built (the memory plan's fixed part)."""
+    """Measured process memory before any model is built (the memory plan's fixed part;
+    footprint from minor 5, RSS before)."""
 
 
 class Ack(_Message):
@@ -403,13 +406,21 @@ class Stats(_Message):
     """Bytes of the tensor blobs (base shards, adapter state) received this round, as
     reassembled."""
     peak_rss_bytes: int = Field(ge=0, le=2**50)
+    """Resident set size high-water mark over the round (includes file-backed pages)."""
+    peak_footprint_bytes: int | None = Field(None, ge=0, le=2**50)
+    """(minor 5) Peak footprint over the round: anonymous + shared + swapped memory
+    (``moe_model.budget.PeakMeter``), what the device's budget is held against; absent
+    from devices below minor 5, whose budgets are held against ``peak_rss_bytes``."""
     baseline_rss_bytes: int = Field(ge=0, le=2**50)
-    """Measured process memory before any model was built; the aggregator's later memory
-    plans use it (as ``Hello.runtime_bytes``, so bounded alike)."""
+    """The memory plan's fixed part: measured process memory before any model was built
+    (plus the device's headroom); the aggregator's later memory plans use it (as
+    ``Hello.runtime_bytes``, so bounded alike). Footprint from minor 5, RSS before (the
+    name is kept for compatibility)."""
     shards_fetched: list[Annotated[str, Field(max_length=64)]] = Field(max_length=100_000)
     predicted_peak_bytes: Count | None = None
     """The memory plan's total for this round (``moe_model.budget.plan``), to compare
-    with ``peak_rss_bytes`` (both include the baseline)."""
+    with ``peak_footprint_bytes`` (``peak_rss_bytes`` below minor 5; both include the
+    baseline)."""
     weight_format: WeightFormat | None = None
     """Format the device held its expert shards in."""
     extras: dict[ExtraName, Annotated[list[Real], Field(max_length=MAX_EXTRA_VALUES)]] = Field(

@@ -39,7 +39,8 @@ HUGE = 10**309  # 310 digits: float(HUGE) raises OverflowError
 
 
 def _bases() -> dict[str, dict]:
-    st = stats_dict(val_loss=0.5, val_accuracy=0.5, payload_up=1, payload_down=1, predicted_peak_bytes=1)
+    st = stats_dict(val_loss=0.5, val_accuracy=0.5, payload_up=1, payload_down=1, predicted_peak_bytes=1,
+                    peak_footprint_bytes=1)
     st["layers"][0]["hidden_mean"] = [[0.5, -0.5], [0.1, 0.2], None, None]
     a = json.loads(encode(assignment()))
     a["model"]["config"] = {"hidden_size": 32, "dropout": 0.1}
@@ -86,7 +87,8 @@ INT_FIELDS = [
     ("ack", ("needed_bytes",)),
     ("stats", ("round",)), ("stats", ("num_samples",)), ("stats", ("bytes_up",)), ("stats", ("bytes_down",)),
     ("stats", ("payload_up",)), ("stats", ("payload_down",)), ("stats", ("peak_rss_bytes",)),
-    ("stats", ("baseline_rss_bytes",)), ("stats", ("predicted_peak_bytes",)), ("stats", ("update", "bytes")),
+    ("stats", ("peak_footprint_bytes",)), ("stats", ("baseline_rss_bytes",)), ("stats", ("predicted_peak_bytes",)),
+    ("stats", ("update", "bytes")),
     ("stats", ("update", "chunks")), ("stats", ("layers", 0, "layer")), ("stats", ("layers", 0, "tokens")),
     ("stats", ("layers", 0, "usage", 0)), ("stats", ("layers", 0, "expert_samples", 0)),
     ("assignment", ("round",)), ("assignment", ("model_version",)), ("assignment", ("attempt",)),

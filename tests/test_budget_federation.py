@@ -20,6 +20,9 @@ def test_formats_negotiated_and_over_budget_assignment_reassigned(mosquitto_url,
     def hook(c):
         if c.device_id == "dev0":
             c.weight_formats = ["nf4", "int8"]
+            # this tiny model's nf4 plan is the larger (its 32-wide embedding rows are not whole
+            # nf4 blocks, so the table is dequantized whole while training): budget for it
+            c.budget_bytes = max(c.budget_bytes, estimate(spec, 4, 8, len(fed.labels), 0, "nf4").total + 1)
         elif c.device_id == "dev1":
             c.weight_formats = ["fp16"]
         elif c.device_id == "dev2":

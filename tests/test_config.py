@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
+import torch
 import yaml
 from pydantic import ValidationError
 
@@ -255,6 +256,34 @@ def test_current_rss_is_psutils():
     rss = current_rss_bytes()
     assert abs(rss - psutil.Process(os.getpid()).memory_info().rss) < 64 * 2**20
     assert 0 < rss <= peak_rss_bytes()
+
+
+def test_peak_meter_counts_anonymous_memory_and_not_mapped_file_pages(tmp_path):
+    """The footprint counts memory the process writes (anonymous), not file pages it maps
+    and reads (RSS does): with a 96 MiB file mapped and read, a span that writes 64 MiB
+    peaks 64 MiB higher in footprint, never above the RSS peak, which holds the file too."""
+    import mmap
+
+    from moe_model.budget import PeakMeter, current_footprint_bytes, current_rss_bytes, memory_status
+
+    if "RssAnon" not in memory_status():
+        pytest.skip("no /proc/self/status memory counters on this platform")
+    mib = 2**20
+    f = tmp_path / "blob"
+    with open(f, "wb") as fh:
+        for _ in range(96):
+            fh.write(b"\1" * mib)
+    base, base_rss = current_footprint_bytes(), current_rss_bytes()
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert sum(mm[i] for i in range(0, len(mm), 4096)) == len(mm) // 4096  # every page touched
+        assert current_footprint_bytes() - base < 16 * mib < 80 * mib < current_rss_bytes() - base_rss
+        meter = PeakMeter().start()
+        x = torch.ones(64 * mib // 4)  # 64 MiB written: anonymous
+        meter.mark()
+        del x
+        rss, footprint = meter.peaks()
+    assert 60 * mib < footprint - base < 80 * mib  # the mapped file is not in it
+    assert footprint + 80 * mib < rss  # it is in the RSS peak
 
 
 def test_device_config_turns_update_encoding_into_a_filter():

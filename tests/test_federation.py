@@ -43,6 +43,8 @@ def check_records(records, fed):
             # a device never receives a shard it was not assigned
             assert set(v["shards_fetched"]) <= set(shards_for(held)), (d, v)
             assert v["bytes_up"] > 0 and v["bytes_down"] > 0 and v["peak_rss_bytes"] > 0
+            # the footprint (what the budget is held against) excludes file pages; RSS includes them
+            assert 0 < v["peak_footprint_bytes"] == v["peak_bytes"] < v["peak_rss_bytes"]
     first, second = records[0]["devices"], records[1]["devices"]
     for d in first:
         assert sorted(first[d]["shards_fetched"]) == sorted(shards_for({int(k): e for k, e in first[d]["experts"].items()}))

@@ -4,6 +4,8 @@ the memory-mapped shard cache, the memory plan."""
 import json
 import struct
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -142,18 +144,31 @@ def test_submoe_on_quantized_mmap_shards_equals_dequantized(fmt, tmp_path):
         assert m.num_base_bytes() < ref.num_base_bytes()
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8"])
-def test_backbone_loaded_as_fp32_owns_its_tensors(fmt, tmp_path):
-    """The backbone (held in fp32) does not keep viewing the cached file: overwriting the
-    file afterwards changes nothing the device holds (its mapped pages can go)."""
+@pytest.mark.parametrize("keep_quantized", [True, False])
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "nf4"])
+def test_loaded_shards_own_their_tensors_and_unmap_the_file(fmt, keep_quantized, tmp_path):
+    """Whatever a shard is held as (quantized or fp32), the device holds its own copy and
+    the cached file is no longer mapped: the weights are in the footprint the memory plan
+    counts, and overwriting the file afterwards changes nothing the device holds."""
     gm = GlobalModel(tiny_spec(), {"t": ["a", "b"]}, fmt)
-    data = gm.shard_bytes["backbone"]
     cache = ShardCache(tmp_path)
-    cache.put(sha256_hex(data), data)
-    held = cache.load(sha256_hex(data), keep_quantized=False)
-    before = {k: v.clone() for k, v in held.items()}
-    (tmp_path / f"{sha256_hex(data)}.safetensors").write_bytes(b"\0" * len(data))
-    assert all(torch.equal(held[k], before[k]) for k in held)
+    held = {}
+    for sid in ("backbone", "L1.E0"):
+        data = gm.shard_bytes[sid]
+        cache.put(sha256_hex(data), data)
+        held[sid] = cache.load(sha256_hex(data), keep_quantized=keep_quantized)
+    tensors = lambda: {f"{sid}.{k}.{n}": t.clone() for sid, h in held.items() for k, v in h.items()  # noqa: E731
+                       for n, t in ([("w", v)] if isinstance(v, torch.Tensor) else v.state_dict().items())
+                       if isinstance(t, torch.Tensor)}
+    before = tensors()
+    assert before
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert str(tmp_path) not in maps.read_text()  # no page of a cached shard stays mapped
+    for f in tmp_path.glob("*.safetensors"):
+        f.write_bytes(b"\0" * f.stat().st_size)
+    after = tensors()
+    assert all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_cache_detects_corruption_and_evicts_lru(tmp_path):
@@ -185,8 +200,11 @@ def test_memory_plan_components_and_formats():
     plans = {f: plan(spec, 8, f, batch=8, num_labels=5, runtime_bytes=1000) for f in ("fp32", "bf16", "int8", "nf4")}
     assert plans["nf4"].weights < plans["int8"].weights < plans["bf16"].weights < plans["fp32"].weights
     p = plans["int8"]
-    assert p.total == sum(p.as_dict()[k] for k in ("runtime", "tokenizer", "weights", "lora", "grads", "optimizer",
-                                                   "activations", "workspace", "copies", "overhead"))
+    held = sum(p.as_dict()[k] for k in ("runtime", "tokenizer", "weights", "lora", "copies", "overhead"))
+    assert p.training == p.grads + p.optimizer + p.activations + p.workspace
+    assert p.total == held + max(p.training, p.fetch)  # the download window is never held while training
+    small = plan(spec, 8, "int8", batch=1, seq_len=8, num_labels=5, runtime_bytes=1000)
+    assert small.training < small.fetch and small.total == held + small.fetch
     assert p.optimizer == 2 * p.grads and p.runtime == 1000 and p.experts == 8
     # the received state kept through training (= the trainable part, fp32); overhead per held expert
     assert p.copies == p.grads and p.overhead == p.experts * get_adapter(spec.family).expert_overhead_bytes(spec)
@@ -198,7 +216,8 @@ def test_memory_plan_components_and_formats():
     assert estimate(spec, 8, 8, 5, 1000, "int8") == p
     budget = plans["fp32"].total
     assert max_experts_per_layer(spec, budget, 8, 5, 1000, "fp32") == 8
-    assert max_experts_per_layer(spec, budget, 8, 5, 1000, "nf4") > 8
+    saved = plans["fp32"].weights - plans["nf4"].weights  # what nf4 frees at 8 experts buys more of them
+    assert max_experts_per_layer(spec, plans["nf4"].total + saved, 8, 5, 1000, "nf4") > 8
 
 
 PLAN_VS_MEASURED = r"""
@@ -208,8 +227,10 @@ torch.set_num_threads(1)
 from moe_model import budget as B
 B.tune_allocator()
 from moe_model.models import get_adapter
-from moe_model.shards import decode_shard, encode_shard, split_base
+from moe_model.shards import ShardCache, encode_shard, split_base
 from moe_model.submoe import SubMoE
+from pathlib import Path
+from protocol.codec import sha256_hex
 from moe_model.train import train_local
 from fedmoe.datasets import bbc_news
 from protocol.messages import ModelSpec, TrainConfig
@@ -217,25 +238,32 @@ spec = ModelSpec(**json.loads(sys.argv[1]))
 fmt, k = sys.argv[2], 6
 experts = {layer: list(range(k)) for layer in get_adapter(spec.family).moe_layers(spec)}
 skeleton = get_adapter(spec.family).build(spec, experts, 2, device="meta")
-blobs = {sid: encode_shard(t, fmt) for sid, t in split_base(get_adapter(spec.family).base_state(spec), skeleton).items()}
+cache = ShardCache(Path(sys.argv[3]))  # as a device holds them: in its disk cache, loaded into memory
+shas = {}
+for sid, t in split_base(get_adapter(spec.family).base_state(spec), skeleton).items():
+    blob = encode_shard(t, fmt)
+    shas[sid] = sha256_hex(blob)
+    cache.put(shas[sid], blob)
 items, labels = bbc_news()
 train = [(x, labels.index(y)) for x, y in items[:16]]
-del skeleton
+del skeleton, blob, t
 B.release_free_memory()
-baseline = B.current_rss_bytes() - sum(map(len, blobs.values()))  # the shard bytes stand in for the cache
+baseline = B.current_footprint_bytes()
 plan = B.plan(spec, k, fmt, batch=8, num_labels=5, runtime_bytes=baseline)
-B.reset_peak_rss()
-model = SubMoE(spec, experts, "bbc", 5, {sid: decode_shard(b) for sid, b in blobs.items()})
-train_local(model, train, TrainConfig(max_steps=2, batch_size=8), seed=0)
-print("RESULT", json.dumps({"predicted": plan.total, "measured": B.peak_rss_bytes(), "baseline": baseline}))
+meter = B.PeakMeter().start()
+model = SubMoE(spec, experts, "bbc", 5, {sid: cache.load(sha) for sid, sha in shas.items()})
+train_local(model, train, TrainConfig(max_steps=2, batch_size=8), seed=0, progress=meter.mark)
+rss, footprint = meter.peaks()
+print("RESULT", json.dumps({"predicted": plan.total, "measured": footprint, "rss": rss, "baseline": baseline}))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp32", "int8"])
-def test_memory_plan_matches_measured_peak_on_a_small_config(fmt):
+def test_memory_plan_matches_measured_peak_on_a_small_config(fmt, tmp_path):
     """A fresh process: plan a small MoE (hidden 256, 8 experts, 2 MoE layers), build it
-    from shards, train two steps, and compare the plan with the RSS high-water mark. The
+    from shards in a disk cache as a device does, train two steps, and compare the plan
+    with the peak footprint (within 5%). The
     benchmark (benchmarks/memory.py) does this on the real model over a grid of budgets."""
     import json
     import subprocess
@@ -243,12 +271,13 @@ def test_memory_plan_matches_measured_peak_on_a_small_config(fmt):
 
     spec = tiny_spec(config={"vocab_size": 30522, "hidden_size": 256, "num_hidden_layers": 4,
                              "num_attention_heads": 4, "intermediate_size": 1024}, num_experts=8, max_seq_len=64)
-    out = subprocess.run([sys.executable, "-c", PLAN_VS_MEASURED, spec.model_dump_json(), fmt], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", PLAN_VS_MEASURED, spec.model_dump_json(), fmt, str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, out.stderr[-3000:]
     r = json.loads(line[7:])
-    assert abs(r["predicted"] - r["measured"]) <= 0.15 * r["measured"], r
+    assert abs(r["predicted"] - r["measured"]) <= 0.05 * r["measured"], r  # the lean-device issue's +-5%
+    assert r["measured"] < r["rss"]  # the footprint leaves out the file pages RSS counts
 
 
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])

@@ -10,7 +10,7 @@ the :class:`MoEModel` it returns and finds routers and experts through
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -141,9 +141,11 @@ class ModelAdapter(ABC):
         return self.expert_overhead
 
     @abstractmethod
-    def activation_bytes(self, spec: ModelSpec, batch_size: int) -> int:
-        """Estimated bytes of activations kept for backward in one training step (with
-        ``spec.gradient_checkpointing`` where the family supports it)."""
+    def activation_bytes(self, spec: ModelSpec, batch_size: int, held: Sequence[int] | None = None) -> int:
+        """Estimated bytes a training step holds above the model: activations kept for
+        backward and the step's scratch (with ``spec.gradient_checkpointing`` where the
+        family supports it). ``held``: experts held in each MoE layer (a layer holding
+        fewer than ``top_k`` routes each token through fewer); ``top_k`` each when None."""
 
 
 def get_adapter(family: str) -> ModelAdapter:

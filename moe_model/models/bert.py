@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 from functools import lru_cache
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -156,20 +156,40 @@ class BertUpcycledAdapter(ModelAdapter):
         batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
         return batch, torch.tensor([int(y) for _, y in items], dtype=torch.long)
 
-    def activation_bytes(self, spec: ModelSpec, batch_size: int) -> int:
-        """Per layer ``B·T·(16·H + 2·F·k) + B·heads·T²`` fp32 values kept for backward.
+    ACTIVATION_FIT = (36.0, 4.4, 12.2, 13.6 * 2**20)
+    """Bytes per ``B·T·H·L``, per ``B·T·F·K``, per ``B·heads·T²·L``, and a constant: the
+    least-squares fit of the measured training-step footprint (``benchmarks/memory.py``
+    cells, footprint above the built model and tokenizer, less gradients and optimizer
+    state) over T in {32, 64, 128}, batch in {8, 16}, 1 and 8 experts held per layer, on
+    all-MiniLM-L6-v2 upcycled to 8 experts in layers 1, 3, 5 (int8, 1 thread,
+    :func:`moe_model.budget.tune_allocator` on): every cell within 3%. In fp32 values per
+    token that is about 9·H per layer, 1.1·F per expert a token passes, 3·T per head and
+    layer (attention probabilities); the constant is autograd's and oneDNN's scratch."""
 
-        Checked against measured training peaks of all-MiniLM-L6-v2 MoE (1 thread,
-        :func:`moe_model.budget.tune_allocator` on): within -3%..+27% for T in {32, 64,
-        128}, batch 8-16, top-1 and top-2 (the estimate errs high). With
-        ``spec.gradient_checkpointing``: one layer's (recomputed in backward) plus every
-        layer's input ``L·B·T·H``.
+    def activation_bytes(self, spec: ModelSpec, batch_size: int, held: Sequence[int] | None = None) -> int:
+        """Bytes a training step holds above the model: ``36·B·T·H·L + 4.4·B·T·F·K +
+        12.2·B·heads·T²·L + 13.6 MiB`` (:data:`ACTIVATION_FIT`), where ``K`` counts the
+        feed-forward passes of a token over all ``L`` layers: 1 per dense layer and
+        ``min(top_k, experts held)`` per MoE layer (``held``: experts held in each MoE
+        layer; ``top_k`` each when not given).
+
+        With ``spec.gradient_checkpointing``: one layer's share (recomputed in backward)
+        plus every layer's input ``4·L·B·T·H`` and the constant; this case is not
+        calibrated.
         """
         cfg = self.config(spec)
-        t, h, f = spec.max_seq_len, cfg.hidden_size, cfg.intermediate_size
-        per_layer = batch_size * t * (16 * h + 2 * f * spec.top_k) + batch_size * cfg.num_attention_heads * t * t
-        layers = cfg.num_hidden_layers
-        return 4 * (per_layer + layers * batch_size * t * h if spec.gradient_checkpointing else per_layer * layers)
+        t, h, f, heads = spec.max_seq_len, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+        layers, moe = cfg.num_hidden_layers, self.moe_layers(spec)
+        passes = [min(spec.top_k, n) for n in held] if held is not None else [spec.top_k] * len(moe)
+        k_total = sum(passes) + (layers - len(moe))
+        per_token, per_pass, per_attention, const = self.ACTIVATION_FIT
+        bt = batch_size * t
+        if spec.gradient_checkpointing:
+            one = (per_token * bt * h + per_pass * bt * f * max(passes + [1])
+                   + per_attention * batch_size * heads * t * t)
+            return int(one + 4 * layers * bt * h + const)
+        return int(per_token * bt * h * layers + per_pass * bt * f * k_total
+                   + per_attention * batch_size * heads * t * t * layers + const)
 
 
 @lru_cache(maxsize=4)

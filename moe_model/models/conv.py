@@ -20,7 +20,7 @@ is one token for the MoE statistics.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -107,9 +107,9 @@ class ConvMoEAdapter(ModelAdapter):
         pixels = (torch.from_numpy(x) - cfg["mean"]) / cfg["std"]
         return {"pixels": pixels}, torch.tensor([int(y) for _, y in items], dtype=torch.long)
 
-    def activation_bytes(self, spec: ModelSpec, batch_size: int) -> int:
+    def activation_bytes(self, spec: ModelSpec, batch_size: int, held: Sequence[int] | None = None) -> int:
         """fp32 values kept for backward: conv maps (pre/post ReLU, pooled), features,
-        and per token ``top_k`` expert hidden layers."""
+        and per token ``top_k`` expert hidden layers (``held`` is not used: an upper bound)."""
         cfg = _cfg(spec)
         s = cfg["image_size"]
         c1, c2 = cfg["channels"]

@@ -37,7 +37,7 @@ import logging
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -395,22 +395,29 @@ class HFMoEAdapter(ModelAdapter):
             return batch, enc["input_ids"].masked_fill(enc["attention_mask"] == 0, objectives.IGNORE)
         return batch, torch.tensor([int(y) for _, y in items], dtype=torch.long)
 
-    def activation_bytes(self, spec: ModelSpec, batch_size: int) -> int:
+    def activation_bytes(self, spec: ModelSpec, batch_size: int, held: Sequence[int] | None = None) -> int:
         """Bytes kept for backward in one step (fp32): per decoder layer ``B·T·(10·H + 3·I·k)``
         plus attention ``2·B·heads·T²`` for each of the ``L`` layers, or with
         ``spec.gradient_checkpointing`` for one layer (recomputed in backward) plus every
         layer's input ``L·B·T·H``; and for ``causal-lm`` ``5·B·T·V`` at the loss's backward
         (logits, log-softmax, their gradients and a transposed copy).
 
+        ``held`` (experts held per MoE layer) caps each layer's passes at the experts it holds.
+        Fitted to RSS before the plan measured the footprint, not refitted since.
+
         Calibrated on SmolLM2-135M upcycled to 4 experts x 30 layers (H 576, I 1536, V 49152,
         top-2, T 128, batch 8, int8 experts; ``benchmarks/memory.py --model``)."""
         cfg = self.config(spec)
         t, h = spec.max_seq_len, cfg.hidden_size
         inter = max((i for _, i in self._layout(spec).values()), default=cfg.intermediate_size)
-        per_layer = (batch_size * t * (10 * h + 3 * inter * spec.top_k)
-                     + 2 * batch_size * cfg.num_attention_heads * t * t)
         layers = cfg.num_hidden_layers
-        kept = per_layer + layers * batch_size * t * h if spec.gradient_checkpointing else per_layer * layers
+        passes = [min(spec.top_k, n) for n in held] if held else [spec.top_k] * layers
+        attention = 2 * batch_size * cfg.num_attention_heads * t * t
+        if spec.gradient_checkpointing:
+            kept = batch_size * t * (10 * h + 3 * inter * max(passes)) + attention + layers * batch_size * t * h
+        else:  # a dense layer (no MoE block) counts as top_k passes, as before ``held`` was known
+            passes += [spec.top_k] * max(layers - len(passes), 0)
+            kept = batch_size * t * (10 * h * layers + 3 * inter * sum(passes)) + attention * layers
         logits = 5 * batch_size * t * cfg.vocab_size if spec.objective == "causal-lm" else 0
         return 4 * (kept + logits)
 
