@@ -168,8 +168,13 @@ def test_small_devices_get_a_budget_below_one_expert_at_the_batch_size_but_above
 
 
 # --------------------------------------------------------------------------- the strategy on a tiny model
-def _model_and_strategy(**params):
-    spec = tiny_spec()
+LONG = {"upcycle_noise": 0.01, "max_seq_len": 128}
+"""A tiny model whose training step outweighs the plan's 16 MiB shard download window, so the
+batch size changes what a device needs (at 32 tokens the window is the larger part)."""
+
+
+def _model_and_strategy(spec_kw=None, **params):
+    spec = tiny_spec(**(spec_kw or {}))
     model = GlobalModel(spec, {"t": ["a", "b"]}, "fp32")
     items = [(f"sample text number {i} about {'markets' if i % 2 else 'football'}", i % 2) for i in range(12)]
     setup = Setup(model.layers, spec.num_experts, 0, TrainConfig(batch_size=8), {"t": ["a", "b"]},
@@ -191,7 +196,7 @@ def test_configuration_errors_are_clear():
 def test_a_device_below_one_expert_per_layer_trains_the_compact_model_with_a_smaller_batch():
     from moe_model.budget import estimate
 
-    model, s, _ = _model_and_strategy()
+    model, s, _ = _model_and_strategy(LONG)
     need = {b: estimate(model.spec, 1, b, 2, 0, "fp32").total for b in (8, 4, 1)}
     views = [DeviceView("big", "t", 10, need[8] + 1, 1, extra={"runtime_bytes": 0, "weight_format": "fp32"}),
              DeviceView("small", "t", 10, need[4] + 1, 0, extra={"runtime_bytes": 0, "weight_format": "fp32"}),
@@ -250,7 +255,7 @@ def test_a_fusion_federation_runs_two_rounds_each_device_gets_its_own_model_and_
         return real(self, topic, payload, *a, **kw)
 
     monkeypatch.setattr(mqtt.Client, "publish", spy)
-    fed = Federation(embedded_url, str(tmp_path), experts=(1, 0), reserved=reserved,
+    fed = Federation(embedded_url, str(tmp_path), experts=(1, 0), reserved=reserved, spec_kw=LONG,
                      config_kw={"strategy": StrategyConfig(name="fusion", params={
                          "routed_experts": 2, "iterations": 2, "gate_steps": 3})})
     held = {t for i in range(2) for t, _ in fed.train_items[i * 40:(i + 1) * 40]}
@@ -374,7 +379,7 @@ def test_a_hybrid_federation_trains_a_sub_moe_and_a_compact_device_together(embe
 
     items, _ = bbc_news()
     reserved = [items[i] for i in range(2, len(items), 7) if i % 40][:24]
-    fed = Federation(embedded_url, str(tmp_path), experts=(2, 0), reserved=reserved,
+    fed = Federation(embedded_url, str(tmp_path), experts=(2, 0), reserved=reserved, spec_kw=LONG,
                      config_kw={"strategy": StrategyConfig(name="fusion_hybrid", params={
                          "iterations": 2, "gate_steps": 3})})
     records = fed.run(timeout=240)
