@@ -121,6 +121,9 @@ class ParamCounts:
     backbone_embeddings: tuple[tuple[int, int], ...] = ()
     """``(num_embeddings, dim)`` of each embedding table such a family holds in the shard
     format (rows dequantized as they are looked up)."""
+    tied_outputs: tuple[tuple[int, int], ...] = ()
+    """``(out_features, in_features)`` of each output layer that shares such a table (a
+    tied LM head: held once, but dequantized block by block as a linear)."""
 
 
 def param_counts(spec: ModelSpec) -> ParamCounts:
@@ -154,9 +157,16 @@ def _param_counts(spec_json: str) -> ParamCounts:
     a_bb = sum(r * m.in_features for m in att) if spec.lora.train_a else 0
     bb_lin: tuple[tuple[int, int, bool], ...] = ()
     bb_emb: tuple[tuple[int, int], ...] = ()
+    tied: list[tuple[int, int]] = []
     if adapter.quantized_backbone and not trains_all_weights(spec):
         skip = expert_ids | router_ids | head_ids
-        held = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding)) and id(m.weight) not in skip]
+        held, seen = [], set(skip)  # a tied output layer shares the embedding's table: count it once
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)) and id(m.weight) not in seen:
+                seen.add(id(m.weight))
+                held.append(m)
+            elif isinstance(m, nn.Linear) and id(m.weight) not in skip:
+                tied.append((m.out_features, m.in_features))
         bb_lin = tuple((m.out_features, m.in_features, m.bias is not None) for m in held if isinstance(m, nn.Linear))
         bb_emb = tuple((m.num_embeddings, m.embedding_dim) for m in held if isinstance(m, nn.Embedding))
     if trains_all_weights(spec):  # no LoRA: every weight trains
@@ -165,7 +175,7 @@ def _param_counts(spec_json: str) -> ParamCounts:
     other = expert - sum(o * i + (o if b else 0) for o, i, b in linears)
     head_per_label = hidden + 1 if hidden else 0
     return ParamCounts(backbone, expert, expert_lora, expert_lora_tr, bb_lora, bb_lora_tr, hidden, head_per_label,
-                       len(layers), linears, other, a_expert, a_bb, bb_lin, bb_emb)
+                       len(layers), linears, other, a_expert, a_bb, bb_lin, bb_emb, tuple(tied))
 
 
 @dataclass(frozen=True)
@@ -285,6 +295,7 @@ def plan(
         [v if isinstance(v, int) else len(v) for v in assignment.values()]
     acts = adapter.activation_bytes(spec, batch, held)
     work = max([workspace_bytes(o, i, weight_format) for o, i, _ in c.expert_linears + c.backbone_linears]
+               + [workspace_bytes(o, i, weight_format) for o, i in c.tied_outputs]
                + [workspace_bytes(v, h, weight_format) for v, h in whole], default=0)
     copies = 4 * (trainable + n * c.expert_lora_a + c.backbone_lora_a)
     if trains_all_weights(spec):  # SubMoE's own copy of the weights (the shards stay held) and their initial values

@@ -49,9 +49,25 @@ def held_bytes(out_features: int, in_features: int, fmt: str, bias: bool = True)
     return w + (4 * out_features if bias else 0)
 
 
+CHUNK_BYTES = 8 * 2**20
+"""A :class:`QuantLinear` whose fp32 weight would exceed this many bytes is dequantized a
+block of rows at a time (:func:`chunk_rows`): a tied output embedding (vocabulary x hidden,
+75 MiB in fp32 for a 49k-token vocabulary at 384 wide) never exists whole in fp32."""
+
+
+def chunk_rows(out_features: int, in_features: int, fmt: str) -> int:
+    """Rows of a ``(out, in)`` weight in ``fmt`` dequantized at once: all of them when the
+    fp32 weight fits :data:`CHUNK_BYTES`, or when rows cannot be cut out of the stored form
+    (nf4 with ``in`` not a multiple of its 64-value block); else as many as fit it."""
+    if 4 * out_features * in_features <= CHUNK_BYTES or (fmt == "nf4" and in_features % NF4_BLOCK):
+        return out_features
+    return max(1, CHUNK_BYTES // (4 * in_features))
+
+
 def workspace_bytes(out_features: int, in_features: int, fmt: str) -> int:
-    """Transient bytes to dequantize one weight (the fp32 result and the index temporaries)."""
-    n = out_features * in_features
+    """Transient bytes to dequantize one weight, or its largest row block
+    (:func:`chunk_rows`): the fp32 result and the index temporaries."""
+    n = chunk_rows(out_features, in_features, fmt) * in_features
     return {"fp32": 0, "fp16": 4 * n, "bf16": 4 * n, "int8": 8 * n, "nf4": 16 * n}[fmt]
 
 
@@ -70,18 +86,22 @@ def _dequant_nf4_fast(packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[i
 
 
 class _DequantLinear(torch.autograd.Function):
-    """``y = x @ deq(W).T + b`` that saves no fp32 weight for backward."""
+    """``y = x @ deq(W).T + b`` that saves no fp32 weight for backward, dequantizing a
+    block of rows at a time (``QuantLinear.row_blocks``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
         ctx.layer = layer
-        w = layer.dequantized(x.dtype)
-        return F.linear(x, w, layer.bias)
+        return layer.apply_blocks(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        w = ctx.layer.dequantized(grad.dtype)
-        return grad @ w, None
+        layer = ctx.layer
+        out = None
+        for start, end in layer.row_blocks():
+            part = grad[..., start:end] @ layer.dequantized(grad.dtype, start, end)
+            out = part if out is None else out.add_(part)
+        return out, None
 
 
 class QuantLinear(nn.Module):
@@ -132,15 +152,38 @@ class QuantLinear(nn.Module):
             return cls(fmt, tuple(w.shape), q, s, bias)
         return cls(fmt, tuple(w.shape), w.to(torch.bfloat16), None, bias)
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``(out, in)`` in ``dtype`` (a fresh tensor)."""
+    def dequantized(self, dtype: torch.dtype = torch.float32, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``start:end`` of the weight (default all: ``(out, in)``) in ``dtype`` (a fresh
+        tensor). For nf4, row blocks other than the whole weight need ``in`` to be a multiple
+        of the 64-value block (:func:`chunk_rows` only cuts such weights)."""
+        end = self.out_features if end is None else end
         if self.fmt == "int8":
-            w = dequantize_int8(self.qweight_data, self.qweight_scale)
+            w = dequantize_int8(self.qweight_data[start:end], self.qweight_scale[start:end])
         elif self.fmt == "nf4":
-            w = _dequant_nf4_fast(self.qweight_data, self.qweight_scale, (self.out_features, self.in_features))
+            i = self.in_features
+            w = _dequant_nf4_fast(self.qweight_data[start * i // 2: -(-end * i // 2)],
+                                  self.qweight_scale[start * i // NF4_BLOCK: -(-end * i // NF4_BLOCK)],
+                                  (end - start, i))
         else:
-            w = self.qweight_data.to(torch.float32)
+            w = self.qweight_data[start:end].to(torch.float32)
         return w if dtype == torch.float32 else w.to(dtype)
+
+    def row_blocks(self) -> list[tuple[int, int]]:
+        """``(start, end)`` row ranges dequantized at once (:func:`chunk_rows`)."""
+        step = chunk_rows(self.out_features, self.in_features, self.fmt)
+        return [(s, min(s + step, self.out_features)) for s in range(0, self.out_features, step)]
+
+    def apply_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ deq(W).T + b``, ``(..., in)`` -> ``(..., out)``, one row block of the weight
+        dequantized at a time."""
+        blocks = self.row_blocks()
+        if len(blocks) == 1:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        for start, end in blocks:
+            bias = self.bias[start:end] if self.bias is not None else None
+            out[..., start:end] = F.linear(x, self.dequantized(x.dtype, start, end), bias)
+        return out
 
     @property
     def weight(self) -> torch.Tensor:
@@ -149,10 +192,11 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., in)`` -> ``(..., out)`` in ``x``'s dtype; the weight is dequantized for this matmul
-        only (and again in backward when ``x`` needs a gradient; the weight gets none)."""
+        only, a row block at a time (:meth:`row_blocks`), and again in backward when ``x``
+        needs a gradient (the weight gets none)."""
         if torch.is_grad_enabled() and x.requires_grad:
             return _DequantLinear.apply(x, self)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        return self.apply_blocks(x)
 
     def held_bytes(self) -> int:
         """Bytes this layer holds (weight storage, scales, bias)."""

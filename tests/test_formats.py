@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from cloud.global_model import GlobalModel
 from moe_model.budget import estimate, max_experts_per_layer, plan
@@ -142,6 +143,31 @@ def test_submoe_on_quantized_mmap_shards_equals_dequantized(fmt, tmp_path):
         assert torch.allclose(p.grad, ref.trainable()[k].grad, atol=1e-4), k
     if fmt != "fp32":
         assert m.num_base_bytes() < ref.num_base_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "bf16"])
+def test_a_large_quantized_linear_is_dequantized_a_block_of_rows_at_a_time(fmt):
+    """A weight whose fp32 form would exceed quant.CHUNK_BYTES (a tied LM head) is never
+    dequantized whole: forward and backward go block by block and equal the whole-weight
+    matmul; the plan's workspace is one block's."""
+    from moe_model.quant import CHUNK_BYTES, chunk_rows, workspace_bytes
+
+    torch.manual_seed(0)
+    q = QuantLinear.from_linear(nn.Linear(384, 8192), fmt)
+    rows = chunk_rows(8192, 384, fmt)
+    assert 4 * rows * 384 <= CHUNK_BYTES < 4 * 8192 * 384 and len(q.row_blocks()) == -(-8192 // rows)
+    assert workspace_bytes(8192, 384, fmt) < workspace_bytes(8192, 384, fmt) * 8192 // rows
+    x = torch.randn(3, 5, 384, requires_grad=True)
+    ref_x = x.detach().clone().requires_grad_(True)
+    y, ref = q(x), F.linear(ref_x, q.dequantized(), q.bias)
+    assert torch.allclose(y, ref, atol=1e-4)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref.backward(g)
+    assert torch.allclose(x.grad, ref_x.grad, atol=1e-4)
+    with torch.no_grad():
+        assert torch.allclose(q(x), ref, atol=1e-4)
+    assert chunk_rows(8192, 100, "nf4") == 8192  # rows of 100 values do not cut into whole nf4 blocks
 
 
 @pytest.mark.parametrize("keep_quantized", [True, False])

@@ -123,6 +123,53 @@ def test_all_experts_reproduce_transformers_logits(checkpoint):
     assert len(routers) == len(ad.moe_layers(spec)) * E
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_backbone_held_int8_computes_what_its_dequantized_weights_compute(tmp_path, tied):
+    """hf-moe holds the backbone in the shard format as the device loads it (ShardCache):
+    the embedding table as a QuantEmbedding, attention linears and the output layer as
+    QuantLinear (a tied output layer shares the embedding's stored table); logits and LoRA
+    gradients equal those of the same model built from the dequantized fp32 shards."""
+    from moe_model.budget import plan
+    from moe_model.quant import QuantEmbedding, QuantLinear
+    from moe_model.shards import ShardCache
+    from protocol.codec import sha256_hex
+
+    d = tmp_path / "ckpt"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen3MoeConfig(**BASE, num_experts=E, moe_intermediate_size=16, head_dim=8,
+                                                    tie_word_embeddings=tied)).save_pretrained(d)
+    _tokenizer().save_pretrained(d)
+    spec = _spec(d)
+    ad = get_adapter("hf-moe")
+    experts = {x: [0, 2] for x in ad.moe_layers(spec)}
+    skel = ad.build(spec, experts, 0, device="meta")
+    cache, held, ref = ShardCache(tmp_path / "cache"), {}, {}
+    for sid, t in ad.base_shards(spec, skel):
+        blob = encode_shard(t, "int8")
+        cache.put(sha256_hex(blob), blob)
+        held[sid] = cache.load(sha256_hex(blob), keep_quantized=True)
+        ref[sid] = decode_shard(blob)
+    sub, full = SubMoE(spec, experts, "news", 0, held), SubMoE(spec, experts, "news", 0, ref)
+    lm = sub.model.lm
+    assert isinstance(lm.get_input_embeddings(), QuantEmbedding)
+    assert isinstance(lm.get_output_embeddings(), QuantLinear)
+    assert isinstance(lm.model.layers[0].self_attn.q_proj.base_layer, QuantLinear)
+    shared = lm.get_output_embeddings().qweight_data.data_ptr() == lm.get_input_embeddings().q.qweight_data.data_ptr()
+    assert shared == tied
+    state = {k: torch.randn_like(v) * 0.1 for k, v in full.adapter_state().items()}
+    sub.load_adapter_state(state)
+    full.load_adapter_state(state)
+    batch, targets = sub.collate(TEXTS)
+    y, y2 = sub(batch), full(batch)
+    assert torch.allclose(y, y2, atol=1e-4), (y - y2).abs().max()
+    y.sum().backward()
+    y2.sum().backward()
+    for k, p in sub.trainable().items():
+        assert torch.allclose(p.grad, full.trainable()[k].grad, atol=1e-3), k
+    assert sub.num_base_bytes() < full.num_base_bytes()
+    assert plan(spec, 2, "int8").weights < plan(spec, 2, "fp32").weights
+
+
 def test_sub_moe_trains_one_lora_step_and_keys_are_per_expert(checkpoint):
     family, d, _ = checkpoint
     spec = _spec(d)

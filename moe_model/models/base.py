@@ -88,8 +88,8 @@ class ModelAdapter(ABC):
     quantized_backbone: ClassVar[bool] = False
     """True: the device holds the backbone's linears and embedding tables in the shard's
     format too (``QuantLinear`` / ``QuantEmbedding``, dequantized per matmul or per looked-up
-    row), not in fp32; False: the backbone is dequantized to fp32 on load (a family whose
-    output layer shares the embedding table, as tied causal LMs do, needs that)."""
+    row; an output layer tied to the table dequantizes it a block of rows at a time), not in
+    fp32; False: the backbone is dequantized to fp32 on load."""
     expert_overhead: ClassVar[int] = 32 * 1024
     """Bytes per held expert that no tensor count shows (module objects, allocator
     fragmentation around its small LoRA tensors, gradients and optimizer state), for

@@ -269,16 +269,31 @@ class HFMoEModel(MoEModel):
 
     def finish_loading(self) -> None:
         """Compute the buffers no checkpoint holds (rotary ``inv_freq``) with transformers' own
-        initialisation, and re-tie the output embedding (``tie_word_embeddings``)."""
+        initialisation, and re-tie the output embedding (``tie_word_embeddings``): to the
+        input embedding's parameter, or, where the table is held quantized
+        (``moe_model.quant.QuantEmbedding``), to the same stored table as a
+        ``QuantLinear`` (logits dequantize it a block of rows at a time)."""
+        from ..quant import QuantEmbedding
+
+        tied = bool(getattr(self.lm.config, "tie_word_embeddings", False))
+        table = self.lm.get_input_embeddings()
+        if tied and isinstance(table, QuantEmbedding):
+            out = self.lm.get_output_embeddings()
+            path = next(n for n, m in self.lm.named_modules() if m is out)
+            parent, _, attr = path.rpartition(".")
+            setattr(self.lm.get_submodule(parent) if parent else self.lm, attr, table.q)
         owners = set()
         for name, buf in list(self.lm.named_non_persistent_buffers()):
+            if not buf.is_meta:  # loaded already (a quantized table's storage), not computed
+                continue
             owner, _, attr = name.rpartition(".")
             module = self.lm.get_submodule(owner)
             module._buffers[attr] = torch.empty_like(buf, device="cpu")
             owners.add(owner)
         for owner in owners:
             self.lm._init_weights(self.lm.get_submodule(owner))
-        self.lm.tie_weights()
+        if not (tied and isinstance(table, QuantEmbedding)):
+            self.lm.tie_weights()
 
 
 class HFMoEAdapter(ModelAdapter):
@@ -292,10 +307,14 @@ class HFMoEAdapter(ModelAdapter):
 
     family = "hf-moe"
     attention_targets = ("q_proj", "v_proj")
-    tokenizer_bytes = 8 * 1024**2
+    quantized_backbone = True
+    """Attention linears, embedding table and (tied or not) output layer held in the shard
+    format; norms and rotary buffers fp32."""
+    tokenizer_bytes = 10 * 1024**2
     """The fixed part of :meth:`tokenizer_bytes_for`."""
     expert_overhead = 216 * 1024
-    """Measured on the random-init Qwen3-MoE of ``benchmarks/peer.py`` (gated experts of three
+    """Measured on the random-init Qwen3-MoE of ``benchmarks/peer.py`` (refitted to the
+    footprint: 210-216 KiB per expert between 64, 256 and 512 held; gated experts of three
     linears, LoRA rank 8 on A and B, gradient checkpointing, int8 shards): one device-round
     holding 320 experts peaked 62 MiB further above the tensor count than one holding 64,
     about 0.24 MiB per expert, of which 34 KiB is LoRA A's kept initial draw (counted in the
@@ -303,12 +322,12 @@ class HFMoEAdapter(ModelAdapter):
     ``bert-upcycled``)."""
 
     def tokenizer_bytes_for(self, spec: ModelSpec) -> int:
-        """``8 MiB + 6.5 x`` the checkpoint's ``tokenizer.json`` bytes (measured resident growth
-        of a fast tokenizer: 30 MiB for SmolLM2's 3.4 MB file, 12 MiB for MiniLM's 0.45 MB);
-        the fixed part alone when the file is absent (a device without the checkpoint's files
-        plans before it has them)."""
+        """``10 MiB + 1.5 x`` the checkpoint's ``tokenizer.json`` bytes (measured footprint
+        growth of a fast tokenizer: 14-16 MiB for SmolLM2's 3.5 MB file, 11-12 MiB for
+        MiniLM's 0.45 MB); the fixed part alone when the file is absent (a device without
+        the checkpoint's files plans before it has them)."""
         path = Path(str(spec.tokenizer or spec.base or "")) / "tokenizer.json"
-        return self.tokenizer_bytes + int(6.5 * path.stat().st_size) if path.is_file() else self.tokenizer_bytes
+        return self.tokenizer_bytes + int(1.5 * path.stat().st_size) if path.is_file() else self.tokenizer_bytes
 
     # ------------------------------------------------------------------ config and layout
     def config(self, spec: ModelSpec):
@@ -395,31 +414,38 @@ class HFMoEAdapter(ModelAdapter):
             return batch, enc["input_ids"].masked_fill(enc["attention_mask"] == 0, objectives.IGNORE)
         return batch, torch.tensor([int(y) for _, y in items], dtype=torch.long)
 
+    ACTIVATION_FIT = (62.0, 18.7, 12.4, 13.2)
+    """Bytes per ``B·T·H`` per layer, per ``B·T·I`` per expert pass, per ``B·heads·T²`` per
+    layer, per ``B·T·V`` (causal-lm logits): the RSS-era estimate's shape (10·H, 3·I·k,
+    2·heads·T per token and layer in fp32, 5 logits copies) refitted to the measured
+    training-step footprint of the random-init Qwen3-MoE of ``benchmarks/peer.py`` (H 384,
+    I 320, V 49152, 8 layers, top-4, T 64, batch 8, int8; ``benchmarks/memory.py --model
+    --experts-grid 1,8,32,64``): the layers' terms x1.56 and 3.3 logits copies, from the
+    step at 1 expert per layer (1 pass) against 8-64 (4 passes). Only one (B, T) was
+    measured; the footprint of those cells is within 2% of the plan."""
+
     def activation_bytes(self, spec: ModelSpec, batch_size: int, held: Sequence[int] | None = None) -> int:
-        """Bytes kept for backward in one step (fp32): per decoder layer ``B·T·(10·H + 3·I·k)``
-        plus attention ``2·B·heads·T²`` for each of the ``L`` layers, or with
-        ``spec.gradient_checkpointing`` for one layer (recomputed in backward) plus every
-        layer's input ``L·B·T·H``; and for ``causal-lm`` ``5·B·T·V`` at the loss's backward
-        (logits, log-softmax, their gradients and a transposed copy).
-
-        ``held`` (experts held per MoE layer) caps each layer's passes at the experts it holds.
-        Fitted to RSS before the plan measured the footprint, not refitted since.
-
-        Calibrated on SmolLM2-135M upcycled to 4 experts x 30 layers (H 576, I 1536, V 49152,
-        top-2, T 128, batch 8, int8 experts; ``benchmarks/memory.py --model``)."""
+        """Bytes a training step holds above the model (:data:`ACTIVATION_FIT`): per decoder
+        layer ``62·B·T·H + 18.7·B·T·I·passes + 12.4·B·heads·T²`` (``passes`` =
+        ``min(top_k, experts held)`` in the layer, ``top_k`` without ``held``), plus for
+        ``causal-lm`` ``13.2·B·T·V`` at the loss's backward (logits, log-softmax, their
+        gradients). With ``spec.gradient_checkpointing``: one layer's share (recomputed in
+        backward) plus every layer's input ``4·L·B·T·H`` (not calibrated)."""
         cfg = self.config(spec)
         t, h = spec.max_seq_len, cfg.hidden_size
         inter = max((i for _, i in self._layout(spec).values()), default=cfg.intermediate_size)
         layers = cfg.num_hidden_layers
+        per_token, per_pass, per_attention, per_logit = self.ACTIVATION_FIT
         passes = [min(spec.top_k, n) for n in held] if held else [spec.top_k] * layers
-        attention = 2 * batch_size * cfg.num_attention_heads * t * t
+        bt = batch_size * t
+        attention = per_attention * batch_size * cfg.num_attention_heads * t * t
         if spec.gradient_checkpointing:
-            kept = batch_size * t * (10 * h + 3 * inter * max(passes)) + attention + layers * batch_size * t * h
+            kept = per_token * bt * h + per_pass * bt * inter * max(passes) + attention + 4 * layers * bt * h
         else:  # a dense layer (no MoE block) counts as top_k passes, as before ``held`` was known
             passes += [spec.top_k] * max(layers - len(passes), 0)
-            kept = batch_size * t * (10 * h * layers + 3 * inter * sum(passes)) + attention * layers
-        logits = 5 * batch_size * t * cfg.vocab_size if spec.objective == "causal-lm" else 0
-        return 4 * (kept + logits)
+            kept = per_token * bt * h * layers + per_pass * bt * inter * sum(passes) + attention * layers
+        logits = per_logit * bt * cfg.vocab_size if spec.objective == "causal-lm" else 0
+        return int(kept + logits)
 
 
 # ---------------------------------------------------------------------- helpers (module level, cached)
