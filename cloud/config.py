@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.config import BrokerSettings, Bytes, PositiveBytes
 from protocol.messages import MAX_SAMPLES, ModelSpec, TrainConfig, WeightFormat
@@ -119,6 +119,21 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     stop_devices_when_done: bool = True
     clear_retained_on_exit: bool = False
     """Remove the retained shard messages on exit (simulations, tests)."""
+    shard_url: str | None = Field(None, max_length=1500, pattern=r"^https?://[^\s]+$")
+    """Base URL of the shard files (``{shard_url}/{sha256}.safetensors``) a web server or
+    CDN serves from ``shard_dir``: devices of protocol minor 6 or later fetch shards there
+    by HTTP range requests, and no shard is held in the broker for them (older devices
+    still get retained messages). None (default): shards travel as retained MQTT messages."""
+    shard_dir: str | None = None
+    """Directory the aggregator writes the content-addressed shard files to (required with
+    ``shard_url``)."""
+
+    @model_validator(mode="after")
+    def _shards_over_http(self) -> "AggregatorConfig":
+        if (self.shard_url is None) != (self.shard_dir is None):
+            raise ValueError("shard_url and shard_dir go together: the URL is where a web server serves the "
+                             "directory the aggregator writes the shard files to")
+        return self
     device_keys: str | None = None
     """JSON file device id -> Ed25519 public key; when set, signatures are required."""
     session_expiry_s: int = Field(7 * 24 * 3600, ge=0)

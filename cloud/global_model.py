@@ -83,9 +83,10 @@ class GlobalModel:
         return next((f for f in preferences if f in self.formats), None)
 
     def manifests(self, experts: dict[int, list[int]], topics: Topics, chunk_payload: int,
-                  fmt: str | None = None) -> list[ShardManifest]:
+                  fmt: str | None = None, url: str | None = None) -> list[ShardManifest]:
         """Manifests of the base shards a device holding ``experts`` needs, in ``fmt``
-        (default: the primary format); topics carry the format level."""
+        (default: the primary format); topics carry the format level; with ``url`` (a base
+        URL) each names its content-addressed file ``{url}/{sha256}.safetensors``."""
         from protocol.chunking import chunk_data_bytes
 
         fmt = fmt or self.weight_format
@@ -95,6 +96,7 @@ class GlobalModel:
             ShardManifest(
                 shard_id=sid, topic=topics.shard_prefix(self.version, sid, fmt), bytes=len(enc[sid]),
                 sha256=sha[sid], format=fmt, chunks=max(1, -(-len(enc[sid]) // step)),
+                url=f"{url.rstrip('/')}/{sha[sid]}.safetensors" if url else None,
             )
             for sid in shards_for(experts)
         ]

@@ -60,7 +60,8 @@ from protocol.codec import (
 from protocol.experts import experts_by_device_from_json, experts_by_device_to_json, layers_to_json
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
-    MAX_OBJECTIVES, MIN_MINOR_FOR_EVALUATION, MIN_MINOR_FOR_EXTENSIONS, MIN_MINOR_FOR_STATE_PRECISION, Ack, Assignment,
+    MAX_OBJECTIVES, MIN_MINOR_FOR_EVALUATION, MIN_MINOR_FOR_EXTENSIONS, MIN_MINOR_FOR_SHARD_URL,
+    MIN_MINOR_FOR_STATE_PRECISION, Ack, Assignment,
     BlobRef, Command, ExtraName, Objective, Stats, TensorSpec, TrainConfig, encode,
 )
 from protocol.topics import Topics
@@ -116,6 +117,9 @@ class RoundSettings:
     """Largest ``num_samples`` a device's statistics may claim (its aggregation weight)."""
     state_precision: str = "fp32"
     """Precision of the adapter state sent to devices (``FederationSettings.state_precision``)."""
+    shard_url: str | None = None
+    """Base URL of the shard files (``AggregatorConfig.shard_url``): manifests for devices
+    of minor 6 or later name their files there."""
 
 
 @dataclass
@@ -212,7 +216,9 @@ class RoundEngine:
         self._told: dict[str, tuple[int, str]] = {}
         """device -> (round, reason) it was last told it is excluded (one message a round,
         one log line per change of reason)."""
-        self.ensure_shards: Callable[[str], None] | None = None
+        self.ensure_shards: Callable[[str, bool], None] | None = None
+        """``(format, by_url)``: make that format's shards available as files (by_url) or
+        retained messages before an assignment names them."""
         """Called with a weight format before an assignment in it goes out (the service
         publishes that format's shards on first use)."""
         self._notice_log = LogLimiter(log, "failed notices", per_key=3, total=10, interval_s=60.0)
@@ -455,8 +461,9 @@ class RoundEngine:
     def _send_assignment(self, rnd: _Round, device_id: str, experts: Experts) -> None:
         dev = self.registry.get(device_id)
         fmt = self.format_for(dev)
+        url = self.settings.shard_url if dev.protocol_minor >= MIN_MINOR_FOR_SHARD_URL else None
         if self.ensure_shards is not None:
-            self.ensure_shards(fmt)
+            self.ensure_shards(fmt, url is not None)
         tensors = rnd.tensors.get(device_id, {})
         try:
             sent = self._sent_state(device_id, experts)
@@ -472,7 +479,7 @@ class RoundEngine:
         msg = Assignment(
             round=rnd.number, model_version=self.model.version, model=self.model.spec, task=dev.task,
             labels=self.model.tasks[dev.task], experts=experts,
-            shards=self.model.manifests(experts, self.topics, self.wire.chunk_payload_bytes, fmt),
+            shards=self.model.manifests(experts, self.topics, self.wire.chunk_payload_bytes, fmt, url),
             weight_format=fmt, state=ref, attempt=rnd.attempts.get(device_id, 0),
             train=self._train_for(rnd, device_id), deadline=rnd.deadline,
             objectives=rnd.objectives.get(device_id, []),

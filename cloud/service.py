@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import struct
 import threading
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from moe_model.budget import tune_allocator
@@ -128,11 +130,12 @@ class Aggregator:
         settings = RoundSettings(config.clients_per_round, config.quorum, config.round_timeout_s, config.train,
                                  config.max_update_bytes, config.eval_batch_size, config.seed,
                                  max_samples_per_device=config.max_samples_per_device,
-                                 state_precision=config.state_precision)
+                                 state_precision=config.state_precision, shard_url=config.shard_url)
         self.engine = RoundEngine(self.model, self.registry, self.store, strategy, self, self.topics, settings,
                                   self.eval_data, self._reject, self._progress, defences=Defences(config.defences))
         self.engine.ensure_shards = self._ensure_shards
         self._published_formats: set[str] = set()
+        self._written_formats: set[str] = set()
         self.engine.restore()
         self.updates = Reassembler(config.max_update_bytes)
         self._reload_chunks()
@@ -259,7 +262,10 @@ class Aggregator:
         if not self.transport.subscribe(up, timeout=30):
             log.warning("no SUBACK for the devices' uplink within 30 s; going on (paho resubscribes on reconnect)")
         self.ready.set()
-        self._publish_shards()
+        if self.cfg.shard_url is None:
+            self._publish_shards()
+        else:
+            self._write_shard_files(self.model.weight_format)
         try:
             resumed = self.engine.current is not None
             if resumed:
@@ -358,11 +364,36 @@ class Aggregator:
         log.info("published %d %s base shards (%.1f MiB, retained) in %.1f s", len(self.model.encoded[fmt]), fmt,
                  total / 2**20, time.perf_counter() - t0)
 
-    def _ensure_shards(self, fmt: str) -> None:
-        """Publish ``fmt``'s shards the first time a device is assigned that format (the
-        primary format's shards are published when :meth:`run` starts)."""
-        if fmt != self.model.weight_format and fmt not in self._published_formats:
+    def _ensure_shards(self, fmt: str, by_url: bool = False) -> None:
+        """Make ``fmt``'s shards available the first time they are needed: as files in
+        ``shard_dir`` for devices that fetch them by URL (``by_url``), else as retained
+        messages (the primary format's, in the form most devices take, when :meth:`run`
+        starts)."""
+        if by_url and fmt not in self._written_formats:
+            self._write_shard_files(fmt)
+        elif not by_url and fmt not in self._published_formats:
+            if fmt == self.model.weight_format and self.cfg.shard_url is None:
+                return  # published by run() when it starts
             self._publish_shards(fmt)
+
+    def _write_shard_files(self, fmt: str) -> None:
+        """Write ``fmt``'s shards to ``shard_dir`` as ``{sha256}.safetensors`` (atomically;
+        a file already there is content-addressed, so it is kept), for a web server to serve
+        at ``shard_url``. Raises OSError when the directory cannot be written."""
+        d = Path(self.cfg.shard_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        t0, written = time.perf_counter(), 0
+        for sid, data in self.model.encoded[fmt].items():
+            path = d / f"{self.model.sha[fmt][sid]}.safetensors"
+            if path.is_file() and path.stat().st_size == len(data):
+                continue
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+            written += len(data)
+        self._written_formats.add(fmt)
+        log.info("wrote %s base shards to %s (%.1f MiB new) in %.1f s; devices fetch them from %s", fmt, d,
+                 written / 2**20, time.perf_counter() - t0, self.cfg.shard_url)
 
     def _clear_retained(self) -> None:
         """Delete our retained shard messages (an empty retained payload clears a topic)."""

@@ -51,6 +51,7 @@ from moe_model.train import evaluate, train_local
 from .config import DEFAULT_WEIGHT_FORMATS
 from .data import encode_labels, train_val_split
 from .filters import Filter, Signing, UpdateContext
+from .http_shards import ShardDownloadError, download
 from .objectives import check_objectives, terms_for
 
 R = TypeVar("R")
@@ -582,10 +583,11 @@ class EdgeClient:
         return self._data_cache[1], self._data_cache[2]
 
     def _fetch_shards(self, a: Assignment) -> list[str]:
-        """Make every assigned shard available: in memory, else memory-mapped from the
-        disk cache, else fetched from its retained topics (at most
-        :data:`moe_model.budget.FETCH_WINDOW_BYTES` in flight), verified, written to the
-        cache and mapped from there. Expert linears stay in the shard's format
+        """Make every assigned shard available: in memory, else loaded from the disk
+        cache, else fetched, verified and written to the cache, then loaded: from its URL
+        by HTTP range requests where the manifest gives one (:mod:`edge_sdk.http_shards`),
+        else from its retained topics (at most :data:`moe_model.budget.FETCH_WINDOW_BYTES`
+        in flight either way). Expert linears stay in the shard's format
         (:mod:`moe_model.quant`); shards of experts not assigned are never touched.
 
         Returns:
@@ -610,9 +612,18 @@ class EdgeClient:
                 missing[m.sha256] = m
             else:
                 self._decoded[m.sha256] = held
-        if missing:
+        for sha, m in [(sha, m) for sha, m in missing.items() if m.url]:  # minor 6: a web server or CDN
+            part = self.cache.partial_path(sha)
+            try:
+                download(m.url, sha, m.bytes, part, deadline=a.deadline, window=B.FETCH_WINDOW_BYTES)
+            except ShardDownloadError as e:
+                part.unlink(missing_ok=True)
+                raise ValueError(f"shard {m.shard_id}: {e}") from None
+            self.cache.adopt(sha, part)
+            fetched.append(m.shard_id)
+        if any(not m.url for m in missing.values()):
             self._shard_rx = Reassembler(2 * 1024**3)  # forget earlier fetches of evicted shards
-        pending, active = list(missing.items()), {}
+        pending, active = [(sha, m) for sha, m in missing.items() if not m.url], {}
         try:
             while pending or active:
                 while pending and (not active or sum(x.bytes for x in active.values()) + pending[0][1].bytes

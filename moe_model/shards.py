@@ -159,9 +159,9 @@ class ShardCache:
     """Device-side cache of shard files by sha256 (``{dir}/{sha256}.safetensors``).
 
     A shard is only ever fetched when its sha256 is not here; reads verify the hash.
-    :meth:`load` maps a file into memory (``mmap``, private copy-on-write pages) and
-    builds tensors directly on the mapped pages, so loading copies nothing and clean
-    pages stay file-backed. ``max_bytes`` bounds the directory: after each :meth:`put`
+    :meth:`load` maps a file, copies its tensors into the process's own memory and closes
+    the mapping (the held weights are footprint the memory plan counts; no file pages stay
+    mapped). ``max_bytes`` bounds the directory: after each :meth:`put` or :meth:`adopt`
     the least recently used files (by access time, refreshed on every use) are deleted
     until the total fits, never a file in ``pinned`` (the current round's shards).
     """
@@ -209,6 +209,24 @@ class ShardCache:
         os.replace(tmp, p)
         self._verified.add(sha)
         self.evict()
+
+    def adopt(self, sha: str, path: Path) -> None:
+        """Move a downloaded file whose content the caller verified against ``sha`` into the
+        cache (atomically; ``path`` must be on the cache's file system, e.g. from
+        :meth:`partial_path`). The hash is checked again on the first :meth:`load`.
+
+        Raises:
+            ValueError: malformed sha256.
+            OSError: the move failed.
+        """
+        os.replace(path, self._path(sha))
+        self.evict()
+
+    def partial_path(self, sha: str) -> Path:
+        """Where a download of ``sha`` is written before :meth:`adopt` (in the cache
+        directory, so the move is atomic; never loaded). Raises ValueError for a malformed
+        sha256."""
+        return self._path(sha).with_suffix(".part")
 
     def size(self) -> int:
         """Bytes of all cached shard files."""

@@ -32,7 +32,7 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 5
+PROTOCOL_MINOR = 6
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
@@ -46,7 +46,9 @@ than fp32 (``state_precision``: int8 with per-column scales for tall tensors, nf
 bf16), which the cloud therefore sends only to devices of minor 4 or later (older ones get
 fp32); 5 added ``Stats.peak_footprint_bytes`` and made a device's memory figures
 (``Hello.runtime_bytes``, ``Stats.baseline_rss_bytes``, ``Stats.predicted_peak_bytes``)
-footprint, not RSS (anonymous + shared + swapped memory: what an OS limit enforces). A peer ignores unknown fields and
+footprint, not RSS (anonymous + shared + swapped memory: what an OS limit enforces); 6 added
+``ShardManifest.url`` (a shard fetched over HTTP(S) by range requests, verified by its
+sha256), sent only to devices of minor 6 or later. A peer ignores unknown fields and
 unknown commands of a newer minor version, so the cloud sends objectives and extra
 tensors only to devices that announced minor 2 or later (an older device would silently
 train without them) and the evaluation term only to minor 3 or later."""
@@ -54,6 +56,8 @@ MIN_MINOR_FOR_EXTENSIONS = 2
 """Lowest ``Hello.protocol_minor`` that understands objectives, extra tensors and extras."""
 MIN_MINOR_FOR_STATE_PRECISION = 4
 """Lowest ``Hello.protocol_minor`` that decodes adapter state in a precision other than fp32."""
+MIN_MINOR_FOR_SHARD_URL = 6
+"""Lowest ``Hello.protocol_minor`` that fetches a shard from ``ShardManifest.url``."""
 MIN_MINOR_FOR_EVALUATION = 3
 """Lowest ``Hello.protocol_minor`` whose SDK has the ``evaluate_received`` term (a minor-2
 device would refuse the whole assignment over the unknown term)."""
@@ -292,6 +296,11 @@ class ShardManifest(_Strict):
     sha256: Sha256
     format: WeightFormat
     chunks: int = Field(ge=1, le=1_000_000)
+    url: str | None = Field(None, max_length=2048, pattern=r"^https?://[^\s]+$")
+    """(minor 6) Where the device fetches the shard instead: an HTTP(S) URL of the
+    content-addressed file (``{base}/{sha256}.safetensors``, any web server or CDN), read
+    with range requests and used only if its ``bytes`` and ``sha256`` match. None: the
+    shard is on the retained topics."""
 
 
 # --------------------------------------------------------------------------- device -> cloud
