@@ -112,6 +112,8 @@ def run_ours(args, ckpt: Path, seed: int, method: str, out: Path) -> dict:
     ``method``: an assignment strategy, or ``fedalign`` (FedAlign-MoE over
     ``random_kept``), with ``+ffa`` for FFA-LoRA (B only; A frozen), else LoRA A and B
     trained, as the peer trains them."""
+    from fedmoe.report import budget_peak
+
     report = out / "report.json"
     assignment, _, ffa = method.partition("+")
     strategy = ["--strategy", "fedalign"] if assignment == "fedalign" else []
@@ -135,7 +137,7 @@ def run_ours(args, ckpt: Path, seed: int, method: str, out: Path) -> dict:
     for rd in r["rounds"]:
         for d, v in (rd.get("devices") or {}).items():
             rows.append({"round": rd["round"], "device": d, "bytes": v["bytes_up"] + v["bytes_down"],
-                         "peak": v.get("peak_bytes") or v.get("peak_rss_bytes"), "budget": v.get("budget_bytes"),
+                         "peak": budget_peak(v), "budget": v.get("budget_bytes"),
                          "experts": sum(len(e) for e in (v.get("experts") or {}).values())})
     return {"perplexity": [r["initial_perplexity"]] + [rd.get("perplexity") for rd in r["rounds"]],
             "round_seconds": [rd["seconds"] for rd in r["rounds"]], "rows": rows,

@@ -217,10 +217,9 @@ class RoundEngine:
         """device -> (round, reason) it was last told it is excluded (one message a round,
         one log line per change of reason)."""
         self.ensure_shards: Callable[[str, bool], None] | None = None
-        """``(format, by_url)``: make that format's shards available as files (by_url) or
-        retained messages before an assignment names them."""
-        """Called with a weight format before an assignment in it goes out (the service
-        publishes that format's shards on first use)."""
+        """Called with ``(format, by_url)`` before an assignment in that format goes out: the
+        service makes its shards available on first use, as files for devices that fetch by
+        URL (``by_url``), else as retained messages."""
         self._notice_log = LogLimiter(log, "failed notices", per_key=3, total=10, interval_s=60.0)
         """Failed notice publishes are logged rate-limited (a broker outage must not flood the log)."""
         self.plan_error: str | None = None

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import struct
 import threading
@@ -377,23 +376,22 @@ class Aggregator:
             self._publish_shards(fmt)
 
     def _write_shard_files(self, fmt: str) -> None:
-        """Write ``fmt``'s shards to ``shard_dir`` as ``{sha256}.safetensors`` (atomically;
-        a file already there is content-addressed, so it is kept), for a web server to serve
-        at ``shard_url``. Raises OSError when the directory cannot be written."""
-        d = Path(self.cfg.shard_dir)
-        d.mkdir(parents=True, exist_ok=True)
+        """Write ``fmt``'s shards to ``shard_dir`` as ``{sha256}.safetensors``
+        (``moe_model.shards.ShardCache.put``: atomically, hash checked; a file already there
+        is content-addressed, so it is kept), for a web server to serve at ``shard_url``.
+        Raises OSError when the directory cannot be written."""
+        from moe_model.shards import ShardCache
+
+        files = ShardCache(Path(self.cfg.shard_dir))  # the same {sha256}.safetensors layout a device caches
         t0, written = time.perf_counter(), 0
         for sid, data in self.model.encoded[fmt].items():
-            path = d / f"{self.model.sha[fmt][sid]}.safetensors"
-            if path.is_file() and path.stat().st_size == len(data):
-                continue
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-            written += len(data)
+            sha = self.model.sha[fmt][sid]
+            if not files.has(sha):
+                files.put(sha, data)
+                written += len(data)
         self._written_formats.add(fmt)
-        log.info("wrote %s base shards to %s (%.1f MiB new) in %.1f s; devices fetch them from %s", fmt, d,
-                 written / 2**20, time.perf_counter() - t0, self.cfg.shard_url)
+        log.info("wrote %s base shards to %s (%.1f MiB new) in %.1f s; devices fetch them from %s", fmt,
+                 files.directory, written / 2**20, time.perf_counter() - t0, self.cfg.shard_url)
 
     def _clear_retained(self) -> None:
         """Delete our retained shard messages (an empty retained payload clears a topic)."""

@@ -43,7 +43,7 @@ from protocol.transport import Transport, TlsConfig, publish_packet_bytes
 from moe_model import budget as B
 from moe_model.models import get_adapter
 from moe_model.quant_bnb import check_backend
-from moe_model.shards import ShardCache
+from moe_model.shards import MAX_SHARD_BYTES, ShardCache
 from moe_model.stats import ActivationStats
 from moe_model.submoe import SubMoE
 from moe_model.train import evaluate, train_local
@@ -247,7 +247,7 @@ class EdgeClient:
         """What the cloud said besides assignments, newest last (:class:`Notice`): why the
         device was left out of a round, rejected messages, failed rounds."""
         self._inbox = _Inbox()
-        self._shard_rx = Reassembler(2 * 1024**3)
+        self._shard_rx = Reassembler(MAX_SHARD_BYTES)
         self._state_rx = Reassembler(MAX_STATE_BYTES)
         self._reject_log = LogLimiter(log, "rejected messages", per_key=3, total=10, interval_s=60.0)
         self._version_log = LogLimiter(log, "messages of another protocol version", per_key=1, total=5,
@@ -612,7 +612,8 @@ class EdgeClient:
                 missing[m.sha256] = m
             else:
                 self._decoded[m.sha256] = held
-        for sha, m in [(sha, m) for sha, m in missing.items() if m.url]:  # minor 6: a web server or CDN
+        by_url = {sha: m for sha, m in missing.items() if m.url}  # minor 6: a web server or CDN
+        for sha, m in by_url.items():
             part = self.cache.partial_path(sha)
             try:
                 download(m.url, sha, m.bytes, part, deadline=a.deadline, window=B.FETCH_WINDOW_BYTES)
@@ -621,9 +622,9 @@ class EdgeClient:
                 raise ValueError(f"shard {m.shard_id}: {e}") from None
             self.cache.adopt(sha, part)
             fetched.append(m.shard_id)
-        if any(not m.url for m in missing.values()):
-            self._shard_rx = Reassembler(2 * 1024**3)  # forget earlier fetches of evicted shards
-        pending, active = [(sha, m) for sha, m in missing.items() if not m.url], {}
+        pending, active = [(sha, m) for sha, m in missing.items() if sha not in by_url], {}
+        if pending:
+            self._shard_rx = Reassembler(MAX_SHARD_BYTES)  # forget earlier fetches of evicted shards
         try:
             while pending or active:
                 while pending and (not active or sum(x.bytes for x in active.values()) + pending[0][1].bytes

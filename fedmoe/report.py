@@ -148,12 +148,17 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def budget_peak(device: dict[str, Any]) -> int | None:
+    """A round record's entry for one device -> the peak (bytes) its budget is held
+    against: ``peak_bytes`` (the footprint from protocol 1.5 devices), or
+    ``peak_rss_bytes`` in records written before it; None when neither is there."""
+    return device.get("peak_bytes") or device.get("peak_rss_bytes")
+
+
 def _peak_share(record: dict[str, Any]) -> float | None:
-    """The highest measured peak over the round's reporting devices (``peak_bytes``: the
-    footprint, or the RSS in records before it), as % of that device's memory budget
-    (None when no device reported both)."""
-    peaks = [(d.get("peak_bytes") or d.get("peak_rss_bytes"), d.get("budget_bytes"))
-             for d in record["devices"].values()]
+    """The highest measured peak over the round's reporting devices (:func:`budget_peak`),
+    as % of that device's memory budget (None when no device reported both)."""
+    peaks = [(budget_peak(d), d.get("budget_bytes")) for d in record["devices"].values()]
     shares = [100 * p / b for p, b in peaks if p and b]
     return max(shares) if shares else None
 

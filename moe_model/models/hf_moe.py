@@ -275,9 +275,10 @@ class HFMoEModel(MoEModel):
         ``QuantLinear`` (logits dequantize it a block of rows at a time)."""
         from ..quant import QuantEmbedding
 
-        tied = bool(getattr(self.lm.config, "tie_word_embeddings", False))
         table = self.lm.get_input_embeddings()
-        if tied and isinstance(table, QuantEmbedding):
+        tied_to_quantized = bool(getattr(self.lm.config, "tie_word_embeddings", False)) and \
+            isinstance(table, QuantEmbedding)
+        if tied_to_quantized:
             out = self.lm.get_output_embeddings()
             path = next(n for n, m in self.lm.named_modules() if m is out)
             parent, _, attr = path.rpartition(".")
@@ -292,7 +293,7 @@ class HFMoEModel(MoEModel):
             owners.add(owner)
         for owner in owners:
             self.lm._init_weights(self.lm.get_submodule(owner))
-        if not (tied and isinstance(table, QuantEmbedding)):
+        if not tied_to_quantized:
             self.lm.tie_weights()
 
 
