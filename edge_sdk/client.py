@@ -616,7 +616,8 @@ class EdgeClient:
         for sha, m in by_url.items():
             part = self.cache.partial_path(sha)
             try:
-                download(m.url, sha, m.bytes, part, deadline=a.deadline, window=B.FETCH_WINDOW_BYTES)
+                download(m.url, sha, m.bytes, part, deadline=a.deadline, window=B.FETCH_WINDOW_BYTES,
+                         max_bytes=MAX_SHARD_BYTES)
             except ShardDownloadError as e:
                 part.unlink(missing_ok=True)
                 raise ValueError(f"shard {m.shard_id}: {e}") from None

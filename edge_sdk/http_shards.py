@@ -29,7 +29,7 @@ class ShardDownloadError(ValueError):
 
 
 def download(url: str, sha256: str, size: int, dest: Path, *, deadline: float | None = None,
-             window: int = 8 * 2**20, retries: int = 3) -> Path:
+             window: int = 8 * 2**20, retries: int = 3, max_bytes: int | None = None) -> Path:
     """Download ``size`` bytes from ``url`` into ``dest`` and verify them.
 
     Args:
@@ -39,17 +39,22 @@ def download(url: str, sha256: str, size: int, dest: Path, *, deadline: float | 
         deadline: ``time.time()`` by which the download must finish (None: none).
         window: bytes asked for per request.
         retries: failed requests in a row tolerated (each resumes where the file ends).
+        max_bytes: the largest ``size`` accepted (the device's shard limit, as the MQTT
+            path's reassembler applies it); None: no limit.
 
     Returns:
         ``dest``, holding exactly the verified bytes.
 
     Raises:
-        ShardDownloadError: the server sent more or other bytes than asked for, the
+        ShardDownloadError: ``size`` is above ``max_bytes`` (nothing is requested), the
+            server sent more or other bytes than asked for, the
             sha256 does not match (``dest`` is deleted), the deadline passed, or the
             requests kept failing.
     """
     if not url.startswith(("http://", "https://")):
         raise ShardDownloadError(f"shard URL {url[:100]!r} is not http(s)")
+    if max_bytes is not None and size > max_bytes:
+        raise ShardDownloadError(f"a shard of {size} bytes is over this device's limit of {max_bytes}")
     digest, done, failures = hashlib.sha256(), 0, 0
     with open(dest, "wb") as f:
         while done < size:

@@ -112,6 +112,10 @@ def test_a_server_without_ranges_a_dropped_connection_and_bad_servers(server, tm
         download(f"{server.url}/{'0' * 64}.safetensors", "0" * 64, 10, tmp_path / "d", retries=0)
     with pytest.raises(ShardDownloadError, match="not http"):
         download("file:///etc/passwd", sha, 10, tmp_path / "e")
+    n = len(server.requests)
+    with pytest.raises(ShardDownloadError, match="over this device's limit"):  # a manifest claiming a huge shard
+        download(url, sha, 2**40, tmp_path / "f", max_bytes=2**31)
+    assert len(server.requests) == n and not (tmp_path / "f").exists()  # nothing asked for, nothing written
 
 
 def test_config_needs_shard_url_and_dir_together(tmp_path):
