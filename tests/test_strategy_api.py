@@ -165,6 +165,17 @@ def test_unknown_objective_is_refused_by_the_device_before_training():
     assert prox.name == "fedprox" and prox.mu == 0.5
 
 
+def test_terms_share_the_start_state_instead_of_copying_it():
+    """A term holding the round's context must not hold a second adapter-sized copy: on
+    the peer benchmark's Qwen3-MoE (424 experts, LoRA A and B) the copy was 28 MiB and put
+    FedAlign's devices over budget (the plan counts one reference copy)."""
+    from edge_sdk.objectives import terms_for
+
+    state = {"k": torch.ones(1000)}
+    (prox,) = terms_for(_train(prox_mu=0.5), [], state)
+    assert prox.ctx.start_state["k"].data_ptr() == state["k"].data_ptr()
+
+
 def _train(**kw):
     from protocol.messages import TrainConfig
 

@@ -18,7 +18,10 @@ class TermContext:
 
     Attributes:
         start_state: the adapter state the round started from (name -> tensor, the
-            cloud's global state for what this device holds).
+            cloud's global state for what this device holds). Read-only: it is the
+            device's own reference copy (the update's delta is taken against it), shared
+            with the terms rather than copied, so a term adds no adapter-sized copy to the
+            round's memory (``moe_model.budget.MemoryPlan.copies`` counts one).
         tensors: the round's named extra tensors (``Assignment.tensors``), e.g. a global
             routing distribution; name -> tensor of the announced shape.
         train: the round's training configuration.
@@ -125,6 +128,8 @@ def terms_for(train: TrainConfig, objectives: Sequence[Objective], start_state: 
     of ``objectives`` in order.
 
     Args:
+        start_state: the round's starting adapter state, shared read-only with the terms
+            (not copied: the plan counts the device's one reference copy).
         memory: the device's per-term memory (:attr:`TermContext.memory`), kept by the
             caller across rounds.
         val_items: the local validation samples (:attr:`TermContext.val_items`).
@@ -133,7 +138,7 @@ def terms_for(train: TrainConfig, objectives: Sequence[Objective], start_state: 
         ValueError: see :func:`check_objectives` and :class:`ObjectiveTerm`.
     """
     check_objectives(objectives)
-    ctx = TermContext({k: v.detach().clone() for k, v in start_state.items()}, dict(tensors or {}), train,
+    ctx = TermContext(start_state, dict(tensors or {}), train,
                       memory if memory is not None else {}, list(val_items or []))
     wanted = list(objectives)
     names = {o.name for o in wanted}
