@@ -18,6 +18,12 @@ What it adds to paho (see DESIGN.md "Known pitfalls"):
 - With ``clean_start=False`` and ``session_expiry_s`` the broker keeps the session
   (subscriptions and queued QoS 1 messages) while the client is away (the aggregator
   uses this to receive updates published while it was down).
+- A clustered broker is named by its nodes' URLs, comma-separated
+  (``mqtt://10.0.0.1:1883,mqtt://10.0.0.2:1883``): each client starts at the node its
+  client id hashes to (so a fleet spreads over the nodes without configuration) and,
+  when that node is lost or refuses, reconnects to the next one; a cluster that keeps
+  sessions and retained messages cluster-wide (NATS with JetStream,
+  ``examples/deploy/nats/``) then carries on with nothing lost.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import ssl
 import threading
 import time
 import uuid
+import zlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -42,6 +49,8 @@ from .logsafe import LogLimiter, clip
 from .messages import BlobRef
 
 log = logging.getLogger(__name__)
+SUBSCRIBE_RETRY_S = 2.0
+"""Seconds before a subscription the broker refused (SUBACK failure) is asked for again."""
 
 
 class TransportError(ConnectionError):
@@ -78,6 +87,21 @@ class BrokerURL:
             username=unquote(u.username) if u.username else None,
             password=unquote(u.password) if u.password else None,
         )
+
+    @classmethod
+    def parse_nodes(cls, urls: str) -> list["BrokerURL"]:
+        """``urls``: one broker URL or the comma-separated URLs of a cluster's nodes.
+
+        Raises:
+            ValueError: an empty list, a URL :meth:`parse` refuses, or nodes that differ in
+                TLS (one connection's settings serve every node).
+        """
+        nodes = [cls.parse(u.strip()) for u in str(urls).split(",") if u.strip()]
+        if not nodes:
+            raise ValueError("no broker URL given")
+        if len({n.tls for n in nodes}) > 1:
+            raise ValueError(f"broker nodes {urls!r} mix mqtt:// and mqtts://")
+        return nodes
 
 
 @dataclass(frozen=True)
@@ -124,7 +148,9 @@ class Transport:
     """One MQTT connection with a bounded inbox, checked publishes and byte counters.
 
     Args:
-        url: broker URL (see :class:`BrokerURL`).
+        url: broker URL (see :class:`BrokerURL`), or the comma-separated URLs of a
+            cluster's nodes (:meth:`BrokerURL.parse_nodes`; the first node tried is the one
+            ``client_id`` hashes to, then the others in order, also on every reconnect).
         client_id: MQTT client id (also the session key for persistent sessions).
         protocol: ``"auto"`` (v5, else 3.1.1), ``"5"`` or ``"3.1.1"``.
         username, password: override credentials from the URL.
@@ -161,8 +187,10 @@ class Transport:
     ):
         if protocol not in ("auto", "5", "3.1.1"):
             raise ValueError(f"protocol must be auto, 5 or 3.1.1, not {protocol!r}")
-        self.url = BrokerURL.parse(url)
+        self.nodes = BrokerURL.parse_nodes(url)
         self.client_id = client_id or f"fedmoe-{uuid.uuid4().hex[:12]}"
+        self._node = zlib.crc32(self.client_id.encode()) % len(self.nodes)
+        self.url = self.nodes[self._node]
         self.protocol = protocol
         self.username = username or self.url.username
         self.password = password or self.url.password
@@ -184,6 +212,11 @@ class Transport:
         self._connected = threading.Event()
         self._suback = threading.Condition()
         self._subacked: set[int] = set()
+        self._sub_pending: dict[int, str] = {}
+        self._sub_failed: set[str] = set()
+        self._sub_done: set[str] = set()
+        """Topics the broker acknowledged in the current session."""
+        self._sub_log = LogLimiter(log, "refused subscriptions", per_key=3, total=50)
         self._connack: object = None
         self._results: dict[int, object] = {}
         self._nowait: set[int] = set()
@@ -199,6 +232,7 @@ class Transport:
         self._ever_connected = False
         self.manual_ack = manual_ack
         self._generation = 0
+        self._connect_kwargs: dict = {}
 
     # ------------------------------------------------------------------ connection
     def connect(self, timeout: float = 30.0) -> "Transport":
@@ -207,6 +241,23 @@ class Transport:
         Raises:
             TransportError: refused (bad credentials, protocol) or no CONNACK in ``timeout`` s.
         """
+        for attempt in range(len(self.nodes)):
+            try:
+                return self._connect_node(timeout)
+            except TransportError as e:
+                if attempt == len(self.nodes) - 1 or "cannot reach" not in str(e):
+                    raise
+                log.warning("%s; trying the next broker node", e)
+                self._next_node()
+        raise AssertionError("unreachable")
+
+    def _next_node(self) -> BrokerURL:
+        """Move to the next broker node (round robin); returns it."""
+        self._node = (self._node + 1) % len(self.nodes)
+        self.url = self.nodes[self._node]
+        return self.url
+
+    def _connect_node(self, timeout: float) -> "Transport":
         versions = {"auto": [True, False], "5": [True], "3.1.1": [False]}[self.protocol]
         last: object = None
         for v5 in versions:
@@ -219,6 +270,12 @@ class Transport:
                 if not probing or "no CONNACK" not in str(e):
                     raise
                 rc = "no CONNACK to MQTT 5 CONNECT (protocol not supported?)"
+            if rc is None and not v5 and self.clean_start == "first_only":
+                # MQTT 3.1.1 fixes clean-session per connection: the fresh start is done, now take a
+                # session the broker keeps, so a reconnect (another cluster node too) loses nothing
+                self._client.disconnect()
+                self._client.loop_stop()
+                rc = self._connect_once(v5, timeout, clean=False)
             if rc is None:
                 log.info("connected to %s:%d as %s (MQTT %s)", self.url.host, self.url.port, self.client_id,
                          "5" if v5 else "3.1.1")
@@ -229,7 +286,7 @@ class Transport:
             log.info("broker refused MQTT 5 (%s); retrying with 3.1.1", rc)
         raise TransportError(f"broker {self.url.host}:{self.url.port} refused the connection: {last}")
 
-    def _connect_once(self, v5: bool, timeout: float) -> object | None:
+    def _connect_once(self, v5: bool, timeout: float, clean: bool | None = None) -> object | None:
         if self._client is not None:
             self._client.loop_stop()
         self._connected.clear()
@@ -238,7 +295,7 @@ class Transport:
             mqtt.CallbackAPIVersion.VERSION2,
             client_id=self.client_id,
             protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
-            clean_session=None if v5 else bool(self.clean_start),
+            clean_session=None if v5 else bool(self.clean_start) if clean is None else clean,
         )
         c.max_inflight_messages_set(self.max_inflight)
         if self.manual_ack:
@@ -260,6 +317,7 @@ class Transport:
         c.on_message = self._on_message
         c.on_publish = self._on_publish
         c.on_subscribe = self._on_subscribe
+        c.on_connect_fail = self._on_connect_fail
         self._client = c
         kwargs = {}
         if v5:
@@ -268,6 +326,7 @@ class Transport:
                 props.SessionExpiryInterval = int(self.session_expiry_s)
             cs = mqtt.MQTT_CLEAN_START_FIRST_ONLY if self.clean_start == "first_only" else bool(self.clean_start)
             kwargs = {"clean_start": cs, "properties": props}
+        self._connect_kwargs = kwargs
         try:
             c.connect(self.url.host, self.url.port, keepalive=self.keepalive_s, **kwargs)
         except OSError as e:
@@ -293,8 +352,13 @@ class Transport:
             self.broker_max_packet = int(properties.MaximumPacketSize)
         self.session_present = bool(getattr(flags, "session_present", False))
         self._generation += 1
+        if not self.session_present:
+            self._sub_done.clear()
         for topic, qos in list(self._subs.items()):
-            client.subscribe(topic, qos=qos)
+            # a resumed session keeps its subscriptions: subscribing again would make a broker that
+            # backs a subscription with a durable consumer (NATS) replace it and drop what it queued
+            if topic not in self._sub_done:
+                self._send_subscribe(client, topic, qos)
         if self.birth is not None:
             client.publish(self.birth[0], self.birth[1], qos=1, retain=True)
         if self._ever_connected:
@@ -306,8 +370,24 @@ class Transport:
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         if self._connected.is_set() and not self._closing:
-            log.warning("disconnected from broker (%s); paho will reconnect", reason_code)
+            log.warning("disconnected from broker %s:%d (%s); paho will reconnect", self.url.host, self.url.port,
+                        reason_code)
         self._connected.clear()
+        if not self._closing:
+            self._failover(client)
+
+    def _on_connect_fail(self, client, userdata) -> None:
+        self._failover(client)
+
+    def _failover(self, client) -> None:
+        """Point paho's next automatic reconnect at the next broker node (clusters only)."""
+        if len(self.nodes) < 2:
+            return
+        node = self._next_node()
+        # paho's own reconnect (its network loop, right after this callback) then dials the new node,
+        # keeping the session's queued and in-flight QoS 1 messages
+        client.connect_async(node.host, node.port, keepalive=self.keepalive_s, **self._connect_kwargs)
+        log.info("%s: reconnecting to broker node %s:%d", self.client_id, node.host, node.port)
 
     def _on_message(self, client, userdata, msg) -> None:
         props = {}
@@ -373,25 +453,52 @@ class Transport:
         self._subs[topic] = qos
         if self._client is None or not self.connected:
             return timeout is None
-        _, mid = self._client.subscribe(topic, qos=qos)
+        mid = self._send_subscribe(self._client, topic, qos)
         if timeout is None:
             return True
         with self._suback:
             ok = self._suback.wait_for(lambda: mid in self._subacked, timeout)
             self._subacked.discard(mid)
-        return ok
+        return ok and topic not in self._sub_failed
+
+    def _send_subscribe(self, client, topic: str, qos: int) -> int:
+        _, mid = client.subscribe(topic, qos=qos)
+        with self._suback:
+            self._sub_pending[mid] = topic
+            if len(self._sub_pending) > 4096:  # SUBACKs that never came (a lost connection)
+                self._sub_pending = {mid: topic}
+        return mid
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        failed = any(getattr(rc, "is_failure", False) for rc in reason_codes or ())
         with self._suback:
+            topic = self._sub_pending.pop(mid, None)
+            if topic is not None:
+                (self._sub_failed.add if failed else self._sub_failed.discard)(topic)
+                (self._sub_done.discard if failed else self._sub_done.add)(topic)
             self._subacked.add(mid)
             if len(self._subacked) > 4096:  # acks nobody waits for
                 self._subacked.clear()
                 self._subacked.add(mid)
             self._suback.notify_all()
+        if failed and topic is not None and topic in self._subs:
+            # a clustered broker refuses while it moves a session to another node (NATS: the
+            # durable consumer behind the subscription is not placed yet): ask again shortly
+            self._sub_log.log(topic, logging.WARNING, "broker refused the subscription to %s; retrying in %.0f s",
+                              clip(topic), SUBSCRIBE_RETRY_S)
+            timer = threading.Timer(SUBSCRIBE_RETRY_S, self._resubscribe, (topic,))
+            timer.daemon = True
+            timer.start()
+
+    def _resubscribe(self, topic: str) -> None:
+        client = self._client
+        if client is not None and not self._closing and topic in self._subs and self.connected:
+            self._send_subscribe(client, topic, self._subs[topic])
 
     def unsubscribe(self, topic: str) -> None:
         """Stop receiving ``topic`` (and no longer resubscribe it after a reconnect)."""
         self._subs.pop(topic, None)
+        self._sub_done.discard(topic)
         if self._client is not None and self.connected:
             self._client.unsubscribe(topic)
 

@@ -1,0 +1,100 @@
+"""The clustered broker (issue 16): a 3-node NATS cluster with its MQTT gateway, started on
+free loopback ports (``fedmoe.natscluster``); devices and the aggregator name every node
+and move to another when theirs dies, with nothing lost."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+from fedmoe.natscluster import NatsCluster
+from protocol.transport import Transport
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (shutil.which("nats-server") or shutil.which("/usr/sbin/nats-server")),
+                                 reason="no nats-server binary (Debian package nats-server)")]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with NatsCluster(tmp_path / "nats") as c:
+        yield c
+
+
+def test_a_persistent_session_and_its_queued_messages_move_to_another_node(cluster):
+    agg = Transport(cluster.url, "agg-session", protocol="3.1.1", clean_start="first_only", manual_ack=False)
+    agg.connect()
+    assert agg.subscribe("fl/v1/t/dev/+/up/#", qos=1, timeout=20)
+    first = agg.url.port
+    cluster.kill(cluster.node_of(first))  # the aggregator's node dies; devices publish meanwhile
+    devs = [Transport(cluster.url, f"dev-{i}", protocol="3.1.1").connect(timeout=30) for i in range(4)]
+    assert all(d.url.port != first for d in devs)  # nobody is left on the dead node
+    sent = []
+    for i, d in enumerate(devs):
+        for j in range(5):
+            payload = f"{i}-{j}".encode()
+            d.publish(f"fl/v1/t/dev/d{i}/up/update", payload, qos=1, timeout=30)
+            sent.append(payload)
+    devs[0].publish("fl/v1/t/dev/d0/up/hello", b"hello", qos=1, retain=True, timeout=30)
+    got, deadline = [], time.time() + 60
+    while len(got) < len(sent) + 1 and time.time() < deadline:
+        m = agg.get(0.5)
+        if m is not None:
+            got.append(m.payload)
+    assert agg.url.port != first and agg.reconnects >= 1 and agg.session_present
+    assert sorted(got) == sorted(sent + [b"hello"])  # every QoS 1 message once, none lost
+    # the retained message is there for a client of any surviving node
+    for url in [u for u in cluster.urls if not u.endswith(f":{first}")]:
+        late = Transport(url, f"late-{url[-5:]}", protocol="3.1.1").connect(timeout=30)
+        assert late.subscribe("fl/v1/t/dev/+/up/hello", qos=1, timeout=20)
+        m = late.get(20)
+        assert m is not None and m.payload == b"hello" and m.retain
+        late.close()
+    for t in devs + [agg]:
+        t.close()
+
+
+def test_a_round_completes_when_a_broker_node_dies_mid_round(cluster, tmp_path):
+    """Devices spread over the nodes; the node holding the aggregator's session and some of
+    the devices is SIGKILLed once round 1 is under way; they reconnect to other nodes and
+    both rounds complete with every device's update."""
+    from tests.federation import Federation
+
+    fed = Federation(cluster.url, str(tmp_path), protocol="3.1.1", rounds=2, experts=(2, 4, 4, 2),
+                     round_timeout_s=120, config_kw={"round_timeout_s": 120.0})
+    killed = {}
+
+    def kill_mid_round(f):
+        deadline = time.time() + 120
+        while f.aggregator.engine.current is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert f.aggregator.engine.current is not None, "round 1 never started"
+        port = f.aggregator.transport.url.port
+        killed["port"] = port
+        killed["devices"] = [c.device_id for c in f.clients if c.transport.url.port == port]
+        cluster.kill(cluster.node_of(port))
+
+    records = fed.run(kill_mid_round, timeout=400)
+    assert [r["round"] for r in records] == [1, 2]
+    everyone = sorted(c.device_id for c in fed.clients)
+    for r in records:
+        assert sorted(r["devices"]) == everyone and not r["failures"], (r["failures"], r["excluded"])
+    assert killed["devices"]  # dev0..dev3 hash to nodes 2, 0, 1, 0: every node holds a device
+    assert fed.aggregator.transport.url.port != killed["port"]
+    for c in fed.clients:
+        assert c.transport.url.port != killed["port"]
+        if c.device_id in killed["devices"]:
+            assert c.transport.reconnects >= 1
+
+
+def test_the_shipped_node_configuration_is_the_one_the_tests_run():
+    from pathlib import Path
+
+    from fedmoe.natscluster import node_config
+
+    shipped = (Path(__file__).parents[1] / "examples/deploy/nats/node.conf").read_text()
+    body = shipped[shipped.index("# One node"):]
+    assert body == node_config("nats-1", "0.0.0.0", 4222, 8222, 6222, 1883,
+                               ["nats-1:6222", "nats-2:6222", "nats-3:6222"], "/var/lib/nats-server/jetstream")
