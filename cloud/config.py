@@ -127,6 +127,10 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     shard_dir: str | None = None
     """Directory the aggregator writes the content-addressed shard files to (required with
     ``shard_url``)."""
+    metrics: str | None = Field(None, max_length=300, pattern=r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]*):\d{1,5}$")
+    """``HOST:PORT`` for the Prometheus ``/metrics`` and the ``/healthz``/``/readyz``
+    endpoints (``cloud.observability``; port 0: a free one); e.g. ``127.0.0.1:9464``.
+    None (default): not served. Bind to loopback unless a scraper elsewhere needs it."""
 
     @model_validator(mode="after")
     def _shards_over_http(self) -> "AggregatorConfig":

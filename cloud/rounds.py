@@ -224,6 +224,8 @@ class RoundEngine:
         """Failed notice publishes are logged rate-limited (a broker outage must not flood the log)."""
         self.plan_error: str | None = None
         """Why the strategy could not configure the waiting round (it raised), if so."""
+        self.persist_seconds: float | None = None
+        """How long persisting the last closed round took (seconds)."""
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any]:
@@ -924,6 +926,11 @@ class RoundEngine:
         }
 
     def _persist(self, record: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        self._persist_state(record)
+        self.persist_seconds = time.perf_counter() - t0
+
+    def _persist_state(self, record: dict[str, Any]) -> None:
         self.store.put_blob("global_state", encode_tensors(self.model.state, "fp32"))
         self.store.put_blob("strategy_tensors", encode_tensors(self.model.owned, "fp32"))
         self.store.put_json("strategy_state", self.strategy.state_dict())

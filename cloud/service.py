@@ -49,6 +49,7 @@ from protocol.transport import Transport, TlsConfig
 from .config import AggregatorConfig, FederationSettings, StrategyConfig, TaskConfig  # noqa: F401  (re-exported)
 from .filters import InboundFilter, Verification
 from .global_model import GlobalModel
+from .observability import AggregatorMetrics, parse_address
 from .registry import Registry
 from .robust.defences import Defences
 from .rounds import RoundEngine, RoundSettings
@@ -141,6 +142,10 @@ class Aggregator:
         self.initial: dict[str, Any] | None = self.store.get_json("initial_evaluation")
         self._stop = threading.Event()
         self.ready = threading.Event()
+        self.metrics = AggregatorMetrics(self) if config.metrics else None
+        """The operator endpoints (``config.metrics``; :mod:`cloud.observability`)."""
+        self.metrics_port: int | None = None
+        """The port they listen on while :meth:`run` runs."""
         """Set once :meth:`run` subscribed to the devices' uplink: a message a device
         publishes earlier and does not retain (``hello`` is retained) is not seen."""
         self.rejected = 0
@@ -204,6 +209,8 @@ class Aggregator:
         flood never waits on PUBACK round trips. It names what it refers to: the message
         ``kind``, its ``round`` and the update's ``upload_id`` where known."""
         self.rejected += 1
+        if self.metrics is not None:
+            self.metrics.on_reject(reason)
         known = self.registry.get(device_id) is not None
         key = _reason_key(reason, known)
         self._reject_log.log(key, logging.WARNING, "rejected message from %s (round %s): %s", clip(device_id), round_,
@@ -229,9 +236,13 @@ class Aggregator:
         rate-limited under ``key`` (a reason class, never an id or topic)."""
         self.rejected += 1
         self.dropped += 1
+        if self.metrics is not None:
+            self.metrics.on_reject(key)
         self._reject_log.log(key, logging.WARNING, msg, *args)
 
     def _progress(self, event: str, round_: int, detail: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.on_progress(event, round_, detail)
         try:
             msg = Progress(event=event, round=round_, rounds=self.cfg.rounds, detail=detail)
             self.transport.publish(self.topics.progress(), encode(msg), timeout=10)
@@ -257,6 +268,8 @@ class Aggregator:
                 the strategy) for ``start_timeout_s``.
         """
         self.transport.connect()
+        if self.metrics is not None and self.metrics_port is None:
+            self.metrics_port = self.metrics.serve(*parse_address(self.cfg.metrics))
         up = self.topics.all_up()
         if not self.transport.subscribe(up, timeout=30):
             log.warning("no SUBACK for the devices' uplink within 30 s; going on (paho resubscribes on reconnect)")
@@ -293,7 +306,9 @@ class Aggregator:
                 while not self._stop.is_set() and not self.engine.should_close():
                     self._pump(0.2)
                 if self.engine.current is not None and not self._stop.is_set():
-                    self.engine.close_round()
+                    record = self.engine.close_round()
+                    if self.metrics is not None:
+                        self.metrics.on_record(record, self.engine.persist_seconds)
                     self.updates = Reassembler(self.cfg.max_update_bytes)
                     self.store.delete_prefix("chunks/")
                     if self.verification is not None:
@@ -309,6 +324,9 @@ class Aggregator:
             if self.cfg.clear_retained_on_exit:
                 self._clear_retained()
             self.transport.close(end_session=finished)
+            if self.metrics is not None:
+                self.metrics.stop()
+                self.metrics_port = None
             self.store.close()
 
     def _resume(self) -> None:

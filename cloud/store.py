@@ -214,6 +214,16 @@ class Store:
         """Delete every row (tests, ``--fresh``)."""
         self._exec(*(delete(t) for t in _META.sorted_tables))
 
+    def ping(self) -> None:
+        """One round trip to the database (readiness checks).
+
+        Raises:
+            StoreError: the database does not answer.
+        """
+        from sqlalchemy import text
+
+        self._exec(text("SELECT 1"))
+
     def close(self) -> None:
         """Close the database connections (an in-memory store is gone; driver errors while closing are ignored)."""
         with self._lock:

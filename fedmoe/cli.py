@@ -175,6 +175,16 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    from .status import status_text
+
+    try:
+        print(status_text(args.store, max(1, args.rounds)), end="")
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
 def _provision(args: argparse.Namespace) -> int:
     from .provision import provision
 
@@ -232,11 +242,13 @@ def _aggregator_options() -> dict:
 
     return {"store": Option("store", "store URL (overrides the config)"), "rounds": Option("rounds"),
             "device_keys": Option("device_keys", "device_keys.json from `fedmoe provision`: require signed updates"),
+            "metrics": Option("metrics", "HOST:PORT for Prometheus /metrics, /healthz and /readyz (port 0: a free "
+                                         "one)"),
             **schema_options(BrokerSettings)}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, provision, upcycle,
+    """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, status, provision, upcycle,
     each with ``func`` set to its handler. The options of simulate, aggregator and device
     are generated from their config schemas (``fedmoe.options``)."""
     from cloud.config import AggregatorConfig
@@ -279,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--task", help="task head to export (default: the config's first task)")
     x.add_argument("--device", help="export this device's last assigned sub-MoE instead of the global MoE")
     x.set_defaults(func=_export)
+
+    st = sub.add_parser("status", help="print the device and round tables from an aggregator's store",
+                        description="Works while the aggregator runs and after it stopped (reads its store only).")
+    st.add_argument("--store", required=True, help="the aggregator's store URL (sqlite:///path or postgresql://...)")
+    st.add_argument("--rounds", type=int, default=20, help="show the last N rounds (default 20)")
+    st.set_defaults(func=_status)
 
     v = sub.add_parser("provision", help="create device credentials, signing keys, broker password file, ACL, TLS")
     v.add_argument("--out", required=True, help="deployment secrets directory (created or extended)")
