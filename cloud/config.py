@@ -131,6 +131,22 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     """``HOST:PORT`` for the Prometheus ``/metrics`` and the ``/healthz``/``/readyz``
     endpoints (``cloud.observability``; port 0: a free one); e.g. ``127.0.0.1:9464``.
     None (default): not served. Bind to loopback unless a scraper elsewhere needs it."""
+    dashboard: str | None = Field(None, max_length=300, pattern=r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]*):\d{1,5}$")
+    """``HOST:PORT`` of the live, read-only dashboard (``cloud.dashboard``; port 0: a free
+    one), e.g. ``127.0.0.1:8080``. None (default): not served. Bind to loopback unless
+    ``dashboard_token`` is set."""
+    dashboard_token: str | None = Field(None, min_length=16, max_length=256)
+    """A secret every dashboard request must carry (``Authorization: Bearer``, or the
+    password of HTTP basic auth); at least 16 characters."""
+
+    @model_validator(mode="after")
+    def _dashboard_exposed(self) -> "AggregatorConfig":
+        if self.dashboard and not self.dashboard_token:
+            host = self.dashboard.rpartition(":")[0].strip("[]")
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                raise ValueError(f"dashboard {self.dashboard!r} listens beyond loopback without a dashboard_token: "
+                                 f"set one (or bind to 127.0.0.1)")
+        return self
 
     @model_validator(mode="after")
     def _shards_over_http(self) -> "AggregatorConfig":

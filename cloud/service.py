@@ -48,6 +48,7 @@ from protocol.transport import Transport, TlsConfig
 
 from .config import AggregatorConfig, FederationSettings, StrategyConfig, TaskConfig  # noqa: F401  (re-exported)
 from .filters import InboundFilter, Verification
+from .dashboard import Dashboard
 from .global_model import GlobalModel
 from .observability import AggregatorMetrics, parse_address
 from .registry import Registry
@@ -146,6 +147,10 @@ class Aggregator:
         """The operator endpoints (``config.metrics``; :mod:`cloud.observability`)."""
         self.metrics_port: int | None = None
         """The port they listen on while :meth:`run` runs."""
+        self.dashboard = Dashboard(self, config.dashboard_token) if config.dashboard else None
+        """The live dashboard (``config.dashboard``; :mod:`cloud.dashboard`)."""
+        self.dashboard_port: int | None = None
+        """The port it listens on while :meth:`run` runs."""
         """Set once :meth:`run` subscribed to the devices' uplink: a message a device
         publishes earlier and does not retain (``hello`` is retained) is not seen."""
         self.rejected = 0
@@ -270,6 +275,8 @@ class Aggregator:
         self.transport.connect()
         if self.metrics is not None and self.metrics_port is None:
             self.metrics_port = self.metrics.serve(*parse_address(self.cfg.metrics))
+        if self.dashboard is not None and self.dashboard_port is None:
+            self.dashboard_port = self.dashboard.serve(*parse_address(self.cfg.dashboard))
         up = self.topics.all_up()
         if not self.transport.subscribe(up, timeout=30):
             log.warning("no SUBACK for the devices' uplink within 30 s; going on (paho resubscribes on reconnect)")
@@ -327,6 +334,9 @@ class Aggregator:
             if self.metrics is not None:
                 self.metrics.stop()
                 self.metrics_port = None
+            if self.dashboard is not None:
+                self.dashboard.stop()
+                self.dashboard_port = None
             self.store.close()
 
     def _resume(self) -> None:

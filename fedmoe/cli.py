@@ -244,6 +244,9 @@ def _aggregator_options() -> dict:
             "device_keys": Option("device_keys", "device_keys.json from `fedmoe provision`: require signed updates"),
             "metrics": Option("metrics", "HOST:PORT for Prometheus /metrics, /healthz and /readyz (port 0: a free "
                                          "one)"),
+            "dashboard": Option("dashboard", "HOST:PORT of the live read-only dashboard (port 0: a free one)"),
+            "dashboard_token": Option("dashboard_token", "secret the dashboard requires (Bearer or basic-auth "
+                                                         "password); needed beyond loopback"),
             **schema_options(BrokerSettings)}
 
 

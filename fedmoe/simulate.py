@@ -119,6 +119,10 @@ OPTIONS: dict[str, Option] = {
                                                  "(fp16/bf16 halve the download, int8 quarters it, nf4 ~7x)"),
     "device_memory_limit": Option("device_memory_limit", "run each device in a memory cgroup whose hard limit is "
                                                          "its budget; the report counts OOM kills", switch=True),
+    "dashboard": Option("dashboard", "HOST:PORT of the aggregator's live dashboard (e.g. "
+                                                      "127.0.0.1:8080; cloud.dashboard)"),
+    "metrics": Option("metrics", "HOST:PORT of the aggregator's Prometheus /metrics, /healthz, "
+                                                  "/readyz"),
 }
 """The ``fedmoe simulate`` options: ``--NAME`` (``_`` as ``-``) sets the field at the
 option's path; ``SimulationConfig(NAME=...)`` does the same (:data:`ALIASES`)."""
@@ -247,6 +251,10 @@ class SimulationConfig(FederationSettings):
     a phone or container enforces one (:mod:`fedmoe.cgroups`); the report's
     ``device_cgroups`` gives each device's OOM kills and peak charge. Fails fast where no
     memory cgroup can be created."""
+    dashboard: str | None = None
+    """``HOST:PORT`` of the aggregator's live dashboard (:attr:`AggregatorConfig.dashboard`)."""
+    metrics: str | None = None
+    """``HOST:PORT`` of the aggregator's metrics and health endpoints (:attr:`AggregatorConfig.metrics`)."""
     extra_aggregator: dict[str, Any] = Field(default_factory=dict)
     """Further aggregator-config keys (merged last; checked as an :class:`AggregatorConfig`)."""
 
@@ -607,6 +615,7 @@ def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation:
     shared = cfg.model_dump(mode="json", include=set(FederationSettings.model_fields), exclude_unset=True)
     out = {"federation": federation, **shared, "tasks": tasks, "min_devices": cfg.devices, "start_timeout_s": 900,
            "store": store, "stop_devices_when_done": True, "clear_retained_on_exit": True}
+    out.update({k: v for k in ("dashboard", "metrics") if (v := getattr(cfg, k)) is not None})
     out.update(cfg.extra_aggregator)
     return out
 

@@ -50,10 +50,14 @@ def test_metrics_address_is_checked():
     assert parse_address("[::1]:9464") == ("::1", 9464)
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_address("localhost")
-    with pytest.raises(ValueError):
-        AggregatorConfig(metrics="127.0.0.1")
-    with pytest.raises(ValueError):
-        AggregatorConfig(metrics="127.0.0.1:99999x")
+    from cloud.config import TaskConfig
+
+    TASKS = {"bbc": TaskConfig(labels=["a", "b"])}
+    assert AggregatorConfig(tasks=TASKS, metrics="[::1]:9464").metrics == "[::1]:9464"
+    with pytest.raises(ValueError, match="metrics"):
+        AggregatorConfig(tasks=TASKS, metrics="127.0.0.1")
+    with pytest.raises(ValueError, match="metrics"):
+        AggregatorConfig(tasks=TASKS, metrics="127.0.0.1:99999x")
 
 
 @pytest.mark.slow

@@ -1,0 +1,187 @@
+"""The aggregator's live dashboard (issue 17): a read-only page and its JSON.
+
+``fedmoe aggregator --dashboard HOST:PORT`` serves (standard-library WSGI, one thread per
+request; the page's HTML, JS and CSS ship in ``cloud/dashboard_static/``, nothing is fetched
+from elsewhere):
+
+- ``/``: the page; it polls ``/api/state`` every 2 s and draws the rounds (accuracy, loss
+  or perplexity, and bytes curves), the device table, the expert-load heatmap of every MoE
+  layer (rounds x experts, tokens routed), the strategy with its parameters, and alerts.
+- ``/api/state``: :func:`state` as JSON, read from the store (what ``fedmoe status``
+  prints) plus the service's live view (who is online now, the open round).
+
+Read-only: only GET and HEAD are answered. With ``dashboard_token`` set, every request
+needs it, as ``Authorization: Bearer <token>`` or as the password of HTTP basic auth (any
+user name: a browser asks once); compared in constant time.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+import math
+import threading
+from importlib import resources
+from typing import Any, Callable
+
+from .observability import _QuietHandler, _ThreadingServer
+
+log = logging.getLogger(__name__)
+
+STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/app.js": ("app.js", "text/javascript; charset=utf-8"),
+          "/style.css": ("style.css", "text/css; charset=utf-8")}
+"""Path -> (file in ``cloud/dashboard_static``, content type)."""
+MAX_ROUNDS = 200
+"""Rounds the page gets (the latest)."""
+
+
+def _peak(d: dict) -> int | None:
+    return d.get("peak_bytes") or d.get("peak_footprint_bytes") or d.get("peak_rss_bytes")
+
+
+def state(store: Any, registry: Any = None, engine: Any = None, strategy: dict | None = None,
+          federation: str = "") -> dict[str, Any]:
+    """What the page shows, from the store (and the live service where given).
+
+    Returns:
+        ``{"federation", "strategy": {name, params}, "rounds": [{round, status, accuracy,
+        loss, perplexity, bytes_up, bytes_down, seconds, reported, selected, excluded, cv}],
+        "devices": [{device_id, task, online, budget_bytes, baseline_bytes, experts_held,
+        peak_bytes, last_round, excluded}], "heatmap": {layer: {"rounds": [r...], "load":
+        [[tokens per expert] per round]}}, "alerts": [str], "current_round": int | None}``
+        (bytes in bytes, seconds in seconds).
+    """
+    devices, records = store.devices(), store.rounds()[-MAX_ROUNDS:]
+    live = {d.device_id: d.online for d in registry.devices.values()} if registry is not None else {}
+    last_seen: dict[str, dict] = {}
+    rounds, heat, alerts = [], {}, []
+    for r in records:
+        for d, v in (r.get("devices") or {}).items():
+            last_seen[d] = {**v, "round": r["round"]}
+            peak, budget = _peak(v), v.get("budget_bytes")
+            if peak and budget and peak > budget:
+                alerts.append(f"round {r['round']}: {d} over budget ({peak / 2**20:.0f} of {budget / 2**20:.0f} MiB)")
+        if r.get("status", "ok") != "ok":
+            alerts.append(f"round {r['round']}: {r.get('status')}" + (f" ({r['error']})" if r.get("error") else ""))
+        rounds.append({"round": r["round"], "status": r.get("status", "ok"), "accuracy": r.get("accuracy"),
+                       "loss": r.get("loss"), "perplexity": r.get("perplexity"), "bytes_up": r.get("bytes_up"),
+                       "bytes_down": r.get("bytes_down"), "seconds": r.get("seconds"),
+                       "reported": len(r.get("devices") or {}), "selected": len(r.get("selected") or []),
+                       "excluded": r.get("excluded") or {}, "cv": r.get("cv")})
+        for layer, load in (r.get("expert_load") or {}).items():
+            h = heat.setdefault(str(layer), {"rounds": [], "load": []})
+            h["rounds"].append(r["round"])
+            h["load"].append([float(x) for x in load])
+    excluded = (records[-1].get("excluded") or {}) if records else {}
+    table = []
+    for d, info in sorted(devices.items()):
+        seen = last_seen.get(d, {})
+        table.append({"device_id": d, "task": info.get("task"), "online": live.get(d, bool(info.get("online"))),
+                      "budget_bytes": info.get("budget_bytes"), "baseline_bytes": info.get("runtime_bytes"),
+                      "experts_held": sum(len(e) for e in (seen.get("experts") or {}).values()) if seen else None,
+                      "peak_bytes": _peak(seen) if seen else None, "last_round": seen.get("round"),
+                      "excluded": excluded.get(d)})
+    current = getattr(getattr(engine, "current", None), "number", None) if engine is not None else None
+    return {"federation": federation, "strategy": strategy or {}, "rounds": rounds, "devices": table,
+            "heatmap": heat, "alerts": alerts[-50:], "current_round": current}
+
+
+class Dashboard:
+    """The dashboard of one aggregator (``cloud.service.Aggregator``).
+
+    Args:
+        service: read at request time (store, registry, engine, config).
+        token: required of every request when set (see the module docstring).
+    """
+
+    def __init__(self, service: Any, token: str | None = None):
+        self.service, self.token = service, token
+        self._server = None
+        self._lock = threading.Lock()
+
+    def state(self) -> dict[str, Any]:
+        """:func:`state` of the service."""
+        s, cfg = self.service, self.service.cfg
+        strategy = {"name": cfg.strategy.name, "params": cfg.strategy.params,
+                    "assignment": cfg.assignment.name, "aggregation": cfg.aggregation.name}
+        with self._lock:  # one store read at a time, whatever the number of open pages
+            return state(s.store, s.registry, s.engine, strategy, cfg.federation)
+
+    def _authorised(self, environ: dict) -> bool:
+        if not self.token:
+            return True
+        header = environ.get("HTTP_AUTHORIZATION", "")
+        scheme, _, value = header.partition(" ")
+        given = ""
+        if scheme.lower() == "bearer":
+            given = value.strip()
+        elif scheme.lower() == "basic":
+            try:
+                given = base64.b64decode(value.strip(), validate=True).decode("utf-8", "replace").partition(":")[2]
+            except (binascii.Error, ValueError):
+                given = ""
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    def app(self, environ: dict, start_response: Callable) -> list[bytes]:
+        """The WSGI application (see the module docstring)."""
+        method, path = environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO", "/")
+        if method not in ("GET", "HEAD"):
+            return _send(start_response, "405 Method Not Allowed", b"read-only\n", "text/plain", [("Allow", "GET")])
+        if not self._authorised(environ):
+            return _send(start_response, "401 Unauthorized", b"token required\n", "text/plain",
+                         [("WWW-Authenticate", 'Basic realm="fedmoe"')])
+        if path == "/api/state":
+            try:
+                body = json.dumps(_finite(self.state()), allow_nan=False, default=str).encode()
+            except Exception as e:  # a store hiccup must not take the page down: say so, keep serving
+                log.warning("dashboard state failed: %s", str(e)[:200])
+                return _send(start_response, "503 Service Unavailable", str(e)[:200].encode(), "text/plain")
+            return _send(start_response, "200 OK", body, "application/json", head=method == "HEAD")
+        if path in STATIC:
+            name, ctype = STATIC[path]
+            data = resources.files("cloud").joinpath("dashboard_static", name).read_bytes()
+            return _send(start_response, "200 OK", data, ctype, head=method == "HEAD")
+        return _send(start_response, "404 Not Found", b"not found\n", "text/plain")
+
+    def serve(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port) in a daemon thread; returns the port.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        from wsgiref.simple_server import make_server
+
+        self._server = make_server(host, port, self.app, _ThreadingServer, handler_class=_QuietHandler)
+        threading.Thread(target=self._server.serve_forever, name="fedmoe-dashboard", daemon=True).start()
+        bound = self._server.server_address[1]
+        log.info("dashboard on http://%s:%d/%s", host, bound, " (token required)" if self.token else "")
+        return bound
+
+    def stop(self) -> None:
+        """Stop listening."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def _finite(x: Any) -> Any:
+    """``x`` with every non-finite float replaced by None (JSON has no NaN)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _send(start_response: Callable, status: str, body: bytes, ctype: str, extra: list | None = None,
+          head: bool = False) -> list[bytes]:
+    start_response(status, [("Content-Type", ctype), ("Content-Length", str(len(body))),
+                            ("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff"),
+                            ("Content-Security-Policy", "default-src 'self'"), *(extra or [])])
+    return [] if head else [body]
