@@ -300,8 +300,6 @@ class EdgeClient:
             protocol.transport.TransportError: the broker cannot be reached.
         """
         self.transport.connect()
-        if any(isinstance(f, Signing) for f in self.filters) and not self.transport.v5:
-            log.warning("%s: MQTT 3.1.1 has no user properties; signatures cannot be sent", self.device_id)
         self.transport.subscribe(self.topics.device_down(self.device_id))
         status = encode(Status(device_id=self.device_id, state="online"))
         self.transport.publish(self.topics.up(self.device_id, "status"), status, retain=True)

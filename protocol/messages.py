@@ -32,7 +32,7 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 6
+PROTOCOL_MINOR = 7
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
@@ -48,7 +48,10 @@ fp32); 5 added ``Stats.peak_footprint_bytes`` and made a device's memory figures
 (``Hello.runtime_bytes``, ``Stats.baseline_rss_bytes``, ``Stats.predicted_peak_bytes``)
 footprint, not RSS (anonymous + shared + swapped memory: what an OS limit enforces); 6 added
 ``ShardManifest.url`` (a shard fetched over HTTP(S) by range requests, verified by its
-sha256), sent only to devices of minor 6 or later. A peer ignores unknown fields and
+sha256), sent only to devices of minor 6 or later; 7 carries user properties (signatures)
+over MQTT 3.1.1 in a payload envelope (``protocol.envelope``) that every receiver opens (an
+aggregator older than minor 7 refuses such a message as malformed, as it refused it as
+unsigned before). A peer ignores unknown fields and
 unknown commands of a newer minor version, so the cloud sends objectives and extra
 tensors only to devices that announced minor 2 or later (an older device would silently
 train without them) and the evaluation term only to minor 3 or later."""

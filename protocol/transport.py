@@ -4,6 +4,8 @@ What it adds to paho (see DESIGN.md "Known pitfalls"):
 
 - MQTT 5 by default, falling back to 3.1.1 when the broker refuses v5 (the embedded
   amqtt broker speaks 3.1.1 only); ``protocol="5"`` or ``"3.1.1"`` forces one.
+- User properties (signatures) travel as MQTT 5 properties or, over MQTT 3.1.1, in a
+  payload envelope (:mod:`protocol.envelope`) that every receiver opens.
 - Publish results are checked: a QoS 1 publish the broker refused (reason code in
   PUBACK) raises :class:`PublishError` instead of passing silently.
 - The broker's Maximum Packet Size from CONNACK is honoured when chunking.
@@ -44,6 +46,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from . import envelope
 from .chunking import DEFAULT_CHUNK_BYTES, split_blob
 from .logsafe import LogLimiter, clip
 from .messages import BlobRef
@@ -394,8 +397,11 @@ class Transport:
         if msg.properties is not None and hasattr(msg.properties, "UserProperty"):
             props = dict(msg.properties.UserProperty)
         self.bytes_received += publish_packet_bytes(msg.topic, len(msg.payload), msg.qos, self.v5)
+        payload = bytes(msg.payload)
+        if payload.startswith(envelope.MAGIC) and (opened := envelope.unwrap(payload)) is not None:
+            payload, props = opened[0], {**opened[1], **props}  # sent over MQTT 3.1.1 (protocol.envelope)
         try:
-            self.inbox.put_nowait(Incoming(msg.topic, bytes(msg.payload), bool(msg.retain), props, msg.mid, msg.qos,
+            self.inbox.put_nowait(Incoming(msg.topic, payload, bool(msg.retain), props, msg.mid, msg.qos,
                                            self._generation))
         except queue.Full:
             self.dropped += 1
@@ -591,8 +597,11 @@ class Transport:
             raise PublishError("transport is not connected")
         deadline = time.monotonic() + timeout
         props, props_len = self._props(user_properties)
+        wrapped = bool(user_properties) and not self.v5  # MQTT 3.1.1: the properties travel in an envelope
         window: deque = deque()
         for topic, payload, retain in items:
+            if wrapped:
+                payload = envelope.wrap(payload, user_properties)
             while len(window) >= self.max_inflight:
                 self._finish(window.popleft(), deadline)
             info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)

@@ -56,14 +56,17 @@ def test_a_persistent_session_and_its_queued_messages_move_to_another_node(clust
         t.close()
 
 
-def test_a_round_completes_when_a_broker_node_dies_mid_round(cluster, tmp_path):
-    """Devices spread over the nodes; the node holding the aggregator's session and some of
-    the devices is SIGKILLed once round 1 is under way; they reconnect to other nodes and
-    both rounds complete with every device's update."""
+def test_a_signed_round_completes_when_a_broker_node_dies_mid_round(cluster, tmp_path):
+    """Devices spread over the nodes and sign their updates (Ed25519, carried over MQTT
+    3.1.1 in protocol.envelope); the node holding the aggregator's session and some of the
+    devices is SIGKILLed once round 1 is under way; they reconnect to other nodes and both
+    rounds complete with every device's signed update and no rejection."""
+    from fedmoe.provision import provision
     from tests.federation import Federation
 
+    secure = provision(tmp_path / "secrets", [f"dev{i}" for i in range(4)], broker_user=None)
     fed = Federation(cluster.url, str(tmp_path), protocol="3.1.1", rounds=2, experts=(2, 4, 4, 2),
-                     round_timeout_s=120, config_kw={"round_timeout_s": 120.0})
+                     round_timeout_s=120, config_kw={"round_timeout_s": 120.0}, secure=secure)
     killed = {}
 
     def kill_mid_round(f):
@@ -82,6 +85,7 @@ def test_a_round_completes_when_a_broker_node_dies_mid_round(cluster, tmp_path):
     for r in records:
         assert sorted(r["devices"]) == everyone and not r["failures"], (r["failures"], r["excluded"])
     assert killed["devices"]  # dev0..dev3 hash to nodes 2, 0, 1, 0: every node holds a device
+    assert fed.aggregator.verification is not None and fed.aggregator.rejected == 0
     assert fed.aggregator.transport.url.port != killed["port"]
     for c in fed.clients:
         assert c.transport.url.port != killed["port"]
