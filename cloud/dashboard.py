@@ -27,7 +27,7 @@ import threading
 from importlib import resources
 from typing import Any, Callable
 
-from .observability import _QuietHandler, _ThreadingServer
+from .observability import WsgiListener
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def state(store: Any, registry: Any = None, engine: Any = None, strategy: dict |
             "heatmap": heat, "alerts": alerts[-50:], "current_round": current}
 
 
-class Dashboard:
+class Dashboard(WsgiListener):
     """The dashboard of one aggregator (``cloud.service.Aggregator``).
 
     Args:
@@ -97,9 +97,10 @@ class Dashboard:
         token: required of every request when set (see the module docstring).
     """
 
+    name = "fedmoe-dashboard"
+
     def __init__(self, service: Any, token: str | None = None):
         self.service, self.token = service, token
-        self._server = None
         self._lock = threading.Lock()
 
     def state(self) -> dict[str, Any]:
@@ -145,27 +146,6 @@ class Dashboard:
             data = resources.files("cloud").joinpath("dashboard_static", name).read_bytes()
             return _send(start_response, "200 OK", data, ctype, head=method == "HEAD")
         return _send(start_response, "404 Not Found", b"not found\n", "text/plain")
-
-    def serve(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: a free port) in a daemon thread; returns the port.
-
-        Raises:
-            OSError: the address cannot be bound.
-        """
-        from wsgiref.simple_server import make_server
-
-        self._server = make_server(host, port, self.app, _ThreadingServer, handler_class=_QuietHandler)
-        threading.Thread(target=self._server.serve_forever, name="fedmoe-dashboard", daemon=True).start()
-        bound = self._server.server_address[1]
-        log.info("dashboard on http://%s:%d/%s", host, bound, " (token required)" if self.token else "")
-        return bound
-
-    def stop(self) -> None:
-        """Stop listening."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 def _finite(x: Any) -> Any:

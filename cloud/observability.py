@@ -89,13 +89,45 @@ class _Traffic:
             yield CounterMetricFamily(name, doc, value=float(getattr(t, attr, 0) or 0))
 
 
-class AggregatorMetrics:
+class WsgiListener:
+    """A WSGI application (:meth:`app`) served on one address from a daemon thread
+    (standard-library server, one thread per request, no request log)."""
+
+    name = "fedmoe-http"
+    _server: WSGIServer | None = None
+
+    def app(self, environ: dict, start_response: Callable) -> list[bytes]:
+        raise NotImplementedError
+
+    def serve(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port); returns the port.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        self._server = make_server(host, port, self.app, _ThreadingServer, handler_class=_QuietHandler)
+        threading.Thread(target=self._server.serve_forever, name=self.name, daemon=True).start()
+        bound = self._server.server_address[1]
+        log.info("%s on http://%s:%d/", self.name, host, bound)
+        return bound
+
+    def stop(self) -> None:
+        """Stop listening."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class AggregatorMetrics(WsgiListener):
     """The metrics of one aggregator (its own registry, so several can share a process).
 
     Args:
         service: the ``cloud.service.Aggregator`` (read at scrape time: registry,
             transport, store, engine).
     """
+
+    name = "fedmoe-metrics"
 
     def __init__(self, service: Any):
         self.service = service
@@ -132,7 +164,7 @@ class AggregatorMetrics:
                                                             "LM tasks)", ["task"], registry=r)
         self.round = Gauge("fedmoe_round", "The last round number opened", registry=r)
         self._reject_reasons, self._exclude_reasons = _Bounded(), _Bounded()
-        self._server: WSGIServer | None = None
+        self._metrics_app = make_wsgi_app(self.registry)
 
     # ------------------------------------------------------------------ events
     def on_progress(self, event: str, round_: int, detail: dict) -> None:
@@ -194,27 +226,6 @@ class AggregatorMetrics:
             ok, why = self.ready()
             return _text(start_response, "200 OK" if ok else "503 Service Unavailable", why)
         return _text(start_response, "404 Not Found", "not found: /metrics, /healthz, /readyz")
-
-    def serve(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: a free port) in a daemon thread; returns the port.
-
-        Raises:
-            OSError: the address cannot be bound.
-        """
-        self._metrics_app = make_wsgi_app(self.registry)
-        self._server = make_server(host, port, self.app, _ThreadingServer, handler_class=_QuietHandler)
-        threading.Thread(target=self._server.serve_forever, name="fedmoe-metrics", daemon=True).start()
-        bound = self._server.server_address[1]
-        log.info("metrics and health endpoints on http://%s:%d (/metrics, /healthz, /readyz)", host, bound)
-        return bound
-
-    def stop(self) -> None:
-        """Stop listening."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
 
 def _text(start_response: Callable, status: str, body: str) -> list[bytes]:
     data = (body + "\n").encode()

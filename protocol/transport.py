@@ -161,7 +161,8 @@ class Transport:
         will: (topic, payload) published retained by the broker if we vanish.
         clean_start: start a fresh session (False keeps subscriptions and queued
             QoS 1 messages across reconnects, with ``session_expiry_s``);
-            ``"first_only"``: fresh on the first connect, resumed on reconnects.
+            ``"first_only"``: fresh on the first connect, resumed on reconnects (on MQTT
+            3.1.1 only for a cluster: a single 3.1.1 broker gets a clean session each time).
         max_payload: largest payload we publish, in bytes (chunks are cut below it);
             lowered to the broker's Maximum Packet Size when CONNACK announces one.
         inbox_max: bound on queued received messages (excess is dropped and logged).
@@ -273,9 +274,11 @@ class Transport:
                 if not probing or "no CONNACK" not in str(e):
                     raise
                 rc = "no CONNACK to MQTT 5 CONNECT (protocol not supported?)"
-            if rc is None and not v5 and self.clean_start == "first_only":
+            if rc is None and not v5 and self.clean_start == "first_only" and len(self.nodes) > 1:
                 # MQTT 3.1.1 fixes clean-session per connection: the fresh start is done, now take a
-                # session the broker keeps, so a reconnect (another cluster node too) loses nothing
+                # session the cluster keeps, so moving to another node loses nothing. A single 3.1.1
+                # broker keeps clean sessions: 3.1.1 has no session expiry, and the embedded amqtt broker
+                # stalls broadcasting to an abandoned session's queue
                 self._client.disconnect()
                 self._client.loop_stop()
                 rc = self._connect_once(v5, timeout, clean=False)
