@@ -97,6 +97,7 @@ class WsgiListener:
     _server: WSGIServer | None = None
 
     def app(self, environ: dict, start_response: Callable) -> list[bytes]:
+        """The WSGI application to serve (a subclass's)."""
         raise NotImplementedError
 
     def serve(self, host: str, port: int) -> int:
