@@ -279,8 +279,10 @@ class Transport:
                 # session the cluster keeps, so moving to another node loses nothing. A single 3.1.1
                 # broker keeps clean sessions: 3.1.1 has no session expiry, and the embedded amqtt broker
                 # stalls broadcasting to an abandoned session's queue
+                self._closing = True  # a disconnect of our own: no failover to another node
                 self._client.disconnect()
                 self._client.loop_stop()
+                self._closing = False
                 rc = self._connect_once(v5, timeout, clean=False)
             if rc is None:
                 log.info("connected to %s:%d as %s (MQTT %s)", self.url.host, self.url.port, self.client_id,
