@@ -218,6 +218,8 @@ class EdgeClient:
                                 B.parse_bytes(cache_max) if cache_max else None)
         status_offline = encode(Status(device_id=device_id, state="offline"))
         kw = {"max_payload": max_payload} if max_payload else {}
+        if "," in broker:  # a cluster: keep the session (the down/# subscription and what is queued for it)
+            kw.update(clean_start="first_only", session_expiry_s=3600)  # when moving to another node
         self.transport = Transport(
             broker, f"dev-{device_id}", protocol=protocol, username=username or device_id, password=password,
             tls=tls, will=(self.topics.up(device_id, "status"), status_offline), **kw,

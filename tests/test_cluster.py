@@ -67,10 +67,17 @@ def test_a_signed_round_completes_when_a_broker_node_dies_mid_round(cluster, tmp
     rounds complete with every device's signed update and no rejection."""
     from fedmoe.provision import provision
     from tests.federation import Federation
+    from tests.test_http_shards import ShardServer
 
+    # base shards over HTTP, as at scale: retained shards would make every device subscribe to
+    # each of its shards, and a cluster that just lost a node refused such subscriptions for over
+    # a minute (NATS backs each with a JetStream consumer), past the round deadline
+    shards = ShardServer(tmp_path / "served")
+    shards.directory.mkdir()
     secure = provision(tmp_path / "secrets", [f"dev{i}" for i in range(4)], broker_user=None)
     fed = Federation(cluster.url, str(tmp_path), protocol="3.1.1", rounds=2, experts=(2, 4, 4, 2),
-                     round_timeout_s=120, config_kw={"round_timeout_s": 120.0}, secure=secure)
+                     round_timeout_s=120, secure=secure,
+                     config_kw={"round_timeout_s": 120.0, "shard_url": shards.url, "shard_dir": str(shards.directory)})
     killed = {}
 
     def kill_mid_round(f):
@@ -83,7 +90,10 @@ def test_a_signed_round_completes_when_a_broker_node_dies_mid_round(cluster, tmp
         killed["devices"] = [c.device_id for c in f.clients if c.transport.url.port == port]
         cluster.kill(cluster.node_of(port))
 
-    records = fed.run(kill_mid_round, timeout=400)
+    try:
+        records = fed.run(kill_mid_round, timeout=400)
+    finally:
+        shards.close()
     assert [r["round"] for r in records] == [1, 2]
     everyone = sorted(c.device_id for c in fed.clients)
     for r in records:
