@@ -36,7 +36,6 @@ numbers and quoted values blanked, at most :data:`MAX_REASONS` distinct, then ``
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from socketserver import ThreadingMixIn
@@ -46,21 +45,13 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily
 
+from protocol.logsafe import reason_class
+
 log = logging.getLogger(__name__)
 
 MAX_REASONS = 50
 """Distinct reason label values per series; later ones are counted as ``other``."""
-_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
-_NUMBER = re.compile(r"\d+(\.\d+)?")
 ROUND_SECONDS_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
-
-
-def reason_class(reason: str) -> str:
-    """A reason's class for a label: its first clause, quoted values and numbers blanked,
-    at most 80 characters (``"over budget: the memory plan needs 900 MiB"`` ->
-    ``"over budget"``)."""
-    head = str(reason)[:200].split(": ", 1)[0]
-    return _NUMBER.sub("N", _QUOTED.sub("'...'", head)).strip()[:80] or "unspecified"
 
 
 class _Bounded:

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 from moe_model.budget import tune_allocator
 from edge_sdk.data import encode_labels, load_text_file
 from protocol.chunking import MAGIC, MAX_HEADER, ChunkError, Reassembler, parse_chunk
-from protocol.logsafe import LogLimiter, RateLimiter, clip
+from protocol.logsafe import LogLimiter, RateLimiter, clip, reason_class
 from protocol.signing import SignatureError
 from protocol.messages import (
     MAX_CONTROL_BYTES, MAX_INT, Ack, Command, Hello, MessageError, Progress, Stats, Status, encode, parse_message,
@@ -562,8 +562,6 @@ class Aggregator:
             raise MessageError(f"device id {msg_id!r} in the message does not match the topic's {topic_id!r}")
 
 
-_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
-_NUMBER = re.compile(r"\d+")
 
 
 REFERS_SCAN_BYTES = 4096
@@ -603,6 +601,4 @@ def _reason_key(reason: str, known: bool) -> str:
     """A rejection's class for rate-limited logging: the reason's first two clauses with
     quoted values and numbers blanked, and whether the device is registered; e.g.
     ``stats rejected: not valid JSON (unknown device)``."""
-    head = ": ".join(reason[:200].split(": ", 2)[:2])
-    head = _NUMBER.sub("N", _QUOTED.sub("'...'", head))[:80]
-    return f"{head} ({'registered' if known else 'unknown'} device)"
+    return f"{reason_class(reason, 2)} ({'registered' if known else 'unknown'} device)"

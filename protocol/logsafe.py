@@ -14,6 +14,7 @@ each one floods the device it names. Both sides use these helpers:
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -162,3 +163,15 @@ class RateLimiter:
             while len(self._buckets) > self.max_keys:
                 self._buckets.popitem(last=False)
             return ok
+
+
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+_NUMBER = re.compile(r"\d+")
+
+
+def reason_class(reason: str, clauses: int = 1) -> str:
+    """A reason's class, for log de-duplication keys and metric labels: its first
+    ``clauses`` clauses (``": "``-separated) with quoted values and numbers blanked, at most
+    80 characters (``"over budget: the plan needs 900 MiB"`` -> ``"over budget"``)."""
+    head = ": ".join(str(reason)[:200].split(": ", clauses)[:clauses])
+    return _NUMBER.sub("N", _QUOTED.sub("'...'", head)).strip()[:80] or "unspecified"

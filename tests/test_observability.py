@@ -10,7 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cloud.config import AggregatorConfig
-from cloud.observability import MAX_REASONS, AggregatorMetrics, parse_address, reason_class
+from cloud.observability import MAX_REASONS, AggregatorMetrics, parse_address
+from protocol.logsafe import reason_class
 
 
 def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
