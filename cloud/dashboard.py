@@ -38,8 +38,11 @@ MAX_ROUNDS = 200
 """Rounds the page gets (the latest)."""
 
 
-def _peak(d: dict) -> int | None:
-    return d.get("peak_bytes") or d.get("peak_footprint_bytes") or d.get("peak_rss_bytes")
+def budget_peak(device: dict[str, Any]) -> int | None:
+    """A round record's entry for one device -> the peak (bytes) its budget is held
+    against: ``peak_bytes`` (the footprint from protocol 1.5 devices), or
+    ``peak_rss_bytes`` in records written before it; None when neither is there."""
+    return device.get("peak_bytes") or device.get("peak_rss_bytes")
 
 
 def state(store: Any, registry: Any = None, engine: Any = None, strategy: dict | None = None,
@@ -61,7 +64,7 @@ def state(store: Any, registry: Any = None, engine: Any = None, strategy: dict |
     for r in records:
         for d, v in (r.get("devices") or {}).items():
             last_seen[d] = {**v, "round": r["round"]}
-            peak, budget = _peak(v), v.get("budget_bytes")
+            peak, budget = budget_peak(v), v.get("budget_bytes")
             if peak and budget and peak > budget:
                 alerts.append(f"round {r['round']}: {d} over budget ({peak / 2**20:.0f} of {budget / 2**20:.0f} MiB)")
         if r.get("status", "ok") != "ok":
@@ -82,7 +85,7 @@ def state(store: Any, registry: Any = None, engine: Any = None, strategy: dict |
         table.append({"device_id": d, "task": info.get("task"), "online": live.get(d, bool(info.get("online"))),
                       "budget_bytes": info.get("budget_bytes"), "baseline_bytes": info.get("runtime_bytes"),
                       "experts_held": sum(len(e) for e in (seen.get("experts") or {}).values()) if seen else None,
-                      "peak_bytes": _peak(seen) if seen else None, "last_round": seen.get("round"),
+                      "peak_bytes": budget_peak(seen) if seen else None, "last_round": seen.get("round"),
                       "excluded": excluded.get(d)})
     current = getattr(getattr(engine, "current", None), "number", None) if engine is not None else None
     return {"federation": federation, "strategy": strategy or {}, "rounds": rounds, "devices": table,

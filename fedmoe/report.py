@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from cloud.dashboard import budget_peak  # noqa: F401  (re-exported: benchmarks use it)
+
 
 def _plt():
     import matplotlib
@@ -146,13 +148,6 @@ def table(report: dict[str, Any]) -> str:
     if notes:
         lines += ["devices left out:", *notes]
     return "\n".join(lines)
-
-
-def budget_peak(device: dict[str, Any]) -> int | None:
-    """A round record's entry for one device -> the peak (bytes) its budget is held
-    against: ``peak_bytes`` (the footprint from protocol 1.5 devices), or
-    ``peak_rss_bytes`` in records written before it; None when neither is there."""
-    return device.get("peak_bytes") or device.get("peak_rss_bytes")
 
 
 def _peak_share(record: dict[str, Any]) -> float | None:

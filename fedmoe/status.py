@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .report import budget_peak
-
 MiB = 2**20
 
 
@@ -30,39 +28,25 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def device_rows(devices: dict[str, dict], records: list[dict]) -> list[list[str]]:
-    """One row per registered device (see the module docstring)."""
-    last_seen: dict[str, dict] = {}
-    for r in records:
-        for d, v in (r.get("devices") or {}).items():
-            last_seen[d] = {**v, "round": r["round"]}
-    excluded = (records[-1].get("excluded") or {}) if records else {}
+def device_rows(devices: list[dict]) -> list[list[str]]:
+    """One row per device of :func:`cloud.dashboard.state` (see the module docstring)."""
     rows = []
-    for d, info in sorted(devices.items()):
-        seen = last_seen.get(d, {})
-        peak = budget_peak(seen) if seen else None
-        held = sum(len(e) for e in (seen.get("experts") or {}).values()) if seen else None
-        budget = info.get("budget_bytes")
-        rows.append([d, info.get("task", "-"), "yes" if info.get("online") else "no",
-                     _fmt(budget / MiB if budget else None, ".0f"),
-                     _fmt(info["runtime_bytes"] / MiB if info.get("runtime_bytes") else None, ".0f"),
-                     "-" if held is None else str(held),
+    for d in devices:
+        budget, peak, base = d["budget_bytes"], d["peak_bytes"], d["baseline_bytes"]
+        rows.append([d["device_id"], d["task"] or "-", "yes" if d["online"] else "no",
+                     _fmt(budget / MiB if budget else None, ".0f"), _fmt(base / MiB if base else None, ".0f"),
+                     "-" if d["experts_held"] is None else str(d["experts_held"]),
                      "-" if peak is None or not budget else f"{peak / MiB:.0f} ({100 * peak / budget:.0f}%)",
-                     str(seen.get("round", "-")), str(excluded.get(d, ""))[:80]])
+                     str(d["last_round"] if d["last_round"] is not None else "-"), str(d["excluded"] or "")[:80]])
     return rows
 
 
-def round_rows(records: list[dict]) -> list[list[str]]:
-    """One row per round record (see the module docstring)."""
-    rows = []
-    for r in records:
-        ppl = r.get("perplexity")
-        rows.append([str(r["round"]), str(r.get("status", "ok")),
-                     f"{len(r.get('devices') or {})}/{len(r.get('selected') or [])}", _fmt(r.get("accuracy")),
-                     _fmt(r.get("loss")), _fmt(ppl, ".1f"),
-                     _fmt((r.get("bytes_up") or 0) / MiB, ".2f"), _fmt((r.get("bytes_down") or 0) / MiB, ".2f"),
-                     _fmt(r.get("seconds"), ".1f"), str(len(r.get("excluded") or {})), _fmt(r.get("cv"))])
-    return rows
+def round_rows(rounds: list[dict]) -> list[list[str]]:
+    """One row per round of :func:`cloud.dashboard.state` (see the module docstring)."""
+    return [[str(r["round"]), str(r["status"]), f"{r['reported']}/{r['selected']}", _fmt(r["accuracy"]),
+             _fmt(r["loss"]), _fmt(r["perplexity"], ".1f"), _fmt((r["bytes_up"] or 0) / MiB, ".2f"),
+             _fmt((r["bytes_down"] or 0) / MiB, ".2f"), _fmt(r["seconds"], ".1f"), str(len(r["excluded"])),
+             _fmt(r["cv"])] for r in rounds]
 
 
 def status_text(store_url: str, last: int = 20) -> str:
@@ -72,6 +56,7 @@ def status_text(store_url: str, last: int = 20) -> str:
         FileNotFoundError: a SQLite store file that does not exist (nothing is created).
         cloud.store.StoreError: the database cannot be opened or read.
     """
+    from cloud.dashboard import state
     from cloud.store import Store
 
     u = urlparse(store_url)
@@ -81,14 +66,15 @@ def status_text(store_url: str, last: int = 20) -> str:
             raise FileNotFoundError(f"no aggregator store at {path}")
     store = Store(store_url)
     try:
-        devices, records = store.devices(), store.rounds()
+        view = state(store)
         done = store.get_json("last_round", 0)
     finally:
         store.close()
-    online = sum(1 for d in devices.values() if d.get("online"))
+    devices = view["devices"]
+    online = sum(1 for d in devices if d["online"])
     head = f"{len(devices)} devices registered, {online} online; {done} rounds completed"
     dev = _table(["device", "task", "online", "budget MiB", "baseline MiB", "experts held", "last peak MiB",
-                  "last round", "excluded in last round"], device_rows(devices, records))
+                  "last round", "excluded in last round"], device_rows(devices))
     rnd = _table(["round", "status", "reported", "accuracy", "loss", "perplexity", "MiB up", "MiB down", "s",
-                  "excluded", "load CV"], round_rows(records[-last:]))
-    return f"{head}\n\nDevices\n{dev}\n\nRounds (last {min(last, len(records))})\n{rnd}\n"
+                  "excluded", "load CV"], round_rows(view["rounds"][-last:]))
+    return f"{head}\n\nDevices\n{dev}\n\nRounds (last {min(last, len(view['rounds']))})\n{rnd}\n"
