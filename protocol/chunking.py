@@ -14,6 +14,7 @@ and verifies the blob's sha256 before handing it out exactly once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import struct
@@ -23,7 +24,6 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .codec import sha256_hex
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,11 @@ DEFAULT_CHUNK_BYTES = 256 * 1024
 HEADER_RESERVE = 512
 """Bytes reserved per chunk for magic, length and header JSON."""
 MAX_HEADER = 2048
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    """Hex sha256 of ``data`` (lowercase, 64 characters)."""
+    return hashlib.sha256(data).hexdigest()
 
 
 class ChunkError(ValueError):

@@ -28,7 +28,6 @@ allocation.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from collections.abc import Collection
@@ -37,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from .chunking import sha256_hex  # noqa: F401  (re-exported: the codec's callers hash payloads too)
 
 SCALE_SUFFIX = "::scale"
 ABSMAX_SUFFIX = "::absmax"
@@ -93,11 +94,6 @@ def extra_tensor_problem(t: object) -> str | None:
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         return "has non-finite values"
     return None
-
-
-def sha256_hex(data: bytes | memoryview) -> str:
-    """Hex sha256 of ``data``."""
-    return hashlib.sha256(data).hexdigest()
 
 
 INT8_SCALES = ("row", "short")

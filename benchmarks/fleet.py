@@ -1,0 +1,451 @@
+"""Fleet load test (issue "scale-out"): thousands of protocol-level devices against the real aggregator.
+
+For each setting (broker x fleet size x aggregator workers) this starts its own broker (a
+Mosquitto 2.0 process, or the 3-node NATS cluster of ``fedmoe.natscluster``), the real
+``fedmoe aggregator`` process (signatures required, SQLite store, the ``full`` assignment
+so every update has one known size, ``modular`` aggregation with the default screening and
+guard) and ``--procs`` device processes (``benchmarks/fleet_devices.py``: asyncio MQTT
+clients speaking the device side of PROTOCOL.md with real signed, chunked safetensors
+updates, no model). It measures:
+
+- devices connected (each device's CONNACK; on Mosquitto also the broker's own
+  ``$SYS/broker/clients/connected``);
+- per round: updates accepted, rounds per hour (3600 / the round's seconds), updates
+  accepted per second while ingesting ((n - 1) / the time between the first and the last
+  accepted update), and the time from a device's last update chunk being acknowledged by
+  the broker to the aggregator folding the update in (its ``report`` progress event;
+  p50/p99);
+- accounting: every update a device finished uploading is accepted exactly once (no
+  ``report`` event twice for a device and round, none missing, no reject);
+- aggregator and broker peak RSS, and their CPU seconds per accepted update.
+
+    python benchmarks/fleet.py            # Mosquitto: 1,000 / 3,000 / 10,000 devices; cluster: 1,000 / 3,000
+    python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round, both brokers (< 5 min)
+
+Writes ``results/fleet/fleet{,_quick}.{json,md,png}``. One aggregator process is measured
+(``workers: 1``): the worker/coordinator split of the issue is not built yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import heavy_lock  # noqa: E402
+
+log = logging.getLogger("fleet")
+MIB = 2**20
+MODEL = {"family": "bert-upcycled", "base": None, "num_experts": 16, "top_k": 2, "moe_layers": [0, 1],
+         "max_seq_len": 32, "config": {"vocab_size": 30522, "hidden_size": 256, "num_hidden_layers": 2,
+                                       "num_attention_heads": 4, "intermediate_size": 768}}
+"""A random-init upcycled BERT whose full LoRA adapter state (16 experts x 2 MoE layers,
+rank 8) is 1.07 MiB in fp32: every device holds all experts, so every update has that size."""
+LABELS = ["business", "entertainment", "politics", "sport", "tech"]
+
+
+def provision(n: int, work: Path) -> tuple[list[tuple[str, str]], Path]:
+    """``n`` device ids with fresh Ed25519 keys: ([(id, private key b64)], device_keys.json path)."""
+    from protocol.signing import generate_key, private_key_b64, public_key_b64
+
+    devices, public = [], {}
+    for i in range(n):
+        k = generate_key()
+        did = f"fleet-{i:06d}"
+        devices.append((did, private_key_b64(k)))
+        public[did] = public_key_b64(k)
+    path = work / "device_keys.json"
+    path.write_text(json.dumps(public))
+    return devices, path
+
+
+def aggregator_config(work: Path, args, n: int, per_round: int, protocol: str, keys: Path) -> Path:
+    """The aggregator's YAML for one setting (module docstring)."""
+    import yaml
+
+    (work / "eval.jsonl").write_text("".join(json.dumps({"text": f"fleet evaluation text {i}", "label": LABELS[i % 5]})
+                                             + "\n" for i in range(16)))
+    cfg = {"federation": "fleet", "model": MODEL, "tasks": {"bbc": {"labels": LABELS,
+                                                                    "eval_data": str(work / "eval.jsonl")}},
+           "rounds": args.rounds, "min_devices": n, "start_timeout_s": 1800, "clients_per_round": per_round,
+           "quorum": 0.5, "round_timeout_s": args.round_timeout, "assignment": {"name": "full"},
+           "aggregation": {"name": "modular"},
+           # Multi-Krum (the default rule) costs O(n^2) distances per round: at 1,000 updates it is the bottleneck
+           "defences": {"robust": {"name": "none"}},
+           "train": {"max_steps": 1, "batch_size": 8}, "weight_format": "int8",
+           "store": f"sqlite:///{work / 'aggregator.db'}", "device_keys": str(keys), "protocol": protocol,
+           "stop_devices_when_done": False, "threads": 1}
+    path = work / "aggregator.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+class Monitor:
+    """Timestamps the aggregator's progress events and the broker's client count (one paho
+    client, MQTT 3.1.1 so it works on either broker) and samples RSS and CPU of the
+    aggregator and broker processes every second (psutil)."""
+
+    def __init__(self, host: str, port: int, federation: str):
+        import paho.mqtt.client as mqtt
+
+        from protocol.topics import Topics
+
+        self.events: list[tuple[float, dict]] = []
+        self.sys_connected = 0
+        self.samples: dict[str, dict] = {}
+        self._pids: dict[str, list[int]] = {}
+        self._stop = threading.Event()
+        self._progress = Topics(federation).progress()
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="fleet-monitor", protocol=mqtt.MQTTv311)
+        c.on_connect = lambda cl, *_: (cl.subscribe(self._progress, 1), cl.subscribe("$SYS/broker/clients/connected"))
+        c.on_message = self._on_message
+        c.connect(host, port, keepalive=600)
+        c.loop_start()
+        self._client = c
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _on_message(self, _c, _u, msg) -> None:
+        if msg.topic == self._progress:
+            try:
+                event = json.loads(msg.payload)
+            except ValueError:
+                return
+            self.events.append((time.time(), event))
+            if event.get("event") in ("round_start", "round_end"):  # CPU spent in rounds, not in start-up
+                for name, pids in list(self._pids.items()):
+                    self.samples[name].setdefault(event["event"], []).append(self._cpu(pids))
+        else:
+            try:
+                self.sys_connected = max(self.sys_connected, int(msg.payload))
+            except ValueError:
+                pass
+
+    def watch(self, name: str, pids: list[int]) -> None:
+        """Sample the summed RSS and CPU time of ``pids`` as ``name``."""
+        self._pids[name] = pids
+        self.samples[name] = {"peak_rss": 0}
+
+    @staticmethod
+    def _cpu(pids: list[int]) -> float:
+        import psutil
+
+        total = 0.0
+        for p in pids:
+            try:
+                t = psutil.Process(p).cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.wait(1.0):
+            for name, pids in list(self._pids.items()):
+                rss = 0
+                for p in pids:
+                    try:
+                        rss += psutil.Process(p).memory_info().rss
+                    except psutil.Error:
+                        pass
+                s = self.samples[name]
+                s["peak_rss"] = max(s["peak_rss"], rss)
+
+    def round_cpu(self, name: str) -> float | None:
+        """CPU seconds ``name`` spent from the first round's start to the last round's end."""
+        s = self.samples.get(name, {})
+        return s["round_end"][-1] - s["round_start"][0] if s.get("round_start") and s.get("round_end") else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._client.loop_stop()
+        self._client.disconnect()
+
+
+def start_broker(kind: str, work: Path):
+    """(broker object, device node list [(host, port)], aggregator URL, protocol, broker pids)."""
+    if kind == "mosquitto":
+        from fedmoe.broker import MosquittoBroker
+
+        b = MosquittoBroker(str(work / "mosquitto"), persistence=False, config=(
+            "allow_anonymous true\nmax_connections -1\nmax_queued_messages 0\nmax_queued_bytes 0\n"
+            "max_inflight_messages 0\nsys_interval 2\nmemory_limit 0\n")).start()
+        return b, [(b.host, b.port)], b.url(), "5", [b.proc.pid]
+    from fedmoe.natscluster import NatsCluster
+
+    c = NatsCluster(work / "nats").start()
+    nodes = [(u.split("://")[1].rsplit(":", 1)[0], int(u.rsplit(":", 1)[1])) for u in c.urls]
+    return c, nodes, c.url, "3.1.1", [p.pid for p in c.procs if p is not None]
+
+
+def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> dict:
+    """One fleet run; returns its measurements (module docstring)."""
+    work.mkdir(parents=True, exist_ok=True)
+    for f in work.glob("*"):
+        if f.is_file():
+            f.unlink()
+    t0 = time.time()
+    devices, keys = provision(n, work)
+    broker, nodes, url, protocol, broker_pids = start_broker(broker_kind, work)
+    procs, agg = [], None
+    mon = Monitor(nodes[0][0], nodes[0][1], "fleet")
+    try:
+        cfg = aggregator_config(work, args, n, per_round, protocol, keys)
+        agg_log = open(work / "aggregator.log", "w")
+        agg = subprocess.Popen([args.fedmoe, "aggregator", "--broker", url, "--config", str(cfg)],
+                               stdout=agg_log, stderr=subprocess.STDOUT, cwd=work)
+        mon.watch("aggregator", [agg.pid])
+        mon.watch("broker", broker_pids)
+        nprocs = min(args.procs, n)
+        spec = {"federation": "fleet", "task": "bbc", "protocol": protocol, "nodes": nodes, "train_s": args.train_s,
+                "out": str(work), "connect_rate": args.connect_rate / nprocs,
+                "devices": [devices[i::nprocs] for i in range(nprocs)]}
+        (work / "spec.json").write_text(json.dumps(spec))
+        for i in range(nprocs):
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fleet_devices.py"),
+                                           "--spec", str(work / "spec.json"), "--index", str(i)],
+                                          stderr=open(work / f"devices-{i}.log", "w")))
+        mon.watch("devices", [p.pid for p in procs])
+        deadline = time.time() + args.timeout
+        last = 0.0
+        while agg.poll() is None and time.time() < deadline:
+            time.sleep(1.0)
+            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"device process {dead[0]} exited with {procs[dead[0]].returncode}: see "
+                                   f"{work / f'devices-{dead[0]}.log'}")
+            if time.time() - last > 10:
+                last = time.time()
+                up = sum(int((work / f"progress-{i}.txt").read_text().split()[0])
+                         for i in range(nprocs) if (work / f"progress-{i}.txt").exists())
+                ends = [e for _, e in mon.events if e.get("event") == "round_end"]
+                reps = sum(e.get("event") == "report" for _, e in mon.events)
+                log.info("[%s n=%d] %.0f s: %d devices connected, %d rounds closed, %d updates accepted",
+                         broker_kind, n, time.time() - t0, up, len(ends), reps)
+        timed_out = agg.poll() is None
+        if timed_out:
+            log.warning("[%s n=%d] the aggregator did not finish within %d s; stopping it", broker_kind, n,
+                        args.timeout)
+            agg.terminate()
+            agg.wait(30)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if agg is not None and agg.poll() is None:
+            agg.kill()
+        mon.stop()
+        broker.stop()
+    records = {}
+    for i in range(len(procs)):
+        f = work / f"devices-{i}.json"
+        if f.exists():
+            records.update(json.loads(f.read_text()))
+    return summarise(broker_kind, n, per_round, records, mon, work, timed_out, time.time() - t0)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q``-quantile (0..1) of ``xs`` by nearest rank, or None when empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * len(s)) - 1))]
+
+
+def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Monitor, work: Path, timed_out: bool,
+              wall: float) -> dict:
+    """The setting's figures from the device records, the progress events and the store."""
+    from cloud.store import Store
+
+    store = Store(f"sqlite:///{work / 'aggregator.db'}")
+    rounds = store.rounds()
+    store.close()
+    reports: dict[tuple[int, str], list[float]] = {}
+    for t, e in mon.events:
+        if e.get("event") == "report":
+            reports.setdefault((e["round"], e["detail"]["device"]), []).append(t)
+    per_round_out, latencies = [], []
+    lost, twice, accepted_total = 0, 0, 0
+    for rec in rounds:
+        r = rec["round"]
+        accepted = set(rec.get("devices", {}))
+        uploaded = {d for d, x in records.items() if "stats_sent" in x["rounds"].get(str(r), {})}
+        times = sorted(t[0] for (rr, _), t in reports.items() if rr == r)
+        lat = [reports[(r, d)][0] - records[d]["rounds"][str(r)]["last_chunk"]
+               for d in uploaded if (r, d) in reports]
+        latencies += lat
+        lost_r = len(uploaded - accepted)
+        twice_r = sum(len(v) > 1 for (rr, _), v in reports.items() if rr == r)
+        lost, twice, accepted_total = lost + lost_r, twice + twice_r, accepted_total + len(accepted)
+        per_round_out.append({
+            "round": r, "status": rec["status"], "selected": len(rec["selected"]), "accepted": len(accepted),
+            "uploaded": len(uploaded), "not_accepted": lost_r, "reported_twice": twice_r,
+            "failures": len(rec.get("failures", {})), "seconds": rec["seconds"],
+            "ingest_per_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0]
+            else None,
+            "latency_p50_s": percentile(lat, 0.5), "latency_p99_s": percentile(lat, 0.99),
+            "aggregator_rss_bytes": rec.get("aggregator_rss_bytes")})
+    connected = sum(x["connected_at"] is not None for x in records.values())
+    sizes = [x["rounds"][r]["update_bytes"] for x in records.values() for r in x["rounds"]
+             if "update_bytes" in x["rounds"][r]]
+    s = mon.samples
+
+    def per_update(cpu: float | None) -> float | None:
+        return cpu / accepted_total if cpu is not None and accepted_total else None
+
+    ok_rounds = [p for p in per_round_out if p["status"] == "ok"]
+    ingest = [p["ingest_per_s"] for p in ok_rounds if p["ingest_per_s"]]
+    out = {
+        "broker": broker_kind, "devices": n, "updates_per_round": per_round, "workers": 1,
+        "connected": connected, "broker_connected": mon.sys_connected or None,
+        "reconnects": sum(max(0, x["connects"] - 1) for x in records.values()),
+        "update_bytes": statistics.mean(sizes) if sizes else None, "rounds": per_round_out,
+        "rounds_closed": len(rounds), "timed_out": timed_out, "wall_s": wall,
+        "accepted": accepted_total, "not_accepted": lost, "reported_twice": twice,
+        "rejects": sum(x["rejects"] for x in records.values()),
+        "reject_reasons": sorted({r for x in records.values() for r in x["reject_reasons"]})[:5],
+        "device_errors": sorted({x["rounds"][r]["error"] for x in records.values() for r in x["rounds"]
+                                 if "error" in x["rounds"][r]})[:5],
+        "rounds_per_hour": 3600 / statistics.mean(p["seconds"] for p in ok_rounds) if ok_rounds else None,
+        "ingest_per_s": statistics.mean(ingest) if ingest else None,
+        "latency_p50_s": percentile(latencies, 0.5), "latency_p99_s": percentile(latencies, 0.99),
+        "aggregator_peak_rss_bytes": s["aggregator"]["peak_rss"], "broker_peak_rss_bytes": s["broker"]["peak_rss"],
+        "devices_peak_rss_bytes": s["devices"]["peak_rss"],
+        "aggregator_cpu_s_per_update": per_update(mon.round_cpu("aggregator")),
+        "broker_cpu_s_per_update": per_update(mon.round_cpu("broker")),
+        "devices_cpu_s_per_update": per_update(mon.round_cpu("devices")),
+    }
+    log.info("[%s n=%d] %d connected, %d rounds, %d accepted, %d not accepted, %d twice, %s updates/s, "
+             "p50 %s s, p99 %s s", broker_kind, n, connected, len(rounds), accepted_total, lost, twice,
+             _f(out["ingest_per_s"], ".1f"), _f(out["latency_p50_s"], ".2f"), _f(out["latency_p99_s"], ".2f"))
+    return out
+
+
+def _f(x, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def markdown(result: dict) -> str:
+    """The results table and the accounting verdict."""
+    lines = [f"# Fleet load test ({result['profile']})", "",
+             f"Machine: {result['machine']}. Update {_f((result['settings'][0].get('update_bytes') or 0) / MIB, '.2f')} "
+             f"MiB (fp32 LoRA state of {MODEL['num_experts']} experts x 2 MoE layers, signed, 256 KiB chunks); "
+             f"{result['rounds']} rounds per setting; devices upload after a uniform 0-{result['train_s']} s wait. "
+             "One aggregator process (workers: 1).", "",
+             "| broker | devices | connected | updates/round | rounds closed | accepted | not accepted | twice | "
+             "rejects | rounds/h | updates/s ingesting | latency p50 / p99 (s) | aggregator peak RSS (MiB) | "
+             "broker peak RSS (MiB) | aggregator CPU ms/update | broker CPU ms/update |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in result["settings"]:
+        lines.append(
+            f"| {s['broker']} | {s['devices']} | {s['connected']} | {s['updates_per_round']} | {s['rounds_closed']} | "
+            f"{s['accepted']} | {s['not_accepted']} | {s['reported_twice']} | {s['rejects']} | "
+            f"{_f(s['rounds_per_hour'], '.0f')} | {_f(s['ingest_per_s'], '.1f')} | "
+            f"{_f(s['latency_p50_s'], '.2f')} / {_f(s['latency_p99_s'], '.2f')} | "
+            f"{s['aggregator_peak_rss_bytes'] / MIB:.0f} | {s['broker_peak_rss_bytes'] / MIB:.0f} | "
+            f"{_f(s['aggregator_cpu_s_per_update'] and 1000 * s['aggregator_cpu_s_per_update'], '.1f')} | "
+            f"{_f(s['broker_cpu_s_per_update'] and 1000 * s['broker_cpu_s_per_update'], '.1f')} |")
+    lines += ["", "Per round:", "", "| broker | devices | round | status | selected | uploaded | accepted | "
+              "seconds | updates/s | p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in result["settings"]:
+        for p in s["rounds"]:
+            lines.append(f"| {s['broker']} | {s['devices']} | {p['round']} | {p['status']} | {p['selected']} | "
+                         f"{p['uploaded']} | {p['accepted']} | {p['seconds']:.1f} | {_f(p['ingest_per_s'], '.1f')} | "
+                         f"{_f(p['latency_p50_s'], '.2f')} / {_f(p['latency_p99_s'], '.2f')} |")
+    bad = [s for s in result["settings"] if s["not_accepted"] or s["reported_twice"] or s["rejects"]]
+    lines += ["", "Accounting: " + ("every uploaded update was accepted exactly once in every setting." if not bad else
+                                    "NOT exactly once in " + ", ".join(f"{s['broker']} n={s['devices']}" for s in bad)
+                                    + " (see not accepted / twice / rejects).")]
+    for s in result["settings"]:
+        if s["reject_reasons"] or s["device_errors"]:
+            lines.append(f"- {s['broker']} n={s['devices']}: rejects {s['reject_reasons']}, device errors "
+                         f"{s['device_errors']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Throughput and p99 latency against fleet size, one line per broker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for b in sorted({s["broker"] for s in result["settings"]}):
+        ss = sorted((s for s in result["settings"] if s["broker"] == b), key=lambda s: s["devices"])
+        xs = [s["devices"] for s in ss]
+        axes[0].plot(xs, [s["ingest_per_s"] or 0 for s in ss], marker="o", label=b)
+        axes[1].plot(xs, [s["latency_p99_s"] or 0 for s in ss], marker="o", label=b)
+    axes[0].set(xlabel="devices connected", ylabel="updates accepted / s", title="ingest rate (1 aggregator)")
+    axes[1].set(xlabel="devices connected", ylabel="s", title="p99 last chunk -> folded in")
+    for a in axes:
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="300 devices, 100 updates per round, 2 rounds (< 5 min)")
+    ap.add_argument("--sizes", help="fleet sizes, e.g. 1000,3000,10000 (default: by profile)")
+    ap.add_argument("--cluster-sizes", help="fleet sizes on the NATS cluster (default: by profile; empty: none)")
+    ap.add_argument("--per-round", type=int, help="updates per round (default 1000; quick 100)")
+    ap.add_argument("--rounds", type=int, help="rounds per setting (default 3; quick 2)")
+    ap.add_argument("--procs", type=int, default=4, help="device processes")
+    ap.add_argument("--train-s", type=float, default=5.0, help="devices upload after a uniform wait of up to this")
+    ap.add_argument("--connect-rate", type=float, default=400.0, help="device connects per second, all processes")
+    ap.add_argument("--round-timeout", type=float, default=900.0)
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one setting may run")
+    ap.add_argument("--fedmoe", default=str(Path(sys.executable).parent / "fedmoe"))
+    ap.add_argument("--work", default=str(ROOT / "runs" / "fleet"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "fleet"))
+    ap.add_argument("--lock")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    profile = "quick" if args.quick else "full"
+    sizes = [int(x) for x in (args.sizes or ("300" if args.quick else "1000,3000,10000")).split(",") if x]
+    csizes = [int(x) for x in (args.cluster_sizes if args.cluster_sizes is not None else
+                               ("300" if args.quick else "1000,3000")).split(",") if x]
+    per_round = args.per_round or (100 if args.quick else 1000)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    settings = []
+    with heavy_lock(args.lock):
+        for kind, ns in (("mosquitto", sizes), ("nats-cluster", csizes)):
+            for n in ns:
+                settings.append(run_setting(args, kind, n, min(per_round, n), Path(args.work) / f"{kind}-{n}"))
+    result = {"profile": profile, "rounds": args.rounds, "train_s": args.train_s, "procs": args.procs,
+              "machine": f"{os.cpu_count()} CPU cores", "model": MODEL, "settings": settings}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "fleet" if profile == "full" else "fleet_quick"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(markdown(result))
+    plot(result, out / f"{stem}.png")
+    print(markdown(result))
+    bad = any(s["not_accepted"] or s["reported_twice"] for s in settings)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
