@@ -127,6 +127,7 @@ class Monitor:
             if event.get("event") in ("round_start", "round_end"):  # CPU spent in rounds, not in start-up
                 for name, pids in list(self._pids.items()):
                     self.samples[name].setdefault(event["event"], []).append(self._cpu(pids))
+                    self.samples[name].setdefault(event["event"] + "_rss", []).append(self._rss(pids))
         else:
             try:
                 self.sys_connected = max(self.sys_connected, int(msg.payload))
@@ -151,19 +152,23 @@ class Monitor:
                 pass
         return total
 
-    def _sample(self) -> None:
+    @staticmethod
+    def _rss(pids: list[int]) -> int:
         import psutil
 
+        rss = 0
+        for p in pids:
+            try:
+                rss += psutil.Process(p).memory_info().rss
+            except psutil.Error:
+                pass
+        return rss
+
+    def _sample(self) -> None:
         while not self._stop.wait(1.0):
             for name, pids in list(self._pids.items()):
-                rss = 0
-                for p in pids:
-                    try:
-                        rss += psutil.Process(p).memory_info().rss
-                    except psutil.Error:
-                        pass
                 s = self.samples[name]
-                s["peak_rss"] = max(s["peak_rss"], rss)
+                s["peak_rss"] = max(s["peak_rss"], self._rss(pids))
 
     def round_cpu(self, name: str) -> float | None:
         """CPU seconds ``name`` spent from the first round's start to the last round's end."""
@@ -328,6 +333,8 @@ def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Moni
         "ingest_per_s": statistics.mean(ingest) if ingest else None,
         "latency_p50_s": percentile(latencies, 0.5), "latency_p99_s": percentile(latencies, 0.99),
         "aggregator_peak_rss_bytes": s["aggregator"]["peak_rss"], "broker_peak_rss_bytes": s["broker"]["peak_rss"],
+        # every device connected and idle, before round 1 sends anything: the connections' own memory
+        "broker_idle_rss_bytes": (s["broker"].get("round_start_rss") or [None])[0],
         "devices_peak_rss_bytes": s["devices"]["peak_rss"],
         "aggregator_cpu_s_per_update": per_update(mon.round_cpu("aggregator")),
         "broker_cpu_s_per_update": per_update(mon.round_cpu("broker")),
@@ -337,6 +344,35 @@ def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Moni
              "p50 %s s, p99 %s s", broker_kind, n, connected, len(rounds), accepted_total, lost, twice,
              _f(out["ingest_per_s"], ".1f"), _f(out["latency_p50_s"], ".2f"), _f(out["latency_p99_s"], ".2f"))
     return out
+
+
+MILLION = {"devices": 1_000_000, "share_per_round": 0.1, "rounds_per_hour": 1.0}
+"""The fleet :func:`estimate` sizes: a million devices, a tenth of them per round, a round an hour."""
+
+
+def estimate(s: dict, fleet: dict = MILLION) -> dict:
+    """What ``fleet`` needs, scaled linearly from one measured setting ``s`` (the largest
+    on one Mosquitto): aggregator and broker cores from their CPU seconds per accepted
+    update, broker memory from its RSS per connected device, network from the update size
+    (up, and the same state down), in-flight store writes (one update blob per accepted
+    update, as the aggregator keeps them for a restart). Broker memory per device is its RSS with
+    every device connected before round 1 (the in-flight payloads come on top). Linear scaling is the assumption
+    to check: it holds for sums, not for a robust rule such as Multi-Krum (O(n^2))."""
+    per_round = fleet["devices"] * fleet["share_per_round"]
+    rate = per_round * fleet["rounds_per_hour"] / 3600  # updates per second, averaged over the hour
+    size = s["update_bytes"] or 0
+    rss_per_device = (s["broker_idle_rss_bytes"] or s["broker_peak_rss_bytes"]) / max(1, s["connected"])
+    return {
+        **fleet, "updates_per_round": per_round, "updates_per_s": rate,
+        "aggregator_cores": rate * (s["aggregator_cpu_s_per_update"] or 0),
+        "broker_cores": rate * (s["broker_cpu_s_per_update"] or 0),
+        "broker_memory_gib": fleet["devices"] * rss_per_device / 2**30,
+        "broker_rss_per_device_kib": rss_per_device / 1024,
+        "network_mbit_s": rate * 2 * size * 8 / 1e6,
+        "store_write_mib_s": rate * size / MIB,
+        "round_ingest_minutes_one_aggregator": per_round / s["ingest_per_s"] / 60 if s["ingest_per_s"] else None,
+        "from": f"{s['broker']} n={s['devices']}",
+    }
 
 
 def _f(x, spec: str) -> str:
@@ -374,6 +410,16 @@ def markdown(result: dict) -> str:
     lines += ["", "Accounting: " + ("every uploaded update was accepted exactly once in every setting." if not bad else
                                     "NOT exactly once in " + ", ".join(f"{s['broker']} n={s['devices']}" for s in bad)
                                     + " (see not accepted / twice / rejects).")]
+    e = result.get("estimate")
+    if e:
+        lines += ["", f"Estimate for {e['devices']:,} devices, {e['share_per_round']:.0%} per round, "
+                      f"{e['rounds_per_hour']:g} round per hour ({e['updates_per_round']:,.0f} updates per round, "
+                      f"{e['updates_per_s']:.1f} updates/s averaged), scaled linearly from {e['from']}: "
+                      f"aggregator {e['aggregator_cores']:.1f} cores; broker {e['broker_cores']:.1f} cores and "
+                      f"{e['broker_memory_gib']:.0f} GiB for the connections ({e['broker_rss_per_device_kib']:.0f} KiB "
+                      f"per device measured); network {e['network_mbit_s']:.0f} Mbit/s (updates up, states down); "
+                      f"in-flight store writes {e['store_write_mib_s']:.0f} MiB/s; one aggregator process ingests a "
+                      f"round in {_f(e['round_ingest_minutes_one_aggregator'], '.0f')} min."]
     for s in result["settings"]:
         if s["reject_reasons"] or s["device_errors"]:
             lines.append(f"- {s['broker']} n={s['devices']}: rejects {s['reject_reasons']}, device errors "
@@ -436,6 +482,9 @@ def main() -> int:
                 settings.append(run_setting(args, kind, n, min(per_round, n), Path(args.work) / f"{kind}-{n}"))
     result = {"profile": profile, "rounds": args.rounds, "train_s": args.train_s, "procs": args.procs,
               "machine": f"{os.cpu_count()} CPU cores", "model": MODEL, "settings": settings}
+    single = [s for s in settings if s["broker"] == "mosquitto" and s["accepted"]]
+    if single:
+        result["estimate"] = estimate(max(single, key=lambda s: s["devices"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "fleet" if profile == "full" else "fleet_quick"

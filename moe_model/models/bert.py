@@ -10,6 +10,7 @@ hidden states over real tokens, then a linear task head.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from functools import lru_cache
 from typing import Any, Sequence
@@ -39,6 +40,17 @@ def resolve_path(name: str) -> str:
     except ImportError:
         raise FileNotFoundError(f"model {name!r} is neither a directory nor an installed package") from None
     return str(mod.get_model_path())
+
+
+@lru_cache(maxsize=8)
+def _config(base: str | None, overrides_json: str) -> BertConfig:
+    overrides = json.loads(overrides_json)
+    if base is None:
+        return BertConfig(**overrides)
+    cfg = BertConfig.from_pretrained(resolve_path(base))
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
 
 
 class BertMoEClassifier(MoEModel):
@@ -86,15 +98,10 @@ class BertUpcycledAdapter(ModelAdapter):
 
     def config(self, spec: ModelSpec) -> BertConfig:
         """The checkpoint's config (``spec.base``) with ``spec.config`` keys overriding it, or
-        ``BertConfig(**spec.config)`` when there is no base. Raises FileNotFoundError (see
-        :func:`resolve_path`)."""
-        if spec.base is not None:
-            cfg = BertConfig.from_pretrained(resolve_path(spec.base))
-            for k, v in spec.config.items():
-                setattr(cfg, k, v)
-        else:
-            cfg = BertConfig(**spec.config)
-        return cfg
+        ``BertConfig(**spec.config)`` when there is no base (cached: the memory plan asks for
+        it for every device of every round, and building one costs ~2 ms of transformers'
+        validation). Raises FileNotFoundError (see :func:`resolve_path`)."""
+        return _config(spec.base, json.dumps(spec.config, sort_keys=True))
 
     def moe_layers(self, spec: ModelSpec) -> list[int]:
         """``spec.moe_layers`` sorted, default every other transformer layer from 1.
