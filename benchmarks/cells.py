@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from common import fmt, heavy_lock, slug
+from common import fmt, heavy_lock, slug, write_result
 
 log = logging.getLogger("cells")
 
@@ -191,14 +191,7 @@ def cells_done(result: dict[str, Any]) -> str:
 def write(results: str, stem: str, result: dict[str, Any], markdown: Callable[[dict], str],
           plot: Callable[[dict, Path], None]) -> str:
     """``results/<stem>.{json,md,png}`` (the plot only with at least one cell); returns the markdown."""
-    res = Path(results)
-    res.mkdir(parents=True, exist_ok=True)
-    (res / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    md = markdown(result)
-    (res / f"{stem}.md").write_text(md)
-    if result["cells"]:
-        plot(result, res / f"{stem}.png")
-    return md
+    return write_result(results, stem, result, markdown, plot if result["cells"] else None)
 
 
 def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], test: list,

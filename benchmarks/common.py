@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 import fcntl
+import json
 from contextlib import contextmanager
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+
+def write_result(out: str | Path, stem: str, result: dict[str, Any], markdown: Callable[[dict], str],
+                 plot: Callable[[dict, Path], None] | None) -> str:
+    """``out/<stem>.{json,md,png}`` (no PNG when ``plot`` is None); returns the markdown."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out / f"{stem}.md").write_text(md)
+    if plot is not None:
+        plot(result, out / f"{stem}.png")
+    return md
 
 
 @contextmanager

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import heavy_lock  # noqa: E402
+from common import heavy_lock, write_result  # noqa: E402
 
 log = logging.getLogger("fleet")
 MIB = 2**20
@@ -485,13 +485,7 @@ def main() -> int:
     single = [s for s in settings if s["broker"] == "mosquitto" and s["accepted"]]
     if single:
         result["estimate"] = estimate(max(single, key=lambda s: s["devices"]))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "fleet" if profile == "full" else "fleet_quick"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{stem}.md").write_text(markdown(result))
-    plot(result, out / f"{stem}.png")
-    print(markdown(result))
+    print(write_result(args.out, "fleet" if profile == "full" else "fleet_quick", result, markdown, plot))
     bad = any(s["not_accepted"] or s["reported_twice"] for s in settings)
     return 1 if bad else 0
 

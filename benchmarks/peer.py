@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fmt, heavy_lock, mean_ci, paired_test  # noqa: E402
+from common import fmt, heavy_lock, mean_ci, paired_test, write_result  # noqa: E402
 from peer_client import VARIANTS  # noqa: E402
 
 log = logging.getLogger("peer")
@@ -481,13 +481,7 @@ def main(argv: list[str] | None = None) -> int:
               "ours": list(names.values()), "variants": [f"peer {v}" for v in args.variants],
               "methods": list(names.values()) + [f"peer {v}" for v in args.variants], "runs": runs}
     result["table"] = table(result)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "peer" if profile == "full" else "peer_quick"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{stem}.md").write_text(markdown(result))
-    plot(result, out / f"{stem}.png")
-    print(markdown(result))
+    print(write_result(args.out, "peer" if profile == "full" else "peer_quick", result, markdown, plot))
     return 0
 
 
