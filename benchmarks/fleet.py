@@ -19,8 +19,9 @@ updates, no model). It measures:
   ``report`` event twice for a device and round, none missing, no reject);
 - aggregator and broker peak RSS, and their CPU seconds per accepted update.
 
-    python benchmarks/fleet.py            # Mosquitto: 1,000 / 3,000 / 10,000 devices; cluster: 1,000 / 3,000
-    python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round, both brokers (< 5 min)
+    python benchmarks/fleet.py            # one Mosquitto: 1,000 / 3,000 / 10,000 devices, 1,000 updates per round
+    python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round, Mosquitto and the cluster
+    python benchmarks/fleet.py --sizes "" --cluster-sizes 100,300    # the NATS cluster only
 
 Writes ``results/fleet/fleet{,_quick}.{json,md,png}``. One aggregator process is measured
 (``workers: 1``): the worker/coordinator split of the issue is not built yet.
@@ -350,28 +351,42 @@ MILLION = {"devices": 1_000_000, "share_per_round": 0.1, "rounds_per_hour": 1.0}
 """The fleet :func:`estimate` sizes: a million devices, a tenth of them per round, a round an hour."""
 
 
-def estimate(s: dict, fleet: dict = MILLION) -> dict:
-    """What ``fleet`` needs, scaled linearly from one measured setting ``s`` (the largest
-    on one Mosquitto): aggregator and broker cores from their CPU seconds per accepted
-    update, broker memory from its RSS per connected device, network from the update size
-    (up, and the same state down), in-flight store writes (one update blob per accepted
-    update, as the aggregator keeps them for a restart). Broker memory per device is its RSS with
-    every device connected before round 1 (the in-flight payloads come on top). Linear scaling is the assumption
-    to check: it holds for sums, not for a robust rule such as Multi-Krum (O(n^2))."""
+def estimate(settings: list[dict], fleet: dict = MILLION) -> dict | None:
+    """What ``fleet`` needs, scaled linearly from the settings measured on one Mosquitto
+    (None without one): aggregator and broker cores from their CPU seconds per accepted
+    update (the largest fleet's), broker memory per connected device from the slope of
+    the broker's peak RSS over the fleet sizes (the same updates per round in flight at
+    each size; with one size, its peak RSS over its devices, an upper bound), network
+    from the update size (up, and the same state down), in-flight store writes (one update
+    blob per accepted update, kept for a restart). Linear scaling is the assumption to
+    check: it holds for sums, not for a robust rule such as Multi-Krum (O(n^2))."""
+    single = sorted((s for s in settings if s["broker"] == "mosquitto" and s["accepted"]),
+                    key=lambda s: s["connected"])
+    if not single:
+        return None
+    s = single[-1]
+    xs, ys = [t["connected"] for t in single], [t["broker_peak_rss_bytes"] for t in single]
+    if len(set(xs)) > 1:
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        rss_per_device = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        basis = "the slope of its peak RSS over the fleet sizes"
+    else:
+        rss_per_device = ys[0] / max(1, xs[0])
+        basis = "its peak RSS over the devices of one size, in-flight updates included: an upper bound"
     per_round = fleet["devices"] * fleet["share_per_round"]
     rate = per_round * fleet["rounds_per_hour"] / 3600  # updates per second, averaged over the hour
     size = s["update_bytes"] or 0
-    rss_per_device = (s["broker_idle_rss_bytes"] or s["broker_peak_rss_bytes"]) / max(1, s["connected"])
     return {
         **fleet, "updates_per_round": per_round, "updates_per_s": rate,
         "aggregator_cores": rate * (s["aggregator_cpu_s_per_update"] or 0),
         "broker_cores": rate * (s["broker_cpu_s_per_update"] or 0),
-        "broker_memory_gib": fleet["devices"] * rss_per_device / 2**30,
-        "broker_rss_per_device_kib": rss_per_device / 1024,
+        "broker_memory_gib": fleet["devices"] * max(0.0, rss_per_device) / 2**30,
+        "broker_rss_per_device_kib": rss_per_device / 1024, "broker_memory_basis": basis,
         "network_mbit_s": rate * 2 * size * 8 / 1e6,
         "store_write_mib_s": rate * size / MIB,
         "round_ingest_minutes_one_aggregator": per_round / s["ingest_per_s"] / 60 if s["ingest_per_s"] else None,
-        "from": f"{s['broker']} n={s['devices']}",
+        "aggregator_rss_per_update_mib": s["aggregator_peak_rss_bytes"] / MIB / max(1, s["updates_per_round"]),
+        "from": ", ".join(f"n={t['connected']}" for t in single) + " on one Mosquitto",
     }
 
 
@@ -416,10 +431,12 @@ def markdown(result: dict) -> str:
                       f"{e['rounds_per_hour']:g} round per hour ({e['updates_per_round']:,.0f} updates per round, "
                       f"{e['updates_per_s']:.1f} updates/s averaged), scaled linearly from {e['from']}: "
                       f"aggregator {e['aggregator_cores']:.1f} cores; broker {e['broker_cores']:.1f} cores and "
-                      f"{e['broker_memory_gib']:.0f} GiB for the connections ({e['broker_rss_per_device_kib']:.0f} KiB "
-                      f"per device measured); network {e['network_mbit_s']:.0f} Mbit/s (updates up, states down); "
+                      f"{e['broker_memory_gib']:.0f} GiB for the connections ({e['broker_rss_per_device_kib']:.1f} KiB "
+                      f"per connected device: {e['broker_memory_basis']}); network {e['network_mbit_s']:.0f} Mbit/s (updates up, states down); "
                       f"in-flight store writes {e['store_write_mib_s']:.0f} MiB/s; one aggregator process ingests a "
-                      f"round in {_f(e['round_ingest_minutes_one_aggregator'], '.0f')} min."]
+                      f"round in {_f(e['round_ingest_minutes_one_aggregator'], '.0f')} min and holds "
+                      f"{e['aggregator_rss_per_update_mib']:.1f} MiB per update of the round (its peak RSS over the "
+                      f"updates per round), so a round of {e['updates_per_round']:,.0f} does not fit one process."]
     for s in result["settings"]:
         if s["reject_reasons"] or s["device_errors"]:
             lines.append(f"- {s['broker']} n={s['devices']}: rejects {s['reject_reasons']}, device errors "
@@ -443,6 +460,8 @@ def plot(result: dict, path: Path) -> None:
     axes[0].set(xlabel="devices connected", ylabel="updates accepted / s", title="ingest rate (1 aggregator)")
     axes[1].set(xlabel="devices connected", ylabel="s", title="p99 last chunk -> folded in")
     for a in axes:
+        a.set_xscale("log")
+        a.set_ylim(bottom=0)
         a.legend()
         a.grid(alpha=0.3)
     fig.tight_layout()
@@ -454,14 +473,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="300 devices, 100 updates per round, 2 rounds (< 5 min)")
     ap.add_argument("--sizes", help="fleet sizes, e.g. 1000,3000,10000 (default: by profile)")
-    ap.add_argument("--cluster-sizes", help="fleet sizes on the NATS cluster (default: by profile; empty: none)")
+    ap.add_argument("--cluster-sizes", help="fleet sizes on the NATS cluster (default: 300 with --quick, else none: "
+                    "at 300 devices it already delivered only part of the assignments, README)")
     ap.add_argument("--per-round", type=int, help="updates per round (default 1000; quick 100)")
     ap.add_argument("--rounds", type=int, help="rounds per setting (default 3; quick 2)")
     ap.add_argument("--procs", type=int, default=4, help="device processes")
     ap.add_argument("--train-s", type=float, default=5.0, help="devices upload after a uniform wait of up to this")
     ap.add_argument("--connect-rate", type=float, default=400.0, help="device connects per second, all processes")
-    ap.add_argument("--round-timeout", type=float, default=900.0)
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one setting may run")
+    ap.add_argument("--round-timeout", type=float, help="seconds a round waits for its quorum (default 900; quick 60)")
+    ap.add_argument("--timeout", type=float, help="seconds one setting may run (default 3600; quick 240)")
     ap.add_argument("--fedmoe", default=str(Path(sys.executable).parent / "fedmoe"))
     ap.add_argument("--work", default=str(ROOT / "runs" / "fleet"))
     ap.add_argument("--out", default=str(ROOT / "results" / "fleet"))
@@ -470,11 +490,14 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     profile = "quick" if args.quick else "full"
-    sizes = [int(x) for x in (args.sizes or ("300" if args.quick else "1000,3000,10000")).split(",") if x]
+    sizes = [int(x) for x in (args.sizes if args.sizes is not None else
+                              ("300" if args.quick else "1000,3000,10000")).split(",") if x]
     csizes = [int(x) for x in (args.cluster_sizes if args.cluster_sizes is not None else
-                               ("300" if args.quick else "1000,3000")).split(",") if x]
+                               ("300" if args.quick else "")).split(",") if x]
     per_round = args.per_round or (100 if args.quick else 1000)
     args.rounds = args.rounds or (2 if args.quick else 3)
+    args.round_timeout = args.round_timeout or (60.0 if args.quick else 900.0)
+    args.timeout = args.timeout or (240.0 if args.quick else 3600.0)
     settings = []
     with heavy_lock(args.lock):
         for kind, ns in (("mosquitto", sizes), ("nats-cluster", csizes)):
@@ -482,9 +505,7 @@ def main() -> int:
                 settings.append(run_setting(args, kind, n, min(per_round, n), Path(args.work) / f"{kind}-{n}"))
     result = {"profile": profile, "rounds": args.rounds, "train_s": args.train_s, "procs": args.procs,
               "machine": f"{os.cpu_count()} CPU cores", "model": MODEL, "settings": settings}
-    single = [s for s in settings if s["broker"] == "mosquitto" and s["accepted"]]
-    if single:
-        result["estimate"] = estimate(max(single, key=lambda s: s["devices"]))
+    result["estimate"] = estimate(settings)
     print(write_result(args.out, "fleet" if profile == "full" else "fleet_quick", result, markdown, plot))
     bad = any(s["not_accepted"] or s["reported_twice"] for s in settings)
     return 1 if bad else 0
