@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import heavy_lock, write_result  # noqa: E402
+from common import fmt, heavy_lock, write_result  # noqa: E402
 
 log = logging.getLogger("fleet")
 MIB = 2**20
@@ -128,7 +128,6 @@ class Monitor:
             if event.get("event") in ("round_start", "round_end"):  # CPU spent in rounds, not in start-up
                 for name, pids in list(self._pids.items()):
                     self.samples[name].setdefault(event["event"], []).append(self._cpu(pids))
-                    self.samples[name].setdefault(event["event"] + "_rss", []).append(self._rss(pids))
         else:
             try:
                 self.sys_connected = max(self.sys_connected, int(msg.payload))
@@ -141,29 +140,23 @@ class Monitor:
         self.samples[name] = {"peak_rss": 0}
 
     @staticmethod
-    def _cpu(pids: list[int]) -> float:
+    def _total(pids: list[int], read) -> float:
+        """``read(psutil.Process)`` summed over ``pids`` (processes that ended count 0)."""
         import psutil
 
         total = 0.0
         for p in pids:
             try:
-                t = psutil.Process(p).cpu_times()
-                total += t.user + t.system
+                total += read(psutil.Process(p))
             except psutil.Error:
                 pass
         return total
 
-    @staticmethod
-    def _rss(pids: list[int]) -> int:
-        import psutil
+    def _cpu(self, pids: list[int]) -> float:
+        return self._total(pids, lambda p: sum(p.cpu_times()[:2]))  # user + system seconds
 
-        rss = 0
-        for p in pids:
-            try:
-                rss += psutil.Process(p).memory_info().rss
-            except psutil.Error:
-                pass
-        return rss
+    def _rss(self, pids: list[int]) -> int:
+        return int(self._total(pids, lambda p: p.memory_info().rss))
 
     def _sample(self) -> None:
         while not self._stop.wait(1.0):
@@ -194,8 +187,7 @@ def start_broker(kind: str, work: Path):
     from fedmoe.natscluster import NatsCluster
 
     c = NatsCluster(work / "nats").start()
-    nodes = [(u.split("://")[1].rsplit(":", 1)[0], int(u.rsplit(":", 1)[1])) for u in c.urls]
-    return c, nodes, c.url, "3.1.1", [p.pid for p in c.procs if p is not None]
+    return c, [(c.host, p) for p in c.mqtt_ports], c.url, "3.1.1", [p.pid for p in c.procs if p is not None]
 
 
 def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> dict:
@@ -207,13 +199,13 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> d
     t0 = time.time()
     devices, keys = provision(n, work)
     broker, nodes, url, protocol, broker_pids = start_broker(broker_kind, work)
-    procs, agg = [], None
+    procs, agg, logs = [], None, []
     mon = Monitor(nodes[0][0], nodes[0][1], "fleet")
     try:
         cfg = aggregator_config(work, args, n, per_round, protocol, keys)
-        agg_log = open(work / "aggregator.log", "w")
+        logs.append(open(work / "aggregator.log", "w"))
         agg = subprocess.Popen([args.fedmoe, "aggregator", "--broker", url, "--config", str(cfg)],
-                               stdout=agg_log, stderr=subprocess.STDOUT, cwd=work)
+                               stdout=logs[-1], stderr=subprocess.STDOUT, cwd=work)
         mon.watch("aggregator", [agg.pid])
         mon.watch("broker", broker_pids)
         nprocs = min(args.procs, n)
@@ -222,9 +214,9 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> d
                 "devices": [devices[i::nprocs] for i in range(nprocs)]}
         (work / "spec.json").write_text(json.dumps(spec))
         for i in range(nprocs):
+            logs.append(open(work / f"devices-{i}.log", "w"))
             procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fleet_devices.py"),
-                                           "--spec", str(work / "spec.json"), "--index", str(i)],
-                                          stderr=open(work / f"devices-{i}.log", "w")))
+                                           "--spec", str(work / "spec.json"), "--index", str(i)], stderr=logs[-1]))
         mon.watch("devices", [p.pid for p in procs])
         deadline = time.time() + args.timeout
         last = 0.0
@@ -260,6 +252,8 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> d
             agg.kill()
         mon.stop()
         broker.stop()
+        for f in logs:
+            f.close()
     records = {}
     for i in range(len(procs)):
         f = work / f"devices-{i}.json"
@@ -334,8 +328,6 @@ def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Moni
         "ingest_per_s": statistics.mean(ingest) if ingest else None,
         "latency_p50_s": percentile(latencies, 0.5), "latency_p99_s": percentile(latencies, 0.99),
         "aggregator_peak_rss_bytes": s["aggregator"]["peak_rss"], "broker_peak_rss_bytes": s["broker"]["peak_rss"],
-        # every device connected and idle, before round 1 sends anything: the connections' own memory
-        "broker_idle_rss_bytes": (s["broker"].get("round_start_rss") or [None])[0],
         "devices_peak_rss_bytes": s["devices"]["peak_rss"],
         "aggregator_cpu_s_per_update": per_update(mon.round_cpu("aggregator")),
         "broker_cpu_s_per_update": per_update(mon.round_cpu("broker")),
@@ -343,7 +335,7 @@ def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Moni
     }
     log.info("[%s n=%d] %d connected, %d rounds, %d accepted, %d not accepted, %d twice, %s updates/s, "
              "p50 %s s, p99 %s s", broker_kind, n, connected, len(rounds), accepted_total, lost, twice,
-             _f(out["ingest_per_s"], ".1f"), _f(out["latency_p50_s"], ".2f"), _f(out["latency_p99_s"], ".2f"))
+             fmt(out["ingest_per_s"], ".1f"), fmt(out["latency_p50_s"], ".2f"), fmt(out["latency_p99_s"], ".2f"))
     return out
 
 
@@ -390,14 +382,10 @@ def estimate(settings: list[dict], fleet: dict = MILLION) -> dict | None:
     }
 
 
-def _f(x, spec: str) -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
 def markdown(result: dict) -> str:
     """The results table and the accounting verdict."""
     lines = [f"# Fleet load test ({result['profile']})", "",
-             f"Machine: {result['machine']}. Update {_f((result['settings'][0].get('update_bytes') or 0) / MIB, '.2f')} "
+             f"Machine: {result['machine']}. Update {fmt((result['settings'][0].get('update_bytes') or 0) / MIB, '.2f')} "
              f"MiB (fp32 LoRA state of {MODEL['num_experts']} experts x 2 MoE layers, signed, 256 KiB chunks); "
              f"{result['rounds']} rounds per setting; devices upload after a uniform 0-{result['train_s']} s wait. "
              "One aggregator process (workers: 1).", "",
@@ -409,18 +397,18 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {s['broker']} | {s['devices']} | {s['connected']} | {s['updates_per_round']} | {s['rounds_closed']} | "
             f"{s['accepted']} | {s['not_accepted']} | {s['reported_twice']} | {s['rejects']} | "
-            f"{_f(s['rounds_per_hour'], '.0f')} | {_f(s['ingest_per_s'], '.1f')} | "
-            f"{_f(s['latency_p50_s'], '.2f')} / {_f(s['latency_p99_s'], '.2f')} | "
+            f"{fmt(s['rounds_per_hour'], '.0f')} | {fmt(s['ingest_per_s'], '.1f')} | "
+            f"{fmt(s['latency_p50_s'], '.2f')} / {fmt(s['latency_p99_s'], '.2f')} | "
             f"{s['aggregator_peak_rss_bytes'] / MIB:.0f} | {s['broker_peak_rss_bytes'] / MIB:.0f} | "
-            f"{_f(s['aggregator_cpu_s_per_update'] and 1000 * s['aggregator_cpu_s_per_update'], '.1f')} | "
-            f"{_f(s['broker_cpu_s_per_update'] and 1000 * s['broker_cpu_s_per_update'], '.1f')} |")
+            f"{fmt(s['aggregator_cpu_s_per_update'] and 1000 * s['aggregator_cpu_s_per_update'], '.1f')} | "
+            f"{fmt(s['broker_cpu_s_per_update'] and 1000 * s['broker_cpu_s_per_update'], '.1f')} |")
     lines += ["", "Per round:", "", "| broker | devices | round | status | selected | uploaded | accepted | "
               "seconds | updates/s | p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["settings"]:
         for p in s["rounds"]:
             lines.append(f"| {s['broker']} | {s['devices']} | {p['round']} | {p['status']} | {p['selected']} | "
-                         f"{p['uploaded']} | {p['accepted']} | {p['seconds']:.1f} | {_f(p['ingest_per_s'], '.1f')} | "
-                         f"{_f(p['latency_p50_s'], '.2f')} / {_f(p['latency_p99_s'], '.2f')} |")
+                         f"{p['uploaded']} | {p['accepted']} | {p['seconds']:.1f} | {fmt(p['ingest_per_s'], '.1f')} | "
+                         f"{fmt(p['latency_p50_s'], '.2f')} / {fmt(p['latency_p99_s'], '.2f')} |")
     bad = [s for s in result["settings"] if s["not_accepted"] or s["reported_twice"] or s["rejects"]]
     lines += ["", "Accounting: " + ("every uploaded update was accepted exactly once in every setting." if not bad else
                                     "NOT exactly once in " + ", ".join(f"{s['broker']} n={s['devices']}" for s in bad)
@@ -434,7 +422,7 @@ def markdown(result: dict) -> str:
                       f"{e['broker_memory_gib']:.0f} GiB for the connections ({e['broker_rss_per_device_kib']:.1f} KiB "
                       f"per connected device: {e['broker_memory_basis']}); network {e['network_mbit_s']:.0f} Mbit/s (updates up, states down); "
                       f"in-flight store writes {e['store_write_mib_s']:.0f} MiB/s; one aggregator process ingests a "
-                      f"round in {_f(e['round_ingest_minutes_one_aggregator'], '.0f')} min and holds "
+                      f"round in {fmt(e['round_ingest_minutes_one_aggregator'], '.0f')} min and holds "
                       f"{e['aggregator_rss_per_update_mib']:.1f} MiB per update of the round (its peak RSS over the "
                       f"updates per round), so a round of {e['updates_per_round']:,.0f} does not fit one process."]
     for s in result["settings"]:

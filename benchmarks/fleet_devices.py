@@ -189,7 +189,6 @@ class FleetDevice:
             payloads, sha = split_blob(data, self.spec.get("max_payload", DEFAULT_CHUNK_BYTES), upload_id, "update",
                                        a.round)
             props = self.signer.properties("update", a.round, upload_id, sha)
-            rec["upload_started"] = time.time()
             for p in payloads:
                 await self._publish(client, self.topics.up(self.id, "update"), p, props)
             rec["last_chunk"] = time.time()

@@ -562,8 +562,6 @@ class Aggregator:
             raise MessageError(f"device id {msg_id!r} in the message does not match the topic's {topic_id!r}")
 
 
-
-
 REFERS_SCAN_BYTES = 4096
 """Bytes of a refused payload :func:`refers_to` looks at (a chunk header, or the head of a
 control message's JSON): a flood of large junk costs one bounded scan each."""

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-
 log = logging.getLogger(__name__)
 
 MAGIC = b"FMC1"
