@@ -89,12 +89,20 @@ class NatsCluster:
         if not os.path.exists(self.exe):
             raise FileNotFoundError("no nats-server binary (Debian package nats-server)")
         self.workdir, self.host, self.size = Path(workdir), host, int(nodes)
-        ports = [[free_port(host) for _ in range(4)] for _ in range(self.size)]
-        self.client_ports = [p[0] for p in ports]
-        self.monitor_ports = [p[1] for p in ports]
-        self.route_ports = [p[2] for p in ports]
-        self.mqtt_ports = [p[3] for p in ports]
+        self.attempt = 0
         self.procs: list[subprocess.Popen | None] = [None] * self.size
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        ports: list[int] = []
+        while len(ports) < 4 * self.size:  # free_port may hand the same port out twice
+            p = free_port(self.host)
+            if p not in ports:
+                ports.append(p)
+        self.client_ports = ports[0::4]
+        self.monitor_ports = ports[1::4]
+        self.route_ports = ports[2::4]
+        self.mqtt_ports = ports[3::4]
 
     @property
     def urls(self) -> list[str]:
@@ -111,7 +119,7 @@ class NatsCluster:
         return self.mqtt_ports.index(port)
 
     def _node_dir(self, i: int) -> Path:
-        return self.workdir / f"n{i}"
+        return self.workdir / (f"n{i}" if self.attempt == 0 else f"try{self.attempt}-n{i}")
 
     def start_node(self, i: int) -> None:
         """(Re)start node ``i`` with its configuration and its JetStream store kept."""
@@ -126,11 +134,31 @@ class NatsCluster:
             self.procs[i] = subprocess.Popen([self.exe, "-c", str(conf)], stdout=logf, stderr=subprocess.STDOUT,
                                              start_new_session=True)
 
-    def start(self, timeout: float = 60.0) -> "NatsCluster":
-        """Start every node and wait until each accepts an MQTT client (JetStream ready)."""
-        for i in range(self.size):
-            self.start_node(i)
-        self.wait_ready(timeout)
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> "NatsCluster":
+        """Start every node and wait until each accepts an MQTT client (JetStream ready).
+
+        A cluster that does not become ready within ``timeout`` s is stopped and started
+        again on fresh ports and stores, up to ``attempts`` times: a port handed out by
+        :func:`free_port` may be taken by another process before the node binds it, and a
+        loaded machine once left a fresh NATS 2.9 cluster refusing every MQTT connect for a
+        minute ("no suitable peers for placement") although all three nodes ran.
+
+        Raises:
+            RuntimeError: not ready after ``attempts`` tries (every node's last log lines).
+        """
+        for self.attempt in range(attempts):
+            for i in range(self.size):
+                self.start_node(i)
+            try:
+                self.wait_ready(timeout)
+                break
+            except RuntimeError as e:
+                self.stop()
+                if self.attempt + 1 >= attempts:
+                    raise
+                log.warning("NATS cluster not ready (try %d of %d), starting again on new ports: %s",
+                            self.attempt + 1, attempts, e)
+                self._pick_ports()
         log.info("NATS cluster of %d nodes ready: %s", self.size, self.url)
         return self
 
@@ -143,19 +171,21 @@ class NatsCluster:
         from protocol.transport import Transport, TransportError
 
         deadline = time.monotonic() + timeout
-        for i in nodes if nodes is not None else [i for i, p in enumerate(self.procs) if p is not None]:
+        live = nodes if nodes is not None else [i for i, p in enumerate(self.procs) if p is not None]
+        for i in live:
             while True:
-                proc = self.procs[i]
-                if proc is None or proc.poll() is not None:
-                    raise RuntimeError(f"NATS node {i} exited: {self.log_tail(i)}")
+                for j in live:  # a node that exited (e.g. its port was taken) fails fast
+                    proc = self.procs[j]
+                    if proc is None or proc.poll() is not None:
+                        raise RuntimeError(f"NATS node {j} exited: {self.log_tail(j)}")
                 try:
                     Transport(self.urls[i], f"ready-probe-{i}", protocol="3.1.1").connect(
                         timeout=max(1.0, min(10.0, deadline - time.monotonic()))).close()
                     break
                 except TransportError as e:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"NATS node {i} not ready in {timeout} s ({e}): {self.log_tail(i)}") \
-                            from None
+                        tails = " || ".join(f"node {j}: {self.log_tail(j, 3)}" for j in live)
+                        raise RuntimeError(f"NATS node {i} not ready in {timeout} s ({e}): {tails}") from None
                     time.sleep(0.5)
 
     def log_tail(self, i: int, lines: int = 5) -> str:

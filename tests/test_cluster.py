@@ -107,3 +107,21 @@ def test_the_shipped_node_configuration_is_the_one_the_tests_run():
     body = shipped[shipped.index("# One node"):]
     assert body == node_config("nats-1", "0.0.0.0", 4222, 8222, 6222, 1883,
                                ["nats-1:6222", "nats-2:6222", "nats-3:6222"], "/var/lib/nats-server/jetstream")
+
+
+def test_a_cluster_whose_port_was_taken_starts_again_on_new_ports(tmp_path):
+    """A port from free_port taken by another process before a node binds it makes that
+    node exit; start() notices at once and starts the cluster again on fresh ports."""
+    import socket
+
+    c = NatsCluster(tmp_path / "nats")
+    taken = c.mqtt_ports[1]
+    with socket.socket() as s:
+        s.bind((c.host, taken))
+        s.listen()
+        try:
+            c.start(timeout=30)
+            assert c.attempt == 1 and taken not in c.mqtt_ports
+            Transport(c.urls[1], "probe", protocol="3.1.1").connect(timeout=10).close()
+        finally:
+            c.stop()
