@@ -128,6 +128,7 @@ def run_ours(args, ckpt: Path, seed: int, method: str, out: Path) -> dict:
                "--gradient-checkpointing", "--weight-format", args.weight_format,
                "--update-precision", args.update_precision, "--update-delta", "--update-error-feedback",
                "--state-precision", args.state_precision, "--out", str(out)] + strategy \
+            + (["--update-compression", "--state-compression"] if args.compression else []) \
             + ([] if ffa else ["--lora-train-a"])
         log.info("[ours %s s%d] %s", method, seed, " ".join(cmd[1:4]))
         with heavy_lock(args.lock):
@@ -312,7 +313,8 @@ def markdown(result: dict) -> str:
              f"BBC News {result['partition']}, {result['rounds']} rounds of {result['steps']} steps, batch "
              f"{result['batch_size']}, T = {result['seq_len']}, LoRA rank {result['rank']}, lr {result['lr']}; "
              f"seeds {result['seeds']}. Ours: updates up as {result['update_precision']} deltas with error "
-             f"feedback, adapter state down in {result['state_precision']}. Peer probe peaks (MiB): "
+             f"feedback, adapter state down in {result['state_precision']}"
+             + (", both zlib-compressed" if result.get("compression") else "") + ". Peer probe peaks (MiB): "
              + ", ".join(f"{v} {p / MiB:.0f}" for v, p in result["probe_peaks"].items()) + ".", "",
              "| method | final held-out perplexity (mean ± std [95% CI]) | devices trained (of fleet) | "
              "MiB / device-round, round 1 | MiB / device-round, later | MiB / device-round, last round | "
@@ -422,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                     "feedback): fp16, bf16, int8, nf4")
     ap.add_argument("--state-precision", default="int8", help="the adapter state sent down: fp32, fp16, bf16, int8, "
                     "nf4")
+    ap.add_argument("--no-compression", dest="compression", action="store_false",
+                    help="our updates and state as plain safetensors (default: zlib-compressed, protocol minor 8)")
     ap.add_argument("--reuse-peer", help="an earlier result JSON whose peer runs to reuse (settings must match)")
     ap.add_argument("--peer-threads", type=int, default=2)
     ap.add_argument("--checkpoint", help="an existing Hugging Face MoE checkpoint directory (e.g. the SmolLM2-MoE "
@@ -475,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"profile": profile, "seeds": seeds, "rounds": args.rounds, "budgets": args.budgets,
               "partition": args.partition, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
               "lr": args.lr, "rank": args.rank, "samples": args.samples, "eval_samples": args.eval_samples,
-              "update_precision": args.update_precision, "state_precision": args.state_precision,
+              "update_precision": args.update_precision, "state_precision": args.state_precision, "compression": args.compression,
               "peer_reused_from": args.reuse_peer, "checkpoint": facts, "probe_peaks": peaks,
               "peak_measure": PEAK_MEASURE,
               "ours": list(names.values()), "variants": [f"peer {v}" for v in args.variants],

@@ -60,7 +60,7 @@ from protocol.codec import (
 from protocol.experts import experts_by_device_from_json, experts_by_device_to_json, layers_to_json
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
-    MAX_OBJECTIVES, MIN_MINOR_FOR_EVALUATION, MIN_MINOR_FOR_EXTENSIONS, MIN_MINOR_FOR_SHARD_URL,
+    MAX_OBJECTIVES, MIN_MINOR_FOR_COMPRESSION, MIN_MINOR_FOR_EVALUATION, MIN_MINOR_FOR_EXTENSIONS, MIN_MINOR_FOR_SHARD_URL,
     MIN_MINOR_FOR_STATE_PRECISION, Ack, Assignment,
     BlobRef, Command, ExtraName, Objective, Stats, TensorSpec, TrainConfig, encode,
 )
@@ -117,6 +117,8 @@ class RoundSettings:
     """Largest ``num_samples`` a device's statistics may claim (its aggregation weight)."""
     state_precision: str = "fp32"
     """Precision of the adapter state sent to devices (``FederationSettings.state_precision``)."""
+    state_compression: bool = False
+    """Compress the adapter state for devices of minor 8 or later (``AggregatorConfig.state_compression``)."""
     shard_url: str | None = None
     """Base URL of the shard files (``AggregatorConfig.shard_url``): manifests for devices
     of minor 6 or later name their files there."""
@@ -474,7 +476,9 @@ class RoundEngine:
             rnd.unsent.add(device_id)
             return
         precision = self.settings.state_precision if dev.protocol_minor >= MIN_MINOR_FOR_STATE_PRECISION else "fp32"
-        state = encode_tensors({**sent, **tensors}, precision, exact=tensors)
+        state = encode_tensors({**sent, **tensors}, precision, exact=tensors,
+                               compress=self.settings.state_compression
+                               and dev.protocol_minor >= MIN_MINOR_FOR_COMPRESSION)
         ref = self.wire.publish_blob(self.topics.down(device_id, "state"), state, "state", rnd.number,
                                      uuid.uuid4().hex[:16])
         msg = Assignment(
@@ -485,6 +489,7 @@ class RoundEngine:
             train=self._train_for(rnd, device_id), deadline=rnd.deadline,
             objectives=rnd.objectives.get(device_id, []),
             tensors={k: TensorSpec(shape=list(t.shape), dtype=_DTYPE_NAMES[t.dtype]) for k, t in tensors.items()},
+            compressed_updates=True,
         )
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
 

@@ -131,7 +131,8 @@ class Aggregator:
         settings = RoundSettings(config.clients_per_round, config.quorum, config.round_timeout_s, config.train,
                                  config.max_update_bytes, config.eval_batch_size, config.seed,
                                  max_samples_per_device=config.max_samples_per_device,
-                                 state_precision=config.state_precision, shard_url=config.shard_url)
+                                 state_precision=config.state_precision, shard_url=config.shard_url,
+                                 state_compression=config.state_compression)
         self.engine = RoundEngine(self.model, self.registry, self.store, strategy, self, self.topics, settings,
                                   self.eval_data, self._reject, self._progress, defences=Defences(config.defences))
         self.engine.ensure_shards = self._ensure_shards

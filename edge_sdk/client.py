@@ -491,7 +491,7 @@ class EdgeClient:
         ctx = UpdateContext(a, model, state, train_items, work_dir=self.cache.directory / "filters" / self.device_id)
         for f in self.filters:
             tensors = f.on_update(tensors, ctx)
-        update = encode_tensors(tensors, ctx.format, ctx.metadata)
+        update = encode_tensors(tensors, ctx.format, ctx.metadata, vectors=ctx.vectors, compress=ctx.compress)
         upload_id = uuid.uuid4().hex[:16]
         props = self._properties("update", a.round, upload_id, update)
         ref = self._publish("update", a.round, lambda: self.transport.publish_blob(

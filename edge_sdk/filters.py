@@ -51,6 +51,8 @@ class UpdateContext:
         work_dir: a directory of this device's own (``filters/<device id>`` under its shard
             cache, which devices may share) where a filter may keep state between rounds on
             disk instead of in memory; None: keep it in memory.
+        vectors: nf4 packs 1-D tensors of 64 or more values too (``protocol.codec``).
+        compress: send the payload compressed (``protocol.codec``, protocol minor 8).
     """
 
     assignment: Assignment
@@ -60,6 +62,8 @@ class UpdateContext:
     format: str = "fp32"
     metadata: dict[str, str] = field(default_factory=dict)
     work_dir: Path | None = None
+    vectors: bool = False
+    compress: bool = False
 
 
 T = TypeVar("T")
@@ -116,9 +120,13 @@ class UpdateEncoding(Filter):
             ``nf4`` (4-bit NormalFloat in blocks of 64 with an fp32 absmax each; meant for
             deltas with error feedback): 4, 2, 2, ~1 or ~0.56 bytes per value (rank >= 2
             tensors; 1-D ones stay fp32).
-        delta: send ``trained - sent`` instead of ``trained``.
+        delta: send ``trained - sent`` instead of ``trained``; an nf4 delta packs the
+            1-D tensors of 64 or more values too (a sub-MoE's router rows, ``(H,)`` each:
+            0.75 of an fp32 update's 6.2 MiB at 512 experts of H = 384).
         error_feedback: carry the encoding error over to the next round (needs ``delta``
             and a precision other than fp32).
+        compress: zlib-compress the payload where the assignment says the cloud reads it
+            (``Assignment.compressed_updates``, minor 8); about 15% off an nf4 LoRA update.
 
     Raises:
         ValueError: an unknown precision, or ``error_feedback`` without ``delta`` or with
@@ -127,13 +135,15 @@ class UpdateEncoding(Filter):
 
     PRECISIONS = ("fp32", "fp16", "bf16", "int8", "nf4")
 
-    def __init__(self, precision: str = "fp32", delta: bool = False, error_feedback: bool = False):
+    def __init__(self, precision: str = "fp32", delta: bool = False, error_feedback: bool = False,
+                 compress: bool = False):
         if precision not in self.PRECISIONS:
             raise ValueError(f"update precision must be one of {self.PRECISIONS}, got {precision!r}")
         if error_feedback and (not delta or precision == "fp32"):
             raise ValueError("error_feedback needs delta=True and a precision other than fp32 "
                              f"(got delta={delta}, precision={precision!r})")
         self.precision, self.delta, self.error_feedback = precision, delta, error_feedback
+        self.compress = compress
         self.residual: dict[str, torch.Tensor] = {}
         """tensor name -> the encoding error of the last update that carried it (fp32), when
         kept in memory."""
@@ -144,10 +154,12 @@ class UpdateEncoding(Filter):
         (``protocol.codec.round_trip``), as fp32 of ``t``'s shape."""
         from protocol.codec import round_trip
 
-        return round_trip(t, self.precision)
+        return round_trip(t, self.precision, vectors=self.delta)
 
     def on_update(self, update: dict[str, torch.Tensor], ctx: UpdateContext) -> dict[str, torch.Tensor]:
         ctx.format = self.precision
+        ctx.vectors = self.delta
+        ctx.compress = self.compress and ctx.assignment.compressed_updates
         if not self.delta:
             return update
         ctx.metadata[ENCODING_KEY] = "delta"

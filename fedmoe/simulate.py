@@ -117,6 +117,9 @@ OPTIONS: dict[str, Option] = {
     "update_error_feedback": Option("device.update_error_feedback", switch=True),
     "state_precision": Option("state_precision", "precision the cloud sends each device's adapter state in "
                                                  "(fp16/bf16 halve the download, int8 quarters it, nf4 ~7x)"),
+    "update_compression": Option("device.update_compression", "zlib-compress each update payload (an nf4 LoRA "
+                                                               "update shrinks by about a seventh)", switch=True),
+    "state_compression": Option("state_compression", "zlib-compress the adapter state sent down", switch=True),
     "device_memory_limit": Option("device_memory_limit", "run each device in a memory cgroup whose hard limit is "
                                                          "its budget; the report counts OOM kills", switch=True),
     "dashboard": Option("dashboard", "HOST:PORT of the aggregator's live dashboard (e.g. "

@@ -13,12 +13,22 @@ tensor is cut into blocks of :data:`NF4_BLOCK` = 64 values, each block is scaled
 absolute maximum (``{name}::absmax``, fp32, one per block) and every value becomes the
 index of the nearest of the 16 :data:`NF4_CODE` levels, two indices per byte (first
 value in the high nibble), stored as ``U8`` of shape ``(ceil(numel/2),)``; the logical
-shape is recorded in the metadata (``nf4_shape:{name}``). 1-D tensors stay fp32.
+shape is recorded in the metadata (``nf4_shape:{name}``). 1-D tensors stay fp32, except
+with ``vectors=True`` (updates: deltas with error feedback), where nf4 also packs 1-D
+tensors of at least :data:`NF4_BLOCK` values (a sub-MoE's router rows, ``(H,)`` each).
 The format is recorded in the safetensors metadata, so :func:`decode_tensors`
 needs no side channel. An update may also be a *delta* (the trained state minus the
 state the cloud sent; metadata ``{ENCODING_KEY: "delta"}``, written by the device's
 ``UpdateEncoding`` filter and undone by the cloud's ``UpdateDecoding``); the codec only
 carries the marker.
+
+A payload may be *compressed* (protocol minor 8): :data:`COMPRESSED_MAGIC` (8 bytes)
+followed by the zlib stream (RFC 1950) of the safetensors bytes. The magic read as a
+safetensors header length is far above :data:`MAX_HEADER_BYTES`, so no valid plain
+payload starts with it; :func:`decode_tensors` and :func:`inspect_header` take either and
+inflate at most ``max_bytes`` (a zlib bomb is refused without inflating the rest). zlib
+saves what quantization leaves: on an nf4 LoRA update of 512 experts (3,616 tensors) the
+header JSON is 0.82 of 6.2 MiB and deflates to 0.07 MiB.
 
 Nothing from the network is unpickled: safetensors is a flat header + raw buffer.
 :func:`inspect_header` parses and bounds-checks the header *before* any tensor is
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -55,6 +66,8 @@ WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "nf4")
 ENCODING_KEY = "fedmoe.encoding"
 """Metadata key of an update's encoding: absent (the state itself) or ``"delta"``."""
 UPDATE_ENCODINGS = ("state", "delta")
+COMPRESSED_MAGIC = b"FMZ1zlib"
+"""First 8 bytes of a compressed payload (then a zlib stream of the safetensors bytes)."""
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 _DTYPES = {
     "F32": (torch.float32, 4),
@@ -207,17 +220,24 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def round_trip(t: torch.Tensor, fmt: str) -> torch.Tensor:
+def _packs_nf4(t: torch.Tensor, vectors: bool) -> bool:
+    """Whether nf4 packs floating tensor ``t`` (rank >= 2; with ``vectors`` also 1-D of at
+    least one block)."""
+    return t.dim() >= 2 or (vectors and t.dim() == 1 and t.numel() >= NF4_BLOCK)
+
+
+def round_trip(t: torch.Tensor, fmt: str, vectors: bool = False) -> torch.Tensor:
     """What :func:`decode_tensors` (dequantizing) returns for floating tensor ``t`` after
     :func:`encode_tensors` in ``fmt`` (``fp32``/``fp16``/``bf16``/``int8``/``nf4``, int8
-    with its default ``scales="short"``), as fp32 of ``t``'s shape, without serialising:
-    the same rules (quantized formats for rank >= 2, 1-D tensors stay fp32).
+    with its default ``scales="short"``) with the same ``vectors``, as fp32 of ``t``'s
+    shape, without serialising: the same rules (quantized formats for rank >= 2, 1-D
+    tensors stay fp32 unless nf4 packs them).
 
     Raises:
         CodecError: an unknown format.
     """
     t = t.detach().float()
-    if fmt in ("int8", "nf4") and t.dim() < 2:
+    if (fmt == "int8" and t.dim() < 2) or (fmt == "nf4" and not _packs_nf4(t, vectors)):
         return t
     if fmt == "int8":
         return dequantize_int8(*quantize_int8(t, int8_axis(t.shape)))
@@ -230,12 +250,14 @@ def round_trip(t: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def encode_tensors(
     tensors: dict[str, torch.Tensor], fmt: str = "fp32", metadata: dict[str, str] | None = None,
-    exact: Collection[str] = (), scales: str = "short",
+    exact: Collection[str] = (), scales: str = "short", vectors: bool = False, compress: bool = False,
 ) -> bytes:
     """Serialise a state dict to safetensors bytes in weight format ``fmt``; the floating
     tensors named in ``exact`` are stored in fp32 whatever ``fmt`` (:func:`decode_tensors`
     returns them unchanged). ``scales`` places int8 scales (:func:`int8_axis`; base
-    shards use ``row``).
+    shards use ``row``). ``vectors``: nf4 also packs 1-D tensors of at least
+    :data:`NF4_BLOCK` values. ``compress``: return the compressed payload
+    (:data:`COMPRESSED_MAGIC` + zlib, level 6; decoders of protocol minor 8 or later).
 
     Raises:
         CodecError: unknown format or ``scales``, or a name that uses a reserved suffix.
@@ -256,7 +278,7 @@ def encode_tensors(
             q, scale = quantize_int8(t, int8_axis(t.shape, scales))
             out[name] = q.contiguous()
             out[name + SCALE_SUFFIX] = scale.contiguous()
-        elif fmt == "nf4" and t.dim() >= 2:
+        elif fmt == "nf4" and _packs_nf4(t, vectors):
             packed, absmax = quantize_nf4(t)
             out[name] = packed
             out[name + ABSMAX_SUFFIX] = absmax
@@ -267,7 +289,35 @@ def encode_tensors(
             out[name] = t.to(_CAST[fmt]).contiguous()
         else:
             raise CodecError(f"unsupported weight format {fmt!r}")
-    return st_save(out, metadata={**meta, **(metadata or {})})
+    data = st_save(out, metadata={**meta, **(metadata or {})})
+    return COMPRESSED_MAGIC + zlib.compress(data, 6) if compress else data
+
+
+def is_compressed(data: bytes | memoryview) -> bool:
+    """Whether ``data`` is a compressed payload (starts with :data:`COMPRESSED_MAGIC`)."""
+    return bytes(data[: len(COMPRESSED_MAGIC)]) == COMPRESSED_MAGIC
+
+
+def inflate(data: bytes | memoryview, max_bytes: int) -> bytes | memoryview:
+    """The safetensors bytes of a payload: ``data`` itself if plain, else its zlib
+    stream inflated to at most ``max_bytes`` bytes.
+
+    Raises:
+        CodecError: a compressed payload that is malformed, truncated, followed by stray
+            bytes, or that inflates to more than ``max_bytes`` (stopped there).
+    """
+    if not is_compressed(data):
+        return data
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(bytes(data[len(COMPRESSED_MAGIC):]), max_bytes + 1)
+    except zlib.error as e:
+        raise CodecError(f"malformed compressed payload: {e}") from None
+    if len(out) > max_bytes:
+        raise CodecError(f"compressed payload inflates to more than the limit of {max_bytes} bytes")
+    if not d.eof or d.unused_data:
+        raise CodecError("compressed payload is truncated or has stray bytes after its zlib stream")
+    return out
 
 
 def inspect_header(data: bytes | memoryview, max_bytes: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -282,8 +332,10 @@ def inspect_header(data: bytes | memoryview, max_bytes: int) -> tuple[dict[str, 
 
     Raises:
         CodecError: oversized, truncated, unknown dtype, offsets that overlap, leave
-            gaps or point past the end, or sizes inconsistent with the shapes.
+            gaps or point past the end, or sizes inconsistent with the shapes; see
+            :func:`inflate` for a compressed payload (whose inflated size is checked).
     """
+    data = inflate(data, max_bytes)
     n = len(data)
     if n > max_bytes:
         raise CodecError(f"payload of {n} bytes exceeds limit {max_bytes}")
@@ -364,6 +416,7 @@ def decode_tensors(
         CodecError: see :func:`inspect_header`; plus non-finite values, or a mismatch
             with ``expected``.
     """
+    data = inflate(data, max_bytes)
     infos, metadata = inspect_header(data, max_bytes)
     if metadata_out is not None:
         metadata_out.update(metadata)

@@ -32,7 +32,7 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 7
+PROTOCOL_MINOR = 8
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
@@ -51,7 +51,10 @@ footprint, not RSS (anonymous + shared + swapped memory: what an OS limit enforc
 sha256), sent only to devices of minor 6 or later; 7 carries user properties (signatures)
 over MQTT 3.1.1 in a payload envelope (``protocol.envelope``) that every receiver opens (an
 aggregator older than minor 7 refuses such a message as malformed, as it refused it as
-unsigned before). A peer ignores unknown fields and
+unsigned before); 8 added compressed tensor payloads (``protocol.codec``: a zlib stream
+after ``FMZ1zlib``), which the cloud sends as state only to devices of minor 8 or later and
+invites in updates by ``Assignment.compressed_updates``, and nf4 updates whose 1-D tensors
+of 64 or more values (router rows) are packed too (already decodable since minor 4). A peer ignores unknown fields and
 unknown commands of a newer minor version, so the cloud sends objectives and extra
 tensors only to devices that announced minor 2 or later (an older device would silently
 train without them) and the evaluation term only to minor 3 or later."""
@@ -61,6 +64,8 @@ MIN_MINOR_FOR_STATE_PRECISION = 4
 """Lowest ``Hello.protocol_minor`` that decodes adapter state in a precision other than fp32."""
 MIN_MINOR_FOR_SHARD_URL = 6
 """Lowest ``Hello.protocol_minor`` that fetches a shard from ``ShardManifest.url``."""
+MIN_MINOR_FOR_COMPRESSION = 8
+"""Lowest ``Hello.protocol_minor`` that decodes compressed tensor payloads."""
 MIN_MINOR_FOR_EVALUATION = 3
 """Lowest ``Hello.protocol_minor`` whose SDK has the ``evaluate_received`` term (a minor-2
 device would refuse the whole assignment over the unknown term)."""
@@ -485,6 +490,9 @@ class Assignment(_Message):
     tensors: dict[ExtraName, TensorSpec] = Field(default_factory=dict, max_length=64)
     """Named extra tensors the state blob carries besides the adapter state (for the
     objective terms; e.g. a global routing distribution), with their exact shapes (minor 2)."""
+    compressed_updates: bool = False
+    """(minor 8) The cloud decodes a compressed update payload (``protocol.codec``); a
+    device configured to compress (``update_compression``) does so only where this is set."""
 
     @field_validator("experts", mode="before")
     @classmethod

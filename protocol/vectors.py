@@ -133,15 +133,19 @@ def _tensors() -> dict[str, Any]:
 
     g = torch.Generator().manual_seed(7)
     state = {"expert.1.0.fc1.lora_B": (torch.randn(16, 4, generator=g) * 0.01).round(decimals=6),
-             "router.1.0": (torch.randn(8, generator=g)).round(decimals=6)}
+             "router.1.0": (torch.randn(64, generator=g) * 0.01).round(decimals=6)}
     out: dict[str, Any] = {"state": {k: v.tolist() for k, v in state.items()}, "encodings": {}}
-    for fmt in ("fp32", "fp16", "int8", "nf4"):
-        data = encode_tensors(state, fmt)
+    encodings = {"fp32": {}, "fp16": {}, "int8": {}, "nf4": {},
+                 "nf4+vectors": {"vectors": True},  # an nf4 delta: the 64-value router row packed too (minor 8)
+                 "nf4+vectors+zlib": {"vectors": True, "compress": True}}  # compressed payload (minor 8)
+    for name, kw in encodings.items():
+        fmt = name.split("+")[0]
+        data = encode_tensors(state, fmt, **kw)
         meta: dict[str, str] = {}
         stored = decode_tensors(data, 2**20, dequantize=False, metadata_out=meta)
         decoded = decode_tensors(data, 2**20, {k: (tuple(v.shape), torch.float32) for k, v in state.items()},
                                  as_float=torch.float32)
-        out["encodings"][fmt] = {
+        out["encodings"][name] = {
             "payload_hex": data.hex(), "metadata": meta,
             "stored": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
                            "data_hex": v.contiguous().view(torch.uint8).numpy().tobytes().hex()}

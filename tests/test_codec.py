@@ -129,3 +129,52 @@ def test_expected_names_shapes_dtypes():
     data = encode_tensors({**t, "extra": torch.zeros(1)})
     with pytest.raises(CodecError, match="unexpected"):
         decode_tensors(data, LIMIT, exp)
+
+
+def test_a_compressed_payload_decodes_to_what_the_plain_one_does_in_fewer_bytes():
+    from protocol.codec import COMPRESSED_MAGIC, is_compressed
+
+    t = {f"layers.{i}.experts.{e}.down_proj.lora_B": torch.randn(48, 4) for i in range(4) for e in range(8)}
+    plain = encode_tensors(t, "nf4")
+    packed = encode_tensors(t, "nf4", compress=True)
+    assert packed.startswith(COMPRESSED_MAGIC) and is_compressed(packed) and not is_compressed(plain)
+    assert len(packed) < 0.95 * len(plain)  # the header's repeated names deflate
+    meta: dict[str, str] = {}
+    a, b = decode_tensors(plain, LIMIT), decode_tensors(packed, LIMIT, metadata_out=meta)
+    assert meta["format"] == "nf4" and all(torch.equal(a[k], b[k]) for k in t)
+    assert set(inspect_header(packed, LIMIT)[0]) == set(inspect_header(plain, LIMIT)[0])
+    # a plain safetensors payload can never start with the magic: read as the header length
+    # it declares far more than any header may hold
+    assert struct.unpack("<Q", COMPRESSED_MAGIC)[0] > 2**40
+
+
+def test_bad_compressed_payloads_are_refused_without_inflating_past_the_limit():
+    import zlib
+
+    from protocol.codec import COMPRESSED_MAGIC
+
+    bomb = COMPRESSED_MAGIC + zlib.compress(b"\0" * (64 * 2**20), 9)  # 64 KiB that inflate to 64 MiB
+    with pytest.raises(CodecError, match="more than the limit"):
+        decode_tensors(bomb, LIMIT)
+    good = encode_tensors(sample(), "fp32", compress=True)
+    for bad, why in [(good[:-5], "truncated"), (good + b"x", "stray"), (COMPRESSED_MAGIC + b"not zlib", "malformed"),
+                     (COMPRESSED_MAGIC + zlib.compress(b"garbage"), "header")]:
+        with pytest.raises(CodecError, match=why):
+            decode_tensors(bad, LIMIT)
+
+
+def test_nf4_packs_router_rows_only_when_asked():
+    from protocol.codec import NF4_BLOCK, nf4_shapes, round_trip
+
+    g = torch.Generator().manual_seed(3)
+    t = {"B": torch.randn(32, 4, generator=g), "row": torch.randn(NF4_BLOCK * 3, generator=g),
+         "short": torch.randn(NF4_BLOCK - 1, generator=g)}
+    for vectors, packed in ((False, {"B"}), (True, {"B", "row"})):
+        data = encode_tensors(t, "nf4", vectors=vectors)
+        meta: dict[str, str] = {}
+        out = decode_tensors(data, LIMIT, metadata_out=meta)
+        assert set(nf4_shapes(meta)) == packed
+        assert all(torch.equal(round_trip(v, "nf4", vectors=vectors), out[k]) for k, v in t.items())
+        assert torch.equal(out["short"], t["short"])  # less than a block stays fp32
+    # the row's 768 fp32 bytes become 96 packed + 12 absmax + its header entries
+    assert len(encode_tensors(t, "nf4", vectors=True)) < len(encode_tensors(t, "nf4")) - 4 * 3 * NF4_BLOCK // 2

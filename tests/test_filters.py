@@ -321,6 +321,80 @@ def test_quantized_state_down_sends_the_rounded_state_in_fewer_bytes(tmp_path, e
     assert state_bytes["nf4"] < 0.85 * state_bytes["int8"], state_bytes
 
 
+def test_compressed_nf4_updates_and_state_federate_and_older_devices_get_plain_state(tmp_path, embedded_url,
+                                                                                        monkeypatch):
+    """Protocol minor 8 over the broker: with ``update_compression`` the devices send zlib-
+    compressed nf4 deltas whose router rows are packed too, with ``state_compression`` the
+    cloud sends compressed state, except to a device that announced minor 7 (plain state);
+    the round aggregates what the devices trained within nf4's error and rejects nothing."""
+    import edge_sdk.client as client_mod
+    from cloud.filters import InboundFilter
+    from protocol.codec import NF4_MAX_ERROR, is_compressed, nf4_shapes
+    from tests.federation import Federation
+
+    sent_updates, state_blobs, decoded, trained = {}, {}, {}, {}
+    encode = client_mod.encode_tensors
+
+    def recording_encode(tensors, fmt, metadata=None, **kw):
+        data = encode(tensors, fmt, metadata, **kw)
+        sent_updates[metadata.get("device")] = data
+        return data
+
+    monkeypatch.setattr(client_mod, "encode_tensors", recording_encode)
+
+    class Tag(Filter):  # before the encoding: the trained state, and whose update it is
+        def __init__(self, device_id):
+            self.device_id = device_id
+
+        def on_update(self, update, ctx):
+            ctx.metadata["device"] = self.device_id
+            trained[self.device_id] = ({k: v.clone() for k, v in update.items()},
+                                       {k: v.clone() for k, v in ctx.sent.items()})
+            return update
+
+    class Minor7(Filter):
+        def on_hello(self, hello):
+            return hello.model_copy(update={"protocol_minor": 7})
+
+    class Seen(InboundFilter):
+        def on_update(self, device_id, tensors, metadata, sent):
+            decoded[device_id] = (tensors, dict(metadata))
+            return tensors
+
+    def hook(c):
+        c.filters[:0] = [Tag(c.device_id), UpdateEncoding("nf4", delta=True, error_feedback=True, compress=True)]
+        if c.device_id == "dev1":
+            c.filters.append(Minor7())
+
+    from tests.conftest import TINY_CONFIG
+
+    fed = Federation(embedded_url, str(tmp_path), rounds=1, experts=(2, 3), client_hook=hook,
+                     config_kw={"state_compression": True},  # hidden 64: router rows of one nf4 block
+                     spec_kw={"upcycle_noise": 0.01, "config": {**TINY_CONFIG, "hidden_size": 64}})
+    agg = fed.aggregator
+    agg.engine.filters.append(Seen())
+    publish_blob = agg.publish_blob
+
+    def count(topic, data, kind, *a, **kw):
+        if kind == "state":
+            state_blobs[topic.split("/dev/")[1].split("/")[0]] = data
+        return publish_blob(topic, data, kind, *a, **kw)
+
+    agg.publish_blob = count
+    records = fed.run()
+    assert records[0]["status"] == "ok" and not records[0].get("excluded") and not records[0].get("rejected")
+    assert is_compressed(state_blobs["dev0"]) and not is_compressed(state_blobs["dev1"])
+    assert set(decoded) == {"dev0", "dev1"}
+    for d, (tensors, meta) in decoded.items():
+        assert is_compressed(sent_updates[d])
+        mine, sent = trained[d]
+        routers = [k for k, v in mine.items() if v.dim() == 1 and v.numel() >= 64]
+        assert routers and set(routers) <= set(nf4_shapes(meta))  # router rows packed in the delta
+        step = max(float((mine[k] - sent[k]).abs().max()) for k in mine)
+        err = max(float((tensors[k] - mine[k]).abs().max()) for k in mine)
+        assert step > 0 and err <= NF4_MAX_ERROR * step * 1.001, (d, err, step)  # one nf4 rounding
+
+
 def test_error_feedback_residual_on_disk_matches_memory_and_takes_no_memory(tmp_path, caplog):
     """With a work_dir the residual waits on disk between rounds: the same updates as
     keeping it in memory, nothing held in memory, a damaged file costs one residual only,
