@@ -77,6 +77,10 @@ class NatsCluster:
         workdir: where configurations, JetStream stores and logs go (one folder per node).
         nodes: cluster size (3 keeps a JetStream quorum when one node dies).
         exe: the ``nats-server`` binary (default: from PATH, else ``/usr/sbin/nats-server``).
+        users: a file every node includes, e.g. the ``nats-users.conf`` of ``fedmoe
+            provision`` (accounts and per-device permissions); None: no authentication.
+        probe: ``(username, password)`` the readiness probe connects with (needed with
+            ``users``).
 
     Raises:
         FileNotFoundError: no ``nats-server`` binary.
@@ -84,11 +88,13 @@ class NatsCluster:
             within the timeout (the reason and the last log lines are in the message).
     """
 
-    def __init__(self, workdir: str | Path, nodes: int = 3, host: str = "127.0.0.1", exe: str | None = None):
+    def __init__(self, workdir: str | Path, nodes: int = 3, host: str = "127.0.0.1", exe: str | None = None,
+                 users: str | Path | None = None, probe: tuple[str, str] | None = None):
         self.exe = exe or shutil.which("nats-server") or "/usr/sbin/nats-server"
         if not os.path.exists(self.exe):
             raise FileNotFoundError("no nats-server binary (Debian package nats-server)")
         self.workdir, self.host, self.size = Path(workdir), host, int(nodes)
+        self.users, self.probe = (Path(users).resolve() if users else None), probe
         self.attempt = 0
         self.procs: list[subprocess.Popen | None] = [None] * self.size
         self._pick_ports()
@@ -127,9 +133,13 @@ class NatsCluster:
         d.mkdir(parents=True, exist_ok=True)
         routes = [f"{self.host}:{p}" for p in self.route_ports]
         conf = d / "node.conf"
+        if self.users:  # NATS resolves an include relative to the including file
+            shutil.copyfile(self.users, d / "users.conf")
+            os.chmod(d / "users.conf", 0o600)
         conf.write_text(node_config(f"n{i}", self.host, self.client_ports[i], self.monitor_ports[i],
                                     self.route_ports[i], self.mqtt_ports[i], routes, str(d / "js"),
-                                    replicas=min(3, self.size)))
+                                    replicas=min(3, self.size))
+                        + ('include "users.conf"\n' if self.users else ""))
         with open(d / "log", "ab") as logf:
             self.procs[i] = subprocess.Popen([self.exe, "-c", str(conf)], stdout=logf, stderr=subprocess.STDOUT,
                                              start_new_session=True)
@@ -179,7 +189,9 @@ class NatsCluster:
                     if proc is None or proc.poll() is not None:
                         raise RuntimeError(f"NATS node {j} exited: {self.log_tail(j)}")
                 try:
-                    Transport(self.urls[i], f"ready-probe-{i}", protocol="3.1.1").connect(
+                    user, password = self.probe or (None, None)
+                    Transport(self.urls[i], f"ready-probe-{i}", protocol="3.1.1", username=user,
+                              password=password).connect(
                         timeout=max(1.0, min(10.0, deadline - time.monotonic()))).close()
                     break
                 except TransportError as e:

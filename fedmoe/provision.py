@@ -9,6 +9,8 @@ One directory holds a deployment's secrets (``examples/deploy/README.md``)::
     devices/{id}.json   one device's credentials: username, password, signing key
     tls/ca.crt, tls/ca.key, tls/server.crt, tls/server.key   (with --tls-host)
     mosquitto.conf      a ready broker config using the files above
+    nats-users.conf     the same accounts and confinement for a NATS cluster (each node's
+                        configuration includes it; ``examples/deploy/nats``)
 
 Running it again adds devices and keeps existing ones (their keys and passwords).
 Secrets are written with mode 0600.
@@ -48,6 +50,47 @@ pattern read fl/v1/+/shards/#
 user {aggregator}
 topic readwrite fl/v1/#
 """
+
+
+def nats_subject(topic_filter: str) -> str:
+    """The NATS subject of an MQTT topic filter without dots as NATS' MQTT gateway maps
+    it: levels joined by ``.``, ``+`` as ``*``, a trailing ``#`` as ``>``."""
+    return ".".join({"+": "*", "#": ">"}.get(lv, lv) for lv in topic_filter.split("/"))
+
+
+def nats_users_conf(aggregator: dict, devices: dict[str, dict]) -> str:
+    """The ``authorization`` block of a NATS cluster serving fedmoe over MQTT: the
+    aggregator may use the whole ``fl/v1`` tree; each device (username = device id) may
+    publish only below its own ``up`` and subscribe only to its own ``down`` and the
+    shards, as the Mosquitto ``acl`` says. ``a/b/#`` needs ``a.b`` and ``a.b.>`` (``#``
+    also matches the parent level); ``$MQTT.sub.>`` is where the gateway delivers QoS 1
+    messages to the client's own consumer (an MQTT client cannot subscribe to
+    ``$MQTT/...`` topics itself; tests/test_cluster.py checks that). A device whose id
+    holds a dot gets no account (a comment says so): the gateway maps a dot inside a
+    topic level to ``//``, and NATS refused every subscription of such a device under
+    the matching permission (measured with nats-server 2.9). Passwords are in plain
+    text (NATS accepts bcrypt too; we do not ship a bcrypt library): keep the file 0600,
+    readable by the nats-server account only."""
+    def tree(topic: str) -> list[str]:
+        return [nats_subject(topic), nats_subject(topic + "/#")]
+
+    def entry(user: str, password: str, publish: list[str], subscribe: list[str]) -> str:
+        return (f'    {{user: {json.dumps(user)}, password: {json.dumps(password)}, permissions: '
+                f'{{publish: {json.dumps(publish)}, subscribe: {json.dumps(subscribe + ["$MQTT.sub.>"])}}}}}')
+
+    lines = [entry(aggregator["username"], aggregator["password"], tree("fl/v1"), tree("fl/v1"))]
+    for _, i in sorted(devices.items()):
+        user = i["username"]
+        if "." in user:
+            log.warning("device %s gets no NATS account: a dot in a device id cannot be confined on NATS", user)
+            lines.append(f"    # {user}: no account (a dot in the id; NATS maps it to '//' and refuses its topics)")
+            continue
+        lines.append(entry(user, i["password"], tree(f"fl/v1/+/dev/{user}/up"),
+                           tree(f"fl/v1/+/dev/{user}/down") + tree("fl/v1/+/shards")))
+    return ("# NATS accounts for fedmoe's MQTT clients, written by `fedmoe provision`: add\n"
+            '#   include "nats-users.conf"\n'
+            "# to every node's configuration. Plain-text passwords: keep this file 0600.\n"
+            "authorization {\n  users = [\n" + "\n".join(lines) + "\n  ]\n}\n")
 
 
 DEFAULT_BROKER_USER = "mosquitto"
@@ -266,6 +309,7 @@ def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[st
     lines = [mosquitto_password_line(aggregator["username"], aggregator["password"])]
     lines += [mosquitto_password_line(i["username"], i["password"]) for i in devices.values()]
     _write_secret(out / "passwd", "\n".join(lines) + "\n")
+    _write_secret(out / "nats-users.conf", nats_users_conf(aggregator, devices))
     (out / "acl").write_text(ACL_TEXT.format(aggregator=aggregator["username"]))
     (out / "device_keys.json").write_text(
         json.dumps({d: i["public_key"] for d, i in sorted(devices.items())}, indent=1))

@@ -125,3 +125,60 @@ def test_a_cluster_whose_port_was_taken_starts_again_on_new_ports(tmp_path):
             Transport(c.urls[1], "probe", protocol="3.1.1").connect(timeout=10).close()
         finally:
             c.stop()
+
+
+def test_provisioned_accounts_confine_each_device_on_the_cluster(tmp_path):
+    """With ``fedmoe provision``'s nats-users.conf every node admits only provisioned
+    accounts; a device publishes only below its own up/ and reads only its own down/ and
+    the shards (as the Mosquitto ACL), also when its id holds a dot; the gateway's internal
+    delivery subjects cannot be subscribed to from MQTT; a device whose id has a dot gets
+    no account (NATS cannot confine it); a signed round completes."""
+    from fedmoe.provision import provision
+    from protocol.transport import TransportError
+    from tests.federation import Federation
+
+    secure = provision(tmp_path / "secrets", ["dev0", "dev1", "dev2", "dot.ted"], broker_user=None)
+    agg_account = (secure.aggregator["username"], secure.aggregator["password"])
+    with NatsCluster(tmp_path / "nats", users=secure.out / "nats-users.conf", probe=agg_account) as c:
+        dotted = secure.devices["dot.ted"]
+        for user, password in (("dev0", "wrong"), (dotted["username"], dotted["password"])):
+            with pytest.raises(TransportError, match="refused|authori"):
+                Transport(c.urls[0], "intruder", protocol="3.1.1", username=user, password=password).connect(timeout=10)
+
+        def login(dev, node):
+            info = secure.devices[dev]
+            return Transport(c.urls[node], f"probe-{dev}", protocol="3.1.1", username=info["username"],
+                             password=info["password"]).connect(timeout=20)
+
+        agg = Transport(c.urls[0], "agg", protocol="3.1.1", username=agg_account[0], password=agg_account[1])
+        agg.connect(timeout=20)
+        assert agg.subscribe("fl/v1/+/dev/+/up/#", qos=1, timeout=20)
+        d2, d0 = login("dev2", 1), login("dev0", 2)
+        assert d2.subscribe("fl/v1/f/dev/dev2/down/#", qos=1, timeout=20)
+        assert d2.subscribe("fl/v1/f/shards/#", qos=1, timeout=20)
+        for refused in ("fl/v1/f/dev/dev0/down/#", "fl/v1/#", "$MQTT/sub/#", "$MQTT/#"):
+            assert not d2.subscribe(refused, qos=1, timeout=5), refused
+        d2.publish("fl/v1/f/dev/dev2/up/update", b"mine", qos=1, timeout=20)
+        d2.publish("fl/v1/f/dev/dev0/up/update", b"spoofed", qos=1, timeout=20)  # dropped by the broker
+        agg.publish("fl/v1/f/dev/dev2/down/state", b"for dev2", qos=1, timeout=20)
+        agg.publish("fl/v1/f/dev/dev0/down/state", b"for dev0", qos=1, timeout=20)
+        got: dict[str, list] = {"agg": [], "dev2": []}
+        deadline = time.time() + 15
+        while time.time() < deadline and not (got["agg"] and got["dev2"]):
+            for name, t in (("agg", agg), ("dev2", d2)):
+                m = t.get(0.2)
+                if m is not None:
+                    got[name].append((m.topic, m.payload))
+        time.sleep(1)
+        for name, t in (("agg", agg), ("dev2", d2)):
+            while (m := t.get(0.1)) is not None:
+                got[name].append((m.topic, m.payload))
+        assert got["agg"] == [("fl/v1/f/dev/dev2/up/update", b"mine")]
+        assert got["dev2"] == [("fl/v1/f/dev/dev2/down/state", b"for dev2")]
+        for t in (agg, d2, d0):
+            t.close()
+
+        fed = Federation(c.url, str(tmp_path / "fed"), protocol="3.1.1", rounds=1, experts=(2, 3),
+                         round_timeout_s=120, secure=secure, config_kw={"round_timeout_s": 120.0})
+        records = fed.run()
+        assert records[-1]["status"] == "ok" and not records[-1].get("rejected") and not fed.errors
