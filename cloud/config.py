@@ -163,6 +163,10 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     """JSON file device id -> Ed25519 public key; when set, signatures are required."""
     session_expiry_s: int = Field(7 * 24 * 3600, ge=0)
     """How long the broker keeps the aggregator's session (and queued messages) while it is down."""
+    standby: bool = False
+    """Wait as a standby while another aggregator holds the store (its leader lock,
+    ``cloud.store.Store.acquire_leader``) and take over, resuming its round, when it
+    stops or dies; without it an aggregator whose store is held exits at once."""
     resume_drain_s: float = Field(3.0, ge=0, allow_inf_nan=False)
     """After a restart the resumed round stays open at least this many seconds, so the
     messages the broker queued for the session are handled before it closes."""

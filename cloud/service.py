@@ -54,7 +54,7 @@ from .observability import AggregatorMetrics, parse_address
 from .registry import Registry
 from .robust.defences import Defences
 from .rounds import RoundEngine, RoundSettings
-from .store import Store
+from .store import Store, StoreError, redact_url
 from .strategies import get_strategy
 from .strategy import Setup
 
@@ -95,6 +95,7 @@ class Aggregator:
             torch.set_num_threads(config.threads)
         self.topics = Topics(config.federation)
         self.store = Store(config.store)
+        self._lead(config)
         fresh = self.store.is_empty()
         if config.credentials:
             from protocol.credentials import load_credentials
@@ -257,6 +258,22 @@ class Aggregator:
                                  event, clip(str(e), 200))
 
     # ------------------------------------------------------------------ lifecycle
+    def _lead(self, config: AggregatorConfig) -> None:
+        """Take the store's leader lock: at once, or as a standby, when the leader stops.
+
+        Raises:
+            StoreError: another aggregator holds the store and ``config.standby`` is off.
+        """
+        name = redact_url(config.store)
+        if self.store.acquire_leader(wait=config.standby, on_wait=lambda: log.info(
+                "standby: another aggregator holds store %s; taking over when it stops", name)):
+            if config.standby:
+                log.info("leader of store %s", name)
+            return
+        self.store.close()
+        raise StoreError(f"another aggregator holds store {name} (its leader lock); stop it, or start this one "
+                         "with --standby to take over when it stops")
+
     def stop(self) -> None:
         """Ask :meth:`run` to return after the current step (thread-safe)."""
         self._stop.set()

@@ -8,6 +8,11 @@ groups writes that must land together (closing a round: new global state, round
 record, ``last_round``), so a kill at any instant leaves a consistent store and a
 round is never applied twice.
 
+One aggregator process at a time uses a store (:meth:`Store.acquire_leader`): a
+PostgreSQL session advisory lock, or for a SQLite file a POSIX lock on ``{file}.leader``;
+both die with the process, so a standby (``fedmoe aggregator --standby``) takes over within
+about a second of the leader being killed and resumes its round from the store.
+
 URLs: ``sqlite:///path/to/file.db`` (or a plain path; ``sqlite://`` / ``:memory:``
 for an in-memory store) and ``postgresql://user@host:port/db`` (needs ``psycopg``
 3, the ``postgres`` extra). SQLAlchemy Core builds the SQL for either; the tables
@@ -20,9 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Callable, Iterator
 from urllib.parse import urlparse
 
 from sqlalchemy import (Column, Integer, LargeBinary, MetaData, Table, Text, create_engine, delete, event, func,
@@ -75,9 +81,11 @@ class Store:
         if problem:
             raise ValueError(problem)
         self.url = url
-        self._name = _redact(url)
+        self._name = redact_url(url)
         self._lock = threading.RLock()
         self._conn: Connection | None = None  # the open transaction() block's connection
+        self._leader: Connection | IO | None = None  # what holds the leader lock
+        self._path: str | None = None  # the SQLite file
         u = urlparse(url)
         try:
             with self._guard("cannot open store"):
@@ -98,6 +106,7 @@ class Store:
                         self._engine = create_engine("sqlite://", poolclass=StaticPool,
                                                      connect_args={"check_same_thread": False})
                     else:  # a pool of connections usable from any thread (SQLAlchemy's default for files)
+                        self._path = path
                         Path(path).parent.mkdir(parents=True, exist_ok=True)
                         self._engine = create_engine(URL.create("sqlite", database=path))
                         event.listen(self._engine, "connect", lambda dbapi, _: dbapi.execute("PRAGMA journal_mode=WAL"))
@@ -224,9 +233,75 @@ class Store:
 
         self._exec(text("SELECT 1"))
 
+    def acquire_leader(self, wait: bool = False, poll_s: float = 1.0,
+                       on_wait: Callable[[], None] | None = None) -> bool:
+        """Make this process the one aggregator of this store, until :meth:`close` or the
+        process ends (a SIGKILL included: the lock dies with it).
+
+        PostgreSQL: a session advisory lock keyed by the database and schema, on a
+        connection of its own. SQLite file: a POSIX record lock (``lockf``) on
+        ``{file}.leader``; it excludes other processes only. In-memory: nothing to share.
+
+        Args:
+            wait: poll every ``poll_s`` seconds until the lock is free (a standby);
+                else return at once.
+            on_wait: called once when the lock is held by another process and ``wait``.
+
+        Returns:
+            True when held; False (only without ``wait``) when another process holds it.
+
+        Raises:
+            StoreError: the database cannot be reached for the lock.
+        """
+        if self._leader is not None:
+            return True
+        told = False
+        while True:
+            if self._try_leader():
+                return True
+            if not wait:
+                return False
+            if not told and on_wait is not None:
+                on_wait()
+            told = True
+            time.sleep(poll_s)
+
+    def _try_leader(self) -> bool:
+        if self.kind == "postgresql":
+            with self._guard("cannot take the leader lock of store"):
+                conn = self._engine.connect()
+                got = conn.exec_driver_sql(
+                    "SELECT pg_try_advisory_lock(hashtextextended("
+                    "current_database() || '.' || current_schema() || '.fedmoe-leader', 0))").scalar()
+                conn.commit()
+            if got:
+                self._leader = conn
+            else:
+                conn.close()
+            return bool(got)
+        if self._path is None:
+            return True
+        import fcntl
+
+        f = open(self._path + ".leader", "a+")  # noqa: SIM115  (held open while leading)
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return False
+        self._leader = f
+        return True
+
     def close(self) -> None:
-        """Close the database connections (an in-memory store is gone; driver errors while closing are ignored)."""
+        """Close the database connections and give up the leader lock (an in-memory store
+        is gone; driver errors while closing are ignored)."""
         with self._lock:
+            if self._leader is not None:
+                try:
+                    self._leader.close()
+                except (SQLAlchemyError, OSError):
+                    pass
+                self._leader = None
             try:
                 self._engine.dispose()
             except SQLAlchemyError:
@@ -238,7 +313,8 @@ def _starts(table: Table, prefix: str) -> Any:
     return table.c.key.startswith(prefix, autoescape=True)
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) shown as ``***``."""
     u = urlparse(url)
     if u.password:
         return url.replace(f":{u.password}@", ":***@")

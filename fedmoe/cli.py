@@ -245,6 +245,8 @@ def _aggregator_options() -> dict:
             "metrics": Option("metrics", "HOST:PORT for Prometheus /metrics, /healthz and /readyz (port 0: a free "
                                          "one)"),
             "dashboard": Option("dashboard", "HOST:PORT of the live read-only dashboard (port 0: a free one)"),
+            "standby": Option("standby", "wait while another aggregator holds the store, then take over its "
+                                         "round (default: exit at once)", switch=True),
             "dashboard_token": Option("dashboard_token", "secret the dashboard requires (Bearer or basic-auth "
                                                          "password); needed beyond loopback"),
             **schema_options(BrokerSettings)}

@@ -91,7 +91,12 @@ def gate_round1(client: EdgeClient, gate: threading.Event) -> None:
     client._train_round = gated
 
 
-def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_url):
+@pytest.mark.parametrize("takeover", ["restart", "standby"])
+def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_url, takeover):
+    """The aggregator is SIGKILLed after accepting one of round 1's two updates; the other
+    device publishes meanwhile. ``restart``: the operator starts it again; ``standby``: a
+    second aggregator started with ``--standby`` at the beginning takes the store's
+    leader lock as the first dies. Both rounds complete with every update applied once."""
     items, labels = bbc_news()
     spec = tiny_spec(upcycle_noise=0.01)
     fed = f"kill-{os.getpid()}-{int(time.time())}"
@@ -109,6 +114,17 @@ def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_ur
     t = Topics(fed)
     obs = Observer(broker.url(), t.progress(), f"{t.root}/dev/+/up/stats")
     agg = start(1)
+    standby = None
+    if takeover == "standby":
+        obs.wait(lambda: any(p.event in ("waiting", "round_start") for p in obs.progress())
+                 or agg.poll() is not None, 120, "the leader to start")
+        second = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1 and "another aggregator holds store" in second.stderr, second.stderr[-2000:]
+        standby = subprocess.Popen(cmd + ["--standby"], cwd=ROOT, env=ENV, stdout=open(tmp_path / "agg2.log", "w"),
+                                   stderr=subprocess.STDOUT)
+        obs.wait(lambda: "standby: another aggregator holds store" in (tmp_path / "agg2.log").read_text()
+                 or standby.poll() is not None, 60, "the standby to wait")
+        assert standby.poll() is None, (tmp_path / "agg2.log").read_text()[-3000:]
     gate = threading.Event()
     clients, threads = [], []
     for i, k in enumerate((2, 4)):
@@ -125,15 +141,19 @@ def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_ur
         obs.wait(lambda: reported(obs, "dev0", 1), 120, "dev0's round-1 update to be accepted")
         agg.send_signal(signal.SIGKILL)
         agg.wait(10)
-        gate.set()  # dev1 trains and publishes while the aggregator is down
-        obs.wait(lambda: any("/dev/dev1/up/stats" in tp for tp, _ in obs.seen), 60, "dev1's stats")
-        time.sleep(0.5)
-        agg = start(2)
+        gate.set()  # dev1 trains and publishes while the aggregator is down (or the standby takes over)
+        if standby is None:
+            obs.wait(lambda: any("/dev/dev1/up/stats" in tp for tp, _ in obs.seen), 60, "dev1's stats")
+            time.sleep(0.5)
+            agg = start(2)
+        else:
+            agg = standby
         assert agg.wait(180) == 0, (tmp_path / "agg2.log").read_text()[-3000:]
     finally:
         gate.set()
-        if agg.poll() is None:
-            agg.kill()
+        for p in (agg, standby):
+            if p is not None and p.poll() is None:
+                p.kill()
         obs.close()
         for c in clients:
             c.stop()

@@ -110,3 +110,32 @@ def test_opens_a_database_written_by_the_sqlite3_psycopg_store(store_url):
     s.put_blob("global_state", b"new")
     assert s.rounds()[1] == {"round": 2, "status": "ok"} and s.get_blob("global_state") == b"new"
     s.close()
+
+
+def test_one_process_leads_a_store_and_a_standby_takes_over_when_it_goes(store_url):
+    """The leader lock (PostgreSQL advisory lock / POSIX lock on the SQLite file) admits one
+    process; another gets False at once, or as a standby waits and gets the lock as soon as
+    the leader closes (a killed leader's lock dies with it, tests/test_faults.py)."""
+    import subprocess
+    import time
+    from pathlib import Path
+
+    probe = ("import sys; from cloud.store import Store; s = Store(sys.argv[1]); "
+             "print(s.acquire_leader(wait=sys.argv[2] == 'wait', poll_s=0.2), flush=True)")
+    root = Path(__file__).parents[1]
+
+    def other(mode: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", probe, store_url, mode], cwd=root, stdout=subprocess.PIPE,
+                                text=True)
+
+    leader = Store(store_url)
+    assert leader.acquire_leader() and leader.acquire_leader()  # again: still held
+    assert other("now").communicate(timeout=60)[0].strip() == "False"
+    standby = other("wait")
+    time.sleep(2)
+    assert standby.poll() is None  # still waiting
+    leader.close()
+    assert standby.communicate(timeout=30)[0].strip() == "True"
+    s = Store(store_url)
+    assert s.acquire_leader()  # the standby's process ended: free again
+    s.close()
