@@ -60,8 +60,8 @@ from protocol.codec import (
 from protocol.experts import experts_by_device_from_json, experts_by_device_to_json, layers_to_json
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
-    MAX_OBJECTIVES, MIN_MINOR_FOR_COMPRESSION, MIN_MINOR_FOR_EVALUATION, MIN_MINOR_FOR_EXTENSIONS, MIN_MINOR_FOR_SHARD_URL,
-    MIN_MINOR_FOR_STATE_PRECISION, Ack, Assignment,
+    MAX_OBJECTIVES, MIN_MINOR_FOR_COMPRESSION, MIN_MINOR_FOR_EVALUATION, MIN_MINOR_FOR_EXTENSIONS,
+    MIN_MINOR_FOR_SHARD_URL, MIN_MINOR_FOR_STATE_PRECISION, Ack, Assignment,
     BlobRef, Command, ExtraName, Objective, Stats, TensorSpec, TrainConfig, encode,
 )
 from protocol.topics import Topics
