@@ -71,6 +71,10 @@ MiniLM-MoE (5.47 vs 5.19 s for BBC's test split; a 1 MiB threshold: 0.4 MiB, but
 slower)."""
 
 
+LEADER_CHECK_S = 5.0
+"""How often (seconds) the aggregator checks that it still holds its store's leader lock."""
+
+
 class Aggregator:
     """The cloud side of one federation.
 
@@ -96,6 +100,7 @@ class Aggregator:
         self.topics = Topics(config.federation)
         self.store = Store(config.store)
         self._lead(config)
+        self._leader_checked = time.monotonic()
         fresh = self.store.is_empty()
         if config.credentials:
             from protocol.credentials import load_credentials
@@ -459,7 +464,18 @@ class Aggregator:
 
     # ------------------------------------------------------------------ incoming
     def _pump(self, timeout: float) -> None:
-        """Handle every message already queued, waiting up to ``timeout`` for the first."""
+        """Handle every message already queued, waiting up to ``timeout`` for the first.
+
+        Raises:
+            StoreError: the store's leader lock was lost (checked every
+                :data:`LEADER_CHECK_S` s): a standby may lead now, so this one stops.
+        """
+        now = time.monotonic()
+        if now - self._leader_checked >= LEADER_CHECK_S:
+            self._leader_checked = now
+            if not self.store.leader_alive():
+                raise StoreError(f"lost the leader lock of store {redact_url(self.cfg.store)}; stopping so that "
+                                 "a standby leads alone")
         m = self.transport.get(timeout)
         while m is not None:
             self._handle(m.topic, m.payload, m.properties)

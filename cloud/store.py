@@ -292,6 +292,23 @@ class Store:
         self._leader = f
         return True
 
+    def leader_alive(self) -> bool:
+        """Whether this process still holds the leader lock it took: on PostgreSQL the lock's
+        session must still be there and hold it (a dropped connection frees the lock for a
+        standby); a file lock lives as long as the process. True without a lock to hold."""
+        if self.kind != "postgresql" or self._leader is None:
+            return True
+        try:
+            with self._lock:
+                n = self._leader.exec_driver_sql(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    "AND pid = pg_backend_pid()").scalar()
+                self._leader.commit()
+        except SQLAlchemyError as e:
+            log.error("leader lock of store %s: its connection failed: %s", self._name, e)
+            return False
+        return bool(n)
+
     def close(self) -> None:
         """Close the database connections and give up the leader lock (an in-memory store
         is gone; driver errors while closing are ignored)."""

@@ -7,6 +7,7 @@ import sqlite3
 import sys
 
 import pytest
+from sqlalchemy import text
 
 from cloud.store import Store, StoreError
 
@@ -138,4 +139,20 @@ def test_one_process_leads_a_store_and_a_standby_takes_over_when_it_goes(store_u
     assert standby.communicate(timeout=30)[0].strip() == "True"
     s = Store(store_url)
     assert s.acquire_leader()  # the standby's process ended: free again
+    s.close()
+
+
+def test_a_leader_whose_lock_session_is_gone_knows_it(store_url):
+    """A PostgreSQL leader whose lock connection is terminated (the lock is then free for a
+    standby) sees it in leader_alive, so the aggregator stops instead of leading twice."""
+    s = Store(store_url)
+    assert s.acquire_leader() and s.leader_alive()
+    if s.kind == "postgresql":
+        pid = s._leader.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        s._leader.commit()
+        other = Store(store_url)
+        other._exec(text(f"SELECT pg_terminate_backend({pid})"))
+        assert not s.leader_alive()
+        assert other.acquire_leader()  # free for the next
+        other.close()
     s.close()
