@@ -438,6 +438,8 @@ def plot(result: dict[str, Any], path: Path, methods: list[str]) -> None:
         a.set_title(f"{s}: accuracy per round (mean)", fontsize=9)
         a.set_xlabel("round")
         a.grid(alpha=0.3)
+    for a in axes[1][len(settings):]:  # one setting still gets two columns: no empty panel
+        a.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
