@@ -197,6 +197,22 @@ def test_loaded_shards_own_their_tensors_and_unmap_the_file(fmt, keep_quantized,
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
+def test_a_compressed_base_shard_is_refused(tmp_path):
+    """Base shards are read in place and never compressed (PROTOCOL.md 6.5a): a compressed
+    one, even with the right sha256, is refused with a CodecError, from bytes and from the
+    cache."""
+    from protocol.codec import CodecError, encode_tensors, sha256_hex
+    from moe_model.shards import ShardCache, decode_shard
+
+    data = encode_tensors({"fc1.weight": torch.randn(8, 4)}, "int8", scales="row", compress=True)
+    with pytest.raises(CodecError, match="must not be a compressed"):
+        decode_shard(data)
+    cache = ShardCache(tmp_path)
+    cache.put(sha256_hex(data), data)
+    with pytest.raises(CodecError, match="must not be a compressed"):
+        cache.load(sha256_hex(data))
+
+
 def test_cache_detects_corruption_and_evicts_lru(tmp_path):
     cache = ShardCache(tmp_path, max_bytes=None)
     blobs = [encode_tensors({"w": torch.randn(64, 64)}, "int8") for _ in range(4)]
