@@ -25,7 +25,7 @@ from torch import nn
 
 from protocol.codec import (
     _DTYPES, ABSMAX_SUFFIX, SCALE_SUFFIX, CodecError, decode_tensors, dequantize_int8, dequantize_nf4,
-    encode_tensors, inspect_header, is_compressed, nf4_shapes, sha256_hex,
+    encode_tensors, inspect_header, nf4_shapes, sha256_hex,
 )
 from protocol.topics import parse_shard_id, shard_id
 
@@ -110,19 +110,8 @@ def decode_shard(data: bytes, keep_quantized: bool = False) -> dict[str, Any]:
     Raises:
         protocol.codec.CodecError: malformed or non-finite.
     """
-    _refuse_compressed(data)
-    _, meta = inspect_header(data, MAX_SHARD_BYTES)
+    _, meta = inspect_header(data, MAX_SHARD_BYTES)  # refuses a compressed payload (PROTOCOL.md 6.5a)
     return held_tensors(decode_tensors(data, MAX_SHARD_BYTES, dequantize=False), meta, keep_quantized)
-
-
-def _refuse_compressed(data: bytes | mmap.mmap) -> None:
-    """Base shards are never compressed (PROTOCOL.md §6.5a): they are read in place.
-
-    Raises:
-        protocol.codec.CodecError: ``data`` is a compressed payload.
-    """
-    if is_compressed(data[:8]):
-        raise CodecError("a base shard must not be a compressed payload (PROTOCOL.md 6.5a)")
 
 
 def held_tensors(stored: dict[str, torch.Tensor], metadata: dict[str, str], keep_quantized: bool) -> dict[str, Any]:
@@ -310,11 +299,10 @@ class ShardCache:
             self._verified.add(sha)
         os.utime(p, (time.time(), time.time()))
         try:
-            _refuse_compressed(mm)
+            infos, meta = inspect_header(mm, MAX_SHARD_BYTES)  # a compressed shard too (PROTOCOL.md 6.5a)
         except CodecError:
             mm.close()
             raise
-        infos, meta = inspect_header(mm, MAX_SHARD_BYTES)
         (hlen,) = struct.unpack("<Q", mm[:8])
         base = 8 + hlen
         header = json.loads(mm[8:base])

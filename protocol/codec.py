@@ -25,8 +25,11 @@ carries the marker.
 A payload may be *compressed* (protocol minor 8): :data:`COMPRESSED_MAGIC` (8 bytes)
 followed by the zlib stream (RFC 1950) of the safetensors bytes. The magic read as a
 safetensors header length is far above :data:`MAX_HEADER_BYTES`, so no valid plain
-payload starts with it; :func:`decode_tensors` and :func:`inspect_header` take either and
-inflate at most ``max_bytes`` (a zlib bomb is refused without inflating the rest). zlib
+payload starts with it; :func:`decode_tensors` takes either and inflates at most
+``max_bytes`` (a zlib bomb is refused without inflating the rest), while
+:func:`inspect_header` describes the bytes it is given and refuses a compressed payload
+(its offsets would not be that payload's; base shards, read in place, are never
+compressed). zlib
 saves what quantization leaves: on an nf4 LoRA update of 512 experts (3,616 tensors) the
 header JSON is 0.82 of 6.2 MiB and deflates to 0.07 MiB.
 
@@ -332,10 +335,12 @@ def inspect_header(data: bytes | memoryview, max_bytes: int) -> tuple[dict[str, 
 
     Raises:
         CodecError: oversized, truncated, unknown dtype, offsets that overlap, leave
-            gaps or point past the end, or sizes inconsistent with the shapes; see
-            :func:`inflate` for a compressed payload (whose inflated size is checked).
+            gaps or point past the end, or sizes inconsistent with the shapes; a
+            compressed payload (:func:`inflate` it first).
     """
-    data = inflate(data, max_bytes)
+    if is_compressed(data):
+        raise CodecError("a compressed payload: its header describes the inflated bytes (base shards are "
+                         "never compressed)")
     n = len(data)
     if n > max_bytes:
         raise CodecError(f"payload of {n} bytes exceeds limit {max_bytes}")

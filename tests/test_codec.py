@@ -142,7 +142,8 @@ def test_a_compressed_payload_decodes_to_what_the_plain_one_does_in_fewer_bytes(
     meta: dict[str, str] = {}
     a, b = decode_tensors(plain, LIMIT), decode_tensors(packed, LIMIT, metadata_out=meta)
     assert meta["format"] == "nf4" and all(torch.equal(a[k], b[k]) for k in t)
-    assert set(inspect_header(packed, LIMIT)[0]) == set(inspect_header(plain, LIMIT)[0])
+    with pytest.raises(CodecError, match="compressed payload"):  # its offsets would not be these bytes
+        inspect_header(packed, LIMIT)
     # a plain safetensors payload can never start with the magic: read as the header length
     # it declares far more than any header may hold
     assert struct.unpack("<Q", COMPRESSED_MAGIC)[0] > 2**40
