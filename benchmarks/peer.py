@@ -461,10 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     peaks = peaks or probe(args, ckpt, base)
     runs: dict[str, dict] = {}
     names = {m: f"ours {m.partition('+')[0]}" + (" FFA-LoRA" if m.endswith("+ffa") else "") for m in args.ours}
+    # run_ours resumes from a finished report.json: the directory names our encoding, so a run is
+    # read back only under the encoding it ran with
+    encoding = f"{args.update_precision}-{args.state_precision}" + ("-zlib" if args.compression else "")
     for s in seeds:
         runs[str(s)] = {}
         for m in args.ours:
-            r = run_ours(args, ckpt, s, m, work / f"s{s}" / f"ours-{m}")
+            r = run_ours(args, ckpt, s, m, work / f"s{s}" / f"ours-{m}-{encoding}")
             r["summary"] = summarise(r, len(args.budgets))
             runs[str(s)][names[m]] = r
             log.info("[ours %s s%d] perplexity %s, %s", m, s, fmt(r["perplexity"][-1], ".1f"), r["summary"])
@@ -479,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"profile": profile, "seeds": seeds, "rounds": args.rounds, "budgets": args.budgets,
               "partition": args.partition, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
               "lr": args.lr, "rank": args.rank, "samples": args.samples, "eval_samples": args.eval_samples,
-              "update_precision": args.update_precision, "state_precision": args.state_precision, "compression": args.compression,
+              "update_precision": args.update_precision, "state_precision": args.state_precision,
+              "compression": args.compression,
               "peer_reused_from": args.reuse_peer, "checkpoint": facts, "probe_peaks": peaks,
               "peak_measure": PEAK_MEASURE,
               "ours": list(names.values()), "variants": [f"peer {v}" for v in args.variants],
