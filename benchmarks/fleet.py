@@ -20,11 +20,14 @@ updates, no model). It measures:
 - aggregator and broker peak RSS, and their CPU seconds per accepted update.
 
     python benchmarks/fleet.py            # one Mosquitto: 1,000 / 3,000 / 10,000 devices, 1,000 updates per round
-    python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round, Mosquitto and the cluster
+    python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round: Mosquitto, the cluster, 1-2 workers
     python benchmarks/fleet.py --sizes "" --cluster-sizes 100,300    # the NATS cluster only
 
-Writes ``results/fleet/fleet{,_quick}.{json,md,png}``. One aggregator process is measured
-(``workers: 1``): the worker/coordinator split of the issue is not built yet.
+Writes ``results/fleet/fleet{,_quick}.{json,md,png}``. At the largest Mosquitto size it
+also runs a coordinator with 1, 2 and 4 ``--role worker`` processes (``--worker-counts``;
+PostgreSQL store, a fresh schema each, ``--pg``) and reports how the ingest rate grows with
+workers, measured in the same run (``scaling``). The NATS cluster speaks MQTT 3.1.1 only, so
+it has no shared subscriptions and runs one aggregator process.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import logging
 import os
 import signal
 import statistics
+from collections import Counter
 import subprocess
 import sys
 import threading
@@ -72,7 +76,7 @@ def provision(n: int, work: Path) -> tuple[list[tuple[str, str]], Path]:
     return devices, path
 
 
-def aggregator_config(work: Path, args, n: int, per_round: int, protocol: str, keys: Path) -> Path:
+def aggregator_config(work: Path, args, n: int, per_round: int, protocol: str, keys: Path, store: str) -> Path:
     """The aggregator's YAML for one setting (module docstring)."""
     import yaml
 
@@ -86,7 +90,7 @@ def aggregator_config(work: Path, args, n: int, per_round: int, protocol: str, k
            # Multi-Krum (the default rule) costs O(n^2) distances per round: at 1,000 updates it is the bottleneck
            "defences": {"robust": {"name": "none"}},
            "train": {"max_steps": 1, "batch_size": 8}, "weight_format": "int8",
-           "store": f"sqlite:///{work / 'aggregator.db'}", "device_keys": str(keys), "protocol": protocol,
+           "store": store, "device_keys": str(keys), "protocol": protocol,
            "stop_devices_when_done": False, "threads": 1}
     path = work / "aggregator.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -137,7 +141,7 @@ class Monitor:
     def watch(self, name: str, pids: list[int]) -> None:
         """Sample the summed RSS and CPU time of ``pids`` as ``name``."""
         self._pids[name] = pids
-        self.samples[name] = {"peak_rss": 0}
+        self.samples.setdefault(name, {"peak_rss": 0})
 
     @staticmethod
     def _total(pids: list[int], read) -> float:
@@ -190,8 +194,75 @@ def start_broker(kind: str, work: Path):
     return c, [(c.host, p) for p in c.mqtt_ports], c.url, "3.1.1", [p.pid for p in c.procs if p is not None]
 
 
-def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> dict:
-    """One fleet run; returns its measurements (module docstring)."""
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+"""The PostgreSQL database the worker settings use (a fresh schema each; ``--pg``)."""
+
+
+class Workers:
+    """The ``fedmoe aggregator --role worker`` processes of one setting (``w0``, ``w1``, ...),
+    each restartable under its id (its broker session and sums keep the id)."""
+
+    def __init__(self, args, url: str, cfg: Path, work: Path, count: int):
+        self.cmd = lambda i: [args.fedmoe, "aggregator", "--broker", url, "--config", str(cfg), "--role", "worker",
+                              "--worker-id", f"w{i}"]
+        self.work, self.procs, self.logs = work, [None] * count, []
+        for i in range(count):
+            self.start(i)
+
+    def start(self, i: int) -> subprocess.Popen:
+        """(Re)start worker ``i``; returns its process."""
+        self.logs.append(open(self.work / f"worker-{i}.log", "a"))
+        self.procs[i] = subprocess.Popen(self.cmd(i), stdout=self.logs[-1], stderr=subprocess.STDOUT, cwd=self.work)
+        return self.procs[i]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for f in self.logs:
+            f.close()
+
+
+def fresh_schema(pg: str) -> str:
+    """A new empty schema in ``pg``'s database; returns the store URL that uses it."""
+    import uuid
+
+    import psycopg
+
+    schema = f"fleet_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg, autocommit=True) as c:
+        c.execute(f"CREATE SCHEMA {schema}")
+    return f"{pg}?options=-csearch_path%3D{schema}"
+
+
+def drop_schema(store: str) -> None:
+    """Drop the schema :func:`fresh_schema` made."""
+    import psycopg
+
+    base, _, opts = store.partition("?options=-csearch_path%3D")
+    with psycopg.connect(base, autocommit=True) as c:
+        c.execute(f"DROP SCHEMA IF EXISTS {opts} CASCADE")
+
+
+def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, workers: int = 0,
+                chaos=None, standby: bool = False) -> dict:
+    """One fleet run; returns its measurements (module docstring).
+
+    Args:
+        workers: 0: one ``fedmoe aggregator`` process (SQLite store); k >= 1: a coordinator
+            and k workers on a fresh PostgreSQL schema (``args.pg``).
+        chaos: called about every second as ``chaos(monitor, workers, coordinators)`` (fault tests).
+        standby: start a second coordinator with ``--standby`` (it takes over when the first dies).
+    """
     work.mkdir(parents=True, exist_ok=True)
     for f in work.glob("*"):
         if f.is_file():
@@ -199,14 +270,25 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> d
     t0 = time.time()
     devices, keys = provision(n, work)
     broker, nodes, url, protocol, broker_pids = start_broker(broker_kind, work)
-    procs, agg, logs = [], None, []
+    procs, agg, logs, pool = [], None, [], None
+    store = fresh_schema(getattr(args, "pg", PG_URL)) if workers else f"sqlite:///{work / 'aggregator.db'}"
     mon = Monitor(nodes[0][0], nodes[0][1], "fleet")
     try:
-        cfg = aggregator_config(work, args, n, per_round, protocol, keys)
-        logs.append(open(work / "aggregator.log", "w"))
-        agg = subprocess.Popen([args.fedmoe, "aggregator", "--broker", url, "--config", str(cfg)],
-                               stdout=logs[-1], stderr=subprocess.STDOUT, cwd=work)
-        mon.watch("aggregator", [agg.pid])
+        cfg = aggregator_config(work, args, n, per_round, protocol, keys, store)
+        coords = []
+        for i in range(2 if standby else 1):  # the first leads (it exits if it cannot), the second waits
+            if i:
+                time.sleep(1.0)
+            logs.append(open(work / ("aggregator.log" if i == 0 else f"aggregator-standby-{i}.log"), "w"))
+            coords.append(subprocess.Popen([args.fedmoe, "aggregator", "--broker", url, "--config", str(cfg)]
+                                           + (["--role", "coordinator"] if workers else [])
+                                           + (["--standby"] if i else []),
+                                           stdout=logs[-1], stderr=subprocess.STDOUT, cwd=work))
+        agg = coords[0]
+        if workers:
+            pool = Workers(args, url, cfg, work, workers)
+        mon.watch("aggregator", [agg.pid] + (pool.pids if pool else []))
+        mon.watch("coordinator", [agg.pid])
         mon.watch("broker", broker_pids)
         nprocs = min(args.procs, n)
         spec = {"federation": "fleet", "task": "bbc", "protocol": protocol, "nodes": nodes, "train_s": args.train_s,
@@ -220,8 +302,12 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> d
         mon.watch("devices", [p.pid for p in procs])
         deadline = time.time() + args.timeout
         last = 0.0
-        while agg.poll() is None and time.time() < deadline:
+        while any(c.poll() is None for c in coords) and time.time() < deadline:
             time.sleep(1.0)
+            if chaos is not None:
+                chaos(mon, pool, coords)
+                if pool is not None:
+                    mon.watch("aggregator", [agg.pid] + pool.pids)  # a restarted worker
             dead = [i for i, p in enumerate(procs) if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"device process {dead[0]} exited with {procs[dead[0]].returncode}: see "
@@ -234,12 +320,13 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> d
                 reps = sum(e.get("event") == "report" for _, e in mon.events)
                 log.info("[%s n=%d] %.0f s: %d devices connected, %d rounds closed, %d updates accepted",
                          broker_kind, n, time.time() - t0, up, len(ends), reps)
-        timed_out = agg.poll() is None
+        timed_out = any(c.poll() is None for c in coords)
         if timed_out:
             log.warning("[%s n=%d] the aggregator did not finish within %d s; stopping it", broker_kind, n,
                         args.timeout)
-            agg.terminate()
-            agg.wait(30)
+            for c in coords:
+                c.terminate()
+                c.wait(30)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -248,8 +335,11 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> d
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
-        if agg is not None and agg.poll() is None:
-            agg.kill()
+        for c in coords if agg is not None else []:
+            if c.poll() is None:
+                c.kill()
+        if pool is not None:
+            pool.stop()
         mon.stop()
         broker.stop()
         for f in logs:
@@ -259,7 +349,11 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path) -> d
         f = work / f"devices-{i}.json"
         if f.exists():
             records.update(json.loads(f.read_text()))
-    return summarise(broker_kind, n, per_round, records, mon, work, timed_out, time.time() - t0)
+    try:
+        return summarise(broker_kind, n, per_round, records, mon, work, timed_out, time.time() - t0, store, workers)
+    finally:
+        if workers:
+            drop_schema(store)
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -271,11 +365,11 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Monitor, work: Path, timed_out: bool,
-              wall: float) -> dict:
+              wall: float, store_url: str, workers: int) -> dict:
     """The setting's figures from the device records, the progress events and the store."""
     from cloud.store import Store
 
-    store = Store(f"sqlite:///{work / 'aggregator.db'}")
+    store = Store(store_url)
     rounds = store.rounds()
     store.close()
     reports: dict[tuple[int, str], list[float]] = {}
@@ -302,7 +396,8 @@ def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Moni
             "ingest_per_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0]
             else None,
             "latency_p50_s": percentile(lat, 0.5), "latency_p99_s": percentile(lat, 0.99),
-            "aggregator_rss_bytes": rec.get("aggregator_rss_bytes")})
+            "aggregator_rss_bytes": rec.get("aggregator_rss_bytes"),
+            "by_worker": dict(sorted(Counter(x.get("worker", "-") for x in rec.get("devices", {}).values()).items()))})
     connected = sum(x["connected_at"] is not None for x in records.values())
     sizes = [x["rounds"][r]["update_bytes"] for x in records.values() for r in x["rounds"]
              if "update_bytes" in x["rounds"][r]]
@@ -314,7 +409,7 @@ def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Moni
     ok_rounds = [p for p in per_round_out if p["status"] == "ok"]
     ingest = [p["ingest_per_s"] for p in ok_rounds if p["ingest_per_s"]]
     out = {
-        "broker": broker_kind, "devices": n, "updates_per_round": per_round, "workers": 1,
+        "broker": broker_kind, "devices": n, "updates_per_round": per_round, "workers": workers,
         "connected": connected, "broker_connected": mon.sys_connected or None,
         "reconnects": sum(max(0, x["connects"] - 1) for x in records.values()),
         "update_bytes": statistics.mean(sizes) if sizes else None, "rounds": per_round_out,
@@ -330,6 +425,8 @@ def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Moni
         "aggregator_peak_rss_bytes": s["aggregator"]["peak_rss"], "broker_peak_rss_bytes": s["broker"]["peak_rss"],
         "devices_peak_rss_bytes": s["devices"]["peak_rss"],
         "aggregator_cpu_s_per_update": per_update(mon.round_cpu("aggregator")),
+        "coordinator_peak_rss_bytes": s["coordinator"]["peak_rss"],
+        "coordinator_cpu_s_per_update": per_update(mon.round_cpu("coordinator")),
         "broker_cpu_s_per_update": per_update(mon.round_cpu("broker")),
         "devices_cpu_s_per_update": per_update(mon.round_cpu("devices")),
     }
@@ -352,7 +449,7 @@ def estimate(settings: list[dict], fleet: dict = MILLION) -> dict | None:
     from the update size (up, and the same state down), in-flight store writes (one update
     blob per accepted update, kept for a restart). Linear scaling is the assumption to
     check: it holds for sums, not for a robust rule such as Multi-Krum (O(n^2))."""
-    single = sorted((s for s in settings if s["broker"] == "mosquitto" and s["accepted"]),
+    single = sorted((s for s in settings if s["broker"] == "mosquitto" and not s["workers"] and s["accepted"]),
                     key=lambda s: s["connected"])
     if not single:
         return None
@@ -379,7 +476,40 @@ def estimate(settings: list[dict], fleet: dict = MILLION) -> dict | None:
         "round_ingest_minutes_one_aggregator": per_round / s["ingest_per_s"] / 60 if s["ingest_per_s"] else None,
         "aggregator_rss_per_update_mib": s["aggregator_peak_rss_bytes"] / MIB / max(1, s["updates_per_round"]),
         "from": ", ".join(f"n={t['connected']}" for t in single) + " on one Mosquitto",
+        **_worker_estimate(settings, rate),
     }
+
+
+def _worker_estimate(settings: list[dict], rate: float) -> dict:
+    """The coordinator + workers part of :func:`estimate`: their CPU per update (all
+    processes, the 1-worker setting), the cores that makes at ``rate`` updates/s, the
+    coordinator's peak RSS and how many updates per second one worker took."""
+    one = [s for s in settings if s["workers"] == 1 and s["accepted"]]
+    if not one:
+        return {}
+    s = one[-1]
+    cpu = s["aggregator_cpu_s_per_update"]
+    return {"workers_cpu_s_per_update": cpu, "workers_cores": rate * cpu if cpu else None,
+            "coordinator_peak_rss_mib": s["coordinator_peak_rss_bytes"] / MIB,
+            "one_worker_ingest_per_s": s["ingest_per_s"],
+            "workers_for_rate": rate / s["ingest_per_s"] if s["ingest_per_s"] else None}
+
+
+def scaling(settings: list[dict]) -> list[dict]:
+    """Updates accepted per second with k workers over the same fleet with 1 worker (and over
+    one ``all``-role process where measured), from the settings of one run."""
+    by_w = {s["workers"]: s for s in settings if s["broker"] == "mosquitto" and s["workers"]}
+    one = by_w.get(1)
+    single = [s for s in settings if s["broker"] == "mosquitto" and not s["workers"]
+              and one is not None and s["devices"] == one["devices"]]
+    out = []
+    for w, s in sorted(by_w.items()):
+        ratio = s["ingest_per_s"] / one["ingest_per_s"] if one and one["ingest_per_s"] and s["ingest_per_s"] else None
+        vs_single = s["ingest_per_s"] / single[0]["ingest_per_s"] if single and single[0]["ingest_per_s"] and \
+            s["ingest_per_s"] else None
+        out.append({"workers": w, "devices": s["devices"], "ingest_per_s": s["ingest_per_s"],
+                    "vs_one_worker": ratio, "vs_one_process": vs_single})
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -388,30 +518,42 @@ def markdown(result: dict) -> str:
              f"Machine: {result['machine']}. Update {fmt((result['settings'][0].get('update_bytes') or 0) / MIB, '.2f')} "
              f"MiB (fp32 LoRA state of {MODEL['num_experts']} experts x 2 MoE layers, signed, 256 KiB chunks); "
              f"{result['rounds']} rounds per setting; devices upload after a uniform 0-{result['train_s']} s wait. "
-             "One aggregator process (workers: 1).", "",
-             "| broker | devices | connected | updates/round | rounds closed | accepted | not accepted | twice | "
+             "Workers 0: one `fedmoe aggregator` process (SQLite store); k >= 1: a coordinator and k "
+             "`--role worker` processes (PostgreSQL store, MQTT 5 shared subscription), all on these 2 cores "
+             "with the broker and the device processes.", "",
+             "| broker | workers | devices | connected | updates/round | rounds closed | accepted | not accepted | twice | "
              "rejects | rounds/h | updates/s ingesting | latency p50 / p99 (s) | aggregator peak RSS (MiB) | "
              "broker peak RSS (MiB) | aggregator CPU ms/update | broker CPU ms/update |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["settings"]:
         lines.append(
-            f"| {s['broker']} | {s['devices']} | {s['connected']} | {s['updates_per_round']} | {s['rounds_closed']} | "
+            f"| {s['broker']} | {s['workers']} | {s['devices']} | {s['connected']} | {s['updates_per_round']} | {s['rounds_closed']} | "
             f"{s['accepted']} | {s['not_accepted']} | {s['reported_twice']} | {s['rejects']} | "
             f"{fmt(s['rounds_per_hour'], '.0f')} | {fmt(s['ingest_per_s'], '.1f')} | "
             f"{fmt(s['latency_p50_s'], '.2f')} / {fmt(s['latency_p99_s'], '.2f')} | "
             f"{s['aggregator_peak_rss_bytes'] / MIB:.0f} | {s['broker_peak_rss_bytes'] / MIB:.0f} | "
             f"{fmt(s['aggregator_cpu_s_per_update'] and 1000 * s['aggregator_cpu_s_per_update'], '.1f')} | "
             f"{fmt(s['broker_cpu_s_per_update'] and 1000 * s['broker_cpu_s_per_update'], '.1f')} |")
-    lines += ["", "Per round:", "", "| broker | devices | round | status | selected | uploaded | accepted | "
-              "seconds | updates/s | p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    sc = result.get("scaling") or []
+    if sc:
+        lines += ["", "Scaling with workers (same fleet, same run): updates accepted per second while ingesting.", "",
+                  "| workers | devices | updates/s | vs 1 worker | vs one process |", "|---|---|---|---|---|"]
+        for x in sc:
+            lines.append(f"| {x['workers']} | {x['devices']} | {fmt(x['ingest_per_s'], '.1f')} | "
+                         f"{fmt(x['vs_one_worker'], '.2f')}x | {fmt(x['vs_one_process'], '.2f')}x |")
+    lines += ["", "Per round:", "", "| broker | workers | devices | round | status | selected | uploaded | accepted | "
+              "seconds | updates/s | p50 / p99 (s) | taken by |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["settings"]:
         for p in s["rounds"]:
-            lines.append(f"| {s['broker']} | {s['devices']} | {p['round']} | {p['status']} | {p['selected']} | "
-                         f"{p['uploaded']} | {p['accepted']} | {p['seconds']:.1f} | {fmt(p['ingest_per_s'], '.1f')} | "
-                         f"{fmt(p['latency_p50_s'], '.2f')} / {fmt(p['latency_p99_s'], '.2f')} |")
+            lines.append(f"| {s['broker']} | {s['workers']} | {s['devices']} | {p['round']} | {p['status']} | "
+                         f"{p['selected']} | {p['uploaded']} | {p['accepted']} | {p['seconds']:.1f} | "
+                         f"{fmt(p['ingest_per_s'], '.1f')} | {fmt(p['latency_p50_s'], '.2f')} / "
+                         f"{fmt(p['latency_p99_s'], '.2f')} | "
+                         f"{', '.join(f'{w}: {c}' for w, c in p.get('by_worker', {}).items())} |")
     bad = [s for s in result["settings"] if s["not_accepted"] or s["reported_twice"] or s["rejects"]]
     lines += ["", "Accounting: " + ("every uploaded update was accepted exactly once in every setting." if not bad else
-                                    "NOT exactly once in " + ", ".join(f"{s['broker']} n={s['devices']}" for s in bad)
+                                    "NOT exactly once in " + ", ".join(f"{s['broker']} n={s['devices']} workers="
+                                                                       f"{s['workers']}" for s in bad)
                                     + " (see not accepted / twice / rejects).")]
     e = result.get("estimate")
     if e:
@@ -425,6 +567,13 @@ def markdown(result: dict) -> str:
                       f"round in {fmt(e['round_ingest_minutes_one_aggregator'], '.0f')} min and holds "
                       f"{e['aggregator_rss_per_update_mib']:.1f} MiB per update of the round (its peak RSS over the "
                       f"updates per round), so a round of {e['updates_per_round']:,.0f} does not fit one process."]
+        if e.get("workers_cpu_s_per_update"):
+            lines += ["", f"With a coordinator and workers (measured with 1 worker): "
+                          f"{1000 * e['workers_cpu_s_per_update']:.0f} ms CPU per update over all aggregator "
+                          f"processes, {e['workers_cores']:.1f} cores at {e['updates_per_s']:.1f} updates/s; one worker "
+                          f"took {fmt(e['one_worker_ingest_per_s'], '.1f')} updates/s here, so about "
+                          f"{fmt(e['workers_for_rate'], '.1f')} workers' worth; the coordinator's peak RSS was "
+                          f"{e['coordinator_peak_rss_mib']:.0f} MiB: it holds the workers' sums, not the updates."]
     for s in result["settings"]:
         if s["reject_reasons"] or s["device_errors"]:
             lines.append(f"- {s['broker']} n={s['devices']}: rejects {s['reject_reasons']}, device errors "
@@ -439,16 +588,25 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for b in sorted({s["broker"] for s in result["settings"]}):
-        ss = sorted((s for s in result["settings"] if s["broker"] == b), key=lambda s: s["devices"])
+        ss = sorted((s for s in result["settings"] if s["broker"] == b and not s["workers"]), key=lambda s: s["devices"])
         xs = [s["devices"] for s in ss]
-        axes[0].plot(xs, [s["ingest_per_s"] or 0 for s in ss], marker="o", label=b)
-        axes[1].plot(xs, [s["latency_p99_s"] or 0 for s in ss], marker="o", label=b)
-    axes[0].set(xlabel="devices connected", ylabel="updates accepted / s", title="ingest rate (1 aggregator)")
-    axes[1].set(xlabel="devices connected", ylabel="s", title="p99 last chunk -> folded in")
-    for a in axes:
-        a.set_xscale("log")
+        axes[0].plot(xs, [s["ingest_per_s"] or 0 for s in ss], marker="o", label=f"{b}, one process")
+        axes[1].plot(xs, [s["latency_p99_s"] or 0 for s in ss], marker="o", label=f"{b}, one process")
+    axes[0].set(xlabel="devices connected", ylabel="updates accepted / s", title="ingest rate vs fleet size")
+    axes[1].set(xlabel="devices connected", ylabel="s", title="p99 last chunk -> taken")
+    ws = sorted((s for s in result["settings"] if s["workers"]), key=lambda s: s["workers"])
+    if ws:
+        axes[2].plot([s["workers"] for s in ws], [s["ingest_per_s"] or 0 for s in ws], marker="o",
+                     label=f"coordinator + workers, n={ws[0]['devices']}")
+        axes[2].plot([s["workers"] for s in ws], [s["latency_p99_s"] or 0 for s in ws], marker="s", ls="--",
+                     label="p99 latency (s)")
+        axes[2].set_xticks([s["workers"] for s in ws])
+    axes[2].set(xlabel="aggregator workers", ylabel="updates accepted / s", title="ingest rate vs workers (2 cores)")
+    for i, a in enumerate(axes):
+        if i < 2:
+            a.set_xscale("log")
         a.set_ylim(bottom=0)
         a.legend()
         a.grid(alpha=0.3)
@@ -463,6 +621,9 @@ def main() -> int:
     ap.add_argument("--sizes", help="fleet sizes, e.g. 1000,3000,10000 (default: by profile)")
     ap.add_argument("--cluster-sizes", help="fleet sizes on the NATS cluster (default: 300 with --quick, else none: "
                     "at 300 devices it already delivered only part of the assignments, README)")
+    ap.add_argument("--worker-counts", help="aggregator workers to measure at the largest Mosquitto size, each with a "
+                    "coordinator on PostgreSQL (default 1,2,4; quick 1,2)")
+    ap.add_argument("--pg", default=PG_URL, help="PostgreSQL database of the worker settings (a fresh schema each)")
     ap.add_argument("--per-round", type=int, help="updates per round (default 1000; quick 100)")
     ap.add_argument("--rounds", type=int, help="rounds per setting (default 3; quick 2)")
     ap.add_argument("--procs", type=int, default=4, help="device processes")
@@ -482,6 +643,8 @@ def main() -> int:
                               ("300" if args.quick else "1000,3000,10000")).split(",") if x]
     csizes = [int(x) for x in (args.cluster_sizes if args.cluster_sizes is not None else
                                ("300" if args.quick else "")).split(",") if x]
+    wcounts = [int(x) for x in (args.worker_counts if args.worker_counts is not None else
+                                ("1,2" if args.quick else "1,2,4")).split(",") if x]
     per_round = args.per_round or (100 if args.quick else 1000)
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.round_timeout = args.round_timeout or (60.0 if args.quick else 900.0)
@@ -491,9 +654,14 @@ def main() -> int:
         for kind, ns in (("mosquitto", sizes), ("nats-cluster", csizes)):
             for n in ns:
                 settings.append(run_setting(args, kind, n, min(per_round, n), Path(args.work) / f"{kind}-{n}"))
+        n = max(sizes, default=0)
+        for w in wcounts if n else []:  # the same fleet, one run: how ingest grows with workers
+            settings.append(run_setting(args, "mosquitto", n, min(per_round, n),
+                                        Path(args.work) / f"mosquitto-{n}-workers-{w}", workers=w))
     result = {"profile": profile, "rounds": args.rounds, "train_s": args.train_s, "procs": args.procs,
               "machine": f"{os.cpu_count()} CPU cores", "model": MODEL, "settings": settings}
     result["estimate"] = estimate(settings)
+    result["scaling"] = scaling(settings)
     print(write_result(args.out, "fleet" if profile == "full" else "fleet_quick", result, markdown, plot))
     bad = any(s["not_accepted"] or s["reported_twice"] for s in settings)
     return 1 if bad else 0

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.config import BrokerSettings, Bytes, PositiveBytes
@@ -154,6 +155,21 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
         return self
 
     @model_validator(mode="after")
+    def _roles(self) -> "AggregatorConfig":
+        if self.role == "all":
+            return self
+        if not self.store.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"role {self.role!r} needs a postgresql:// store that the coordinator and its workers "
+                             f"share, not {self.store.split(':')[0]!r}")
+        if self.protocol == "3.1.1":
+            raise ValueError(f"role {self.role!r} needs MQTT 5 (shared subscriptions spread the uploads over the "
+                             "workers); protocol is 3.1.1")
+        if self.role == "worker" and not self.worker_id:
+            raise ValueError("role 'worker' needs a worker_id (--worker-id), unique among the workers and kept "
+                             "across restarts")
+        return self
+
+    @model_validator(mode="after")
     def _shards_over_http(self) -> "AggregatorConfig":
         if (self.shard_url is None) != (self.shard_dir is None):
             raise ValueError("shard_url and shard_dir go together: the URL is where a web server serves the "
@@ -167,6 +183,16 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     """Wait as a standby while another aggregator holds the store (its leader lock,
     ``cloud.store.Store.acquire_leader``) and take over, resuming its round, when it
     stops or dies; without it an aggregator whose store is held exits at once."""
+    role: Literal["all", "coordinator", "worker"] = "all"
+    """``all`` (default): one process does everything. ``coordinator``: rounds, assignment,
+    registration and the close, while ``worker`` processes take the devices' uploads and
+    fold them into running sums in the store (:mod:`cloud.workers`); both need a
+    ``postgresql://`` store shared by all of them and an MQTT 5 broker with shared
+    subscriptions (Mosquitto 2)."""
+    worker_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    """A worker's name (``--role worker`` needs one): its broker session and its sums are
+    keyed by it, so a worker restarted under the same id gets the uploads the broker kept
+    for it."""
     resume_drain_s: float = Field(3.0, ge=0, allow_inf_nan=False)
     """After a restart the resumed round stays open at least this many seconds, so the
     messages the broker queued for the session are handled before it closes."""

@@ -36,8 +36,14 @@ class Registry:
 
     def __init__(self, store: Store):
         self.store = store
-        self.devices: dict[str, Device] = {d: Device(**info) for d, info in store.devices().items()}
+        self.devices: dict[str, Device] = {}
         self.last_stats: dict[str, Stats] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        """Read the registered devices from the store again (an aggregator worker follows
+        what the coordinator registered). Raises StoreError."""
+        self.devices = {d: Device(**info) for d, info in self.store.devices().items()}
 
     def register(self, hello: Hello) -> Device:
         """Add or update a device from its ``hello`` (idempotent)."""

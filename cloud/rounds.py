@@ -73,6 +73,7 @@ from .registry import Registry
 from .robust.defences import Defences
 from .robust.guard import l2_norm
 from .store import Store
+from .workers import Coordinator, sums_mode
 from .strategies.base import Strategy
 from .strategy import ClientResult, DeviceView, Experts, Failure, Plan
 
@@ -145,6 +146,8 @@ class _Round:
     reassigned: dict[str, dict[str, Any]] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
     """Online devices the round could not use, and why (each was told)."""
+    takers: dict[str, str] = field(default_factory=dict)
+    """device -> the aggregator worker that took its update (``role: coordinator``)."""
 
     def reported(self, device_id: str) -> bool:
         up, st = self.updates.get(device_id), self.stats.get(device_id)
@@ -228,6 +231,9 @@ class RoundEngine:
         """Why the strategy could not configure the waiting round (it raised), if so."""
         self.persist_seconds: float | None = None
         """How long persisting the last closed round took (seconds)."""
+        self.coordinator: Coordinator | None = None
+        """Set when aggregator workers take the uploads (``--role coordinator``): the engine
+        learns what they took from the store (:meth:`sync`) and closes from their sums."""
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any]:
@@ -494,7 +500,9 @@ class RoundEngine:
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
 
     # ------------------------------------------------------------------ incoming
-    def _check_current(self, device_id: str, round_: int, what: str, upload_id: str | None = None) -> _Round | None:
+    def check_current(self, device_id: str, round_: int, what: str, upload_id: str | None = None) -> _Round | None:
+        """The open round if ``what`` (a message kind) of ``device_id`` for ``round_`` belongs
+        to it; else None, and the device is told why (stale or early round, not selected)."""
         rnd = self.current
         if rnd is None or round_ != rnd.number:
             cur = rnd.number if rnd else self.completed
@@ -515,7 +523,7 @@ class RoundEngine:
         acceptance is a device that failed during the round (its training raised): it
         counts as finished, so the round need not wait for its deadline. Never raises for
         bad input: a stale round or an unselected device gets a reject reply."""
-        rnd = self._check_current(device_id, ack.round, "ack")
+        rnd = self.check_current(device_id, ack.round, "ack")
         if rnd is None or ack.attempt != rnd.attempts.get(device_id, 0):
             return
         prev = rnd.acks.get(device_id)
@@ -578,7 +586,7 @@ class RoundEngine:
         accepted once; a second, different update for the round is refused with a reply,
         an exact repeat ignored. Never raises for bad input."""
         refers = {"kind": "update", "upload_id": blob.header.id}
-        rnd = self._check_current(device_id, blob.header.round, "update", blob.header.id)
+        rnd = self.check_current(device_id, blob.header.round, "update", blob.header.id)
         if rnd is None:
             return
         if device_id in rnd.updates:
@@ -586,7 +594,7 @@ class RoundEngine:
                 self.reject(device_id, rnd.number, "a second, different update for this round was ignored", **refers)
             return
         try:
-            tensors = self._decode_update(device_id, rnd.selected[device_id], blob.data)
+            tensors = self.decode_update(device_id, rnd.selected[device_id], blob.data)
         except Exception as e:  # CodecError, or the strategy's sent state failing its layout check
             rnd.rejected[device_id] = str(e)
             self.reject(device_id, rnd.number, f"update rejected: {e}", **refers)
@@ -611,7 +619,7 @@ class RoundEngine:
                              f"layout for its experts: {e}") from None
         return state
 
-    def _decode_update(self, device_id: str, experts: Experts, data: bytes) -> dict[str, torch.Tensor]:
+    def decode_update(self, device_id: str, experts: Experts, data: bytes) -> dict[str, torch.Tensor]:
         """An update payload as fp32 tensors of exactly the layout ``device_id`` holding
         ``experts`` must send, through the incoming filters (precision, delta).
 
@@ -631,14 +639,13 @@ class RoundEngine:
         (claimed samples, token and usage counts) and the strategy's
         :meth:`Strategy.stats_problem`, stored in flight and accepted once; refused with a
         reply otherwise. Never raises for bad input."""
-        rnd = self._check_current(device_id, stats.round, "stats", stats.update.transfer_id if stats.update else None)
+        rnd = self.check_current(device_id, stats.round, "stats", stats.update.transfer_id if stats.update else None)
         if rnd is None:
             return
         if device_id in rnd.stats:
             return
         dev = self.registry.get(device_id)
-        problem = self._stats_problem(stats, rnd.selected[device_id], dev.task, dev.num_samples,
-                                      self._train_for(rnd, device_id)) or self.strategy.stats_problem(device_id, stats)
+        problem = self.stats_problem(rnd, device_id, stats)
         if problem:
             rnd.rejected[device_id] = problem
             self.reject(device_id, rnd.number, f"stats rejected: {problem}", kind="stats",
@@ -649,6 +656,16 @@ class RoundEngine:
             self.registry.update_memory(device_id, None, stats.baseline_rss_bytes)  # later plans use it
         self.store.put_json(f"inflight/{rnd.number}/stats/{device_id}", stats.model_dump(mode="json"))
         self._maybe_report(rnd, device_id)
+
+    def stats_problem(self, rnd: _Round, device_id: str, stats: Stats) -> str | None:
+        """Why ``device_id``'s statistics for ``rnd`` cannot be accepted (:meth:`_stats_problem`
+        against its hello and assignment, then the strategy's
+        :meth:`Strategy.stats_problem`), or None."""
+        dev = self.registry.get(device_id)
+        if dev is None:
+            return f"unknown device {device_id!r}"
+        return self._stats_problem(stats, rnd.selected[device_id], dev.task, dev.num_samples,
+                                   self._train_for(rnd, device_id)) or self.strategy.stats_problem(device_id, stats)
 
     def _train_for(self, rnd: _Round, device_id: str) -> TrainConfig:
         """The training configuration ``device_id``'s assignment carries this round."""
@@ -763,8 +780,40 @@ class RoundEngine:
         self.completed = rnd.number
         return record
 
+    def sync(self, markers: dict[str, dict[str, Any]] | None = None) -> int:
+        """Coordinator: take in the updates the aggregator workers took in the open round since
+        the last call (their markers, :mod:`cloud.workers`; ``markers`` if already read), and
+        why they refused others. An update stored for the coordinator (a method that does not
+        decompose into sums) is decoded now; a folded one is not held. Returns how many were new.
+        Raises StoreError."""
+        rnd = self.current
+        if rnd is None or self.coordinator is None:
+            return 0
+        markers = self.coordinator.markers(rnd.number, rnd.updates) if markers is None else markers
+        new = 0
+        for d, m in markers.items():
+            if d in rnd.updates or d not in rnd.selected:
+                continue
+            tensors: dict[str, torch.Tensor] = {}
+            if m.get("status") == "stored":
+                tensors = self.decode_update(d, rnd.selected[d], self.store.get_blob(f"inflight/{rnd.number}/update/{d}"))
+            rnd.stats[d] = Stats.model_validate(m["stats"])
+            rnd.updates[d] = (m["sha"], tensors)
+            rnd.takers[d] = m.get("worker", "?")
+            new += 1
+        for d, why in self.coordinator.refusals(rnd.number).items():
+            if d in rnd.selected and d not in rnd.updates:
+                rnd.rejected[d] = why
+        return new
+
     def _close(self, rnd: _Round, before: dict[str, torch.Tensor],
                owned_before: dict[str, torch.Tensor]) -> dict[str, Any]:
+        markers, sums = {}, None
+        if self.coordinator is not None:  # no worker takes an update after this; their sums are final
+            markers, sums = self.coordinator.fence(rnd.number)
+            self.sync(markers)
+            if not sums_mode(self):
+                sums = None
         results, failures = [], []
         for d, experts in sorted(rnd.selected.items()):
             dev = self.registry.get(d)
@@ -775,7 +824,8 @@ class RoundEngine:
                 ack = rnd.acks.get(d)
                 reason = rnd.rejected.get(d) or (ack.reason if ack is not None and not ack.accepted else None)
                 failures.append(Failure(d, reason or "no update before the deadline"))
-        screened = self.defences.screen_round(rnd.number, before, results)
+        screened = Coordinator.screened(self.defences.screen, results, markers) if sums is not None else \
+            self.defences.screen_round(rnd.number, before, results)
         for d, why in screened.rejected.items():
             failures.append(Failure(d, f"update rejected by screening: {why}"))
             self.reject(d, rnd.number, f"update rejected: {why}", kind="update")
@@ -785,7 +835,8 @@ class RoundEngine:
         error, step, metrics = None, 0.0, {}
         try:
             if status == "ok":
-                out = self.strategy.aggregate(rnd.number, self.model, accepted, failures)
+                out = self.strategy.finish(rnd.number, self.model, sums) if sums is not None else \
+                    self.strategy.aggregate(rnd.number, self.model, accepted, failures)
                 new, metrics = out.state, out.metrics
                 step = l2_norm(new[k] - before[k] for k in before)
                 problem = self.defences.guard.problem(before, new, step)
@@ -900,6 +951,7 @@ class RoundEngine:
                 "train_loss": st.train_loss, "train_seconds": st.train_seconds,
                 "predicted_peak_bytes": st.predicted_peak_bytes, "weight_format": st.weight_format,
                 **({"extras": st.extras} if st.extras else {}),  # what the objective terms reported
+                **({"worker": rnd.takers[r.device_id]} if r.device_id in rnd.takers else {}),
             }
         local = [r.stats.val_accuracy for r in results if r.stats.val_accuracy is not None]
         return {
@@ -952,8 +1004,9 @@ class RoundEngine:
         else:
             self.store.delete_prefix(f"inflight/{record['round']}/")
 
-    def restore(self) -> None:
-        """Load the persisted global state and strategy states (after a restart)."""
+    def restore(self, open_round: bool = True) -> None:
+        """Load the persisted global state and strategy states (after a restart), and with
+        ``open_round`` the round that was open with what it had accepted."""
         blob = self.store.get_blob("global_state")
         if blob is not None:
             self.model.set_state(decode_tensors(blob, 2**34, {k: (tuple(v.shape), v.dtype)
@@ -968,7 +1021,8 @@ class RoundEngine:
                      "aggregation": self.store.get_json("aggregation_state", {})}
         self.strategy.load_state_dict(state)
         self.defences.load_state_dict(self.store.get_json("defences_state", {}))
-        self._restore_round()
+        if open_round:
+            self._restore_round()
 
     def _restore_round(self) -> None:
         """Rebuild the round that was open when the aggregator stopped, with the acks,
@@ -982,13 +1036,7 @@ class RoundEngine:
             self.store.delete("current_round")
             self.store.delete_prefix(f"inflight/{cur['number']}/")
             return
-        rnd = _Round(cur["number"], cur["started"], cur["deadline"],
-                     experts_by_device_from_json(cur["selected"]),
-                     cur.get("plan_info", {}), cur.get("assignment_seconds", 0.0), train=cur.get("train", {}),
-                     attempts={d: int(a) for d, a in cur.get("attempts", {}).items()},
-                     excluded=cur.get("excluded", {}),
-                     objectives={d: [Objective.model_validate(o) for o in x]
-                                 for d, x in cur.get("objectives", {}).items()})
+        rnd = self.round_from_json(cur)
         prefix = f"inflight/{rnd.number}/"
         for d in rnd.selected:
             blob = self.store.get_blob(f"{prefix}tensors/{d}")
@@ -1005,9 +1053,7 @@ class RoundEngine:
                 # statistics that could not be accepted now are dropped rather than crash every restart.
                 try:
                     stats = Stats.model_validate(st)
-                    problem = None if dev is None else self._stats_problem(
-                        stats, rnd.selected[d], dev.task, dev.num_samples, self._train_for(rnd, d)
-                    ) or self.strategy.stats_problem(d, stats)
+                    problem = None if dev is None else self.stats_problem(rnd, d, stats)
                 except ValidationError as e:
                     problem = f"invalid: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}"
                 if problem:
@@ -1016,10 +1062,10 @@ class RoundEngine:
                     self.store.delete(f"{prefix}stats/{d}")
                 else:
                     rnd.stats[d] = stats
-            data = self.store.get_blob(f"{prefix}update/{d}")
-            if data is not None and dev is not None:
+            data = None if self.coordinator is not None else self.store.get_blob(f"{prefix}update/{d}")
+            if data is not None and dev is not None:  # a coordinator learns the workers' updates by sync()
                 try:
-                    rnd.updates[d] = (sha256_hex(data), self._decode_update(d, rnd.selected[d], data))
+                    rnd.updates[d] = (sha256_hex(data), self.decode_update(d, rnd.selected[d], data))
                 except Exception as e:  # decodable once, not now (a strategy's sent state changed): drop, not crash
                     log.warning("round %d: dropped the stored update of %s: %s", rnd.number, d, e)
                     rnd.rejected[d] = f"stored update no longer decodes: {type(e).__name__}: {e}"[:500]
@@ -1035,6 +1081,17 @@ class RoundEngine:
             return
         log.info("resumed round %d: %d selected, %d updates and %d stats already accepted", rnd.number,
                  len(rnd.selected), len(rnd.updates), len(rnd.stats))
+
+    @staticmethod
+    def round_from_json(cur: dict[str, Any]) -> _Round:
+        """The open round as stored under ``current_round`` (selection, deadline, plan), without
+        the messages accepted in it. Raises KeyError or pydantic.ValidationError when ill-formed."""
+        return _Round(cur["number"], cur["started"], cur["deadline"], experts_by_device_from_json(cur["selected"]),
+                      cur.get("plan_info", {}), cur.get("assignment_seconds", 0.0), train=cur.get("train", {}),
+                      attempts={d: int(a) for d, a in cur.get("attempts", {}).items()},
+                      excluded=cur.get("excluded", {}),
+                      objectives={d: [Objective.model_validate(o) for o in x]
+                                  for d, x in cur.get("objectives", {}).items()})
 
     def resend_assignments(self) -> int:
         """Send the open round's assignment again to every selected device that has not

@@ -55,6 +55,7 @@ from .registry import Registry
 from .robust.defences import Defences
 from .rounds import RoundEngine, RoundSettings
 from .store import Store, StoreError, redact_url
+from .workers import FLUSH_S, REFRESH_S, Coordinator, Ingest
 from .strategies import get_strategy
 from .strategy import Setup
 
@@ -98,8 +99,10 @@ class Aggregator:
 
             torch.set_num_threads(config.threads)
         self.topics = Topics(config.federation)
+        self.role = config.role
         self.store = Store(config.store)
-        self._lead(config)
+        if self.role != "worker":  # workers are many; one coordinator leads
+            self._lead(config)
         self._leader_checked = time.monotonic()
         fresh = self.store.is_empty()
         if config.credentials:
@@ -126,10 +129,13 @@ class Aggregator:
         self.eval_data = self._eval_sets(eval_data or {})
         reserved = self._item_sets(reserved_data or {}, "reserved_data", limit=False)
         tls = TlsConfig(config.tls_ca, config.tls_cert, config.tls_key) if config.tls_ca else None
-        self.transport = Transport(broker, f"fedmoe-aggregator-{config.federation}", protocol=config.protocol,
-                                   username=config.username, password=config.password, tls=tls,
-                                   max_payload=config.max_payload, clean_start="first_only" if fresh else False,
-                                   session_expiry_s=config.session_expiry_s, manual_ack=True)
+        worker = self.role == "worker"
+        self.transport = Transport(
+            broker, f"fedmoe-worker-{config.federation}-{config.worker_id}" if worker else
+            f"fedmoe-aggregator-{config.federation}", protocol="5" if worker else config.protocol,
+            username=config.username, password=config.password, tls=tls, max_payload=config.max_payload,
+            clean_start=False if worker else "first_only" if fresh else False,
+            session_expiry_s=config.session_expiry_s, manual_ack=True)
         setup = Setup(self.model.layers, config.model.num_experts, config.seed, config.train, tasks,
                       (config.assignment.name, config.assignment.params),
                       (config.aggregation.name, config.aggregation.params), reserved)
@@ -144,9 +150,19 @@ class Aggregator:
         self.engine.ensure_shards = self._ensure_shards
         self._published_formats: set[str] = set()
         self._written_formats: set[str] = set()
-        self.engine.restore()
+        self.ingest: Ingest | None = None
+        """A worker's upload handling (``role: worker``; :mod:`cloud.workers`)."""
+        if self.role == "coordinator":
+            self.engine.coordinator = Coordinator(self.store)
+        if worker:
+            self.ingest = Ingest(self.engine, config.worker_id, self._reject, self._progress, config.max_update_bytes)
+            self.ingest.refresh(force=True)
+        else:
+            self.engine.restore()
         self.updates = Reassembler(config.max_update_bytes)
-        self._reload_chunks()
+        if self.role == "all":
+            self._reload_chunks()
+        self._synced = 0.0
         self.initial: dict[str, Any] | None = self.store.get_json("initial_evaluation")
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -300,10 +316,12 @@ class Aggregator:
             self.metrics_port = self.metrics.serve(*parse_address(self.cfg.metrics))
         if self.dashboard is not None and self.dashboard_port is None:
             self.dashboard_port = self.dashboard.serve(*parse_address(self.cfg.dashboard))
-        up = self.topics.all_up()
-        if not self.transport.subscribe(up, timeout=30):
-            log.warning("no SUBACK for the devices' uplink within 30 s; going on (paho resubscribes on reconnect)")
+        for up in self._uplink():
+            if not self.transport.subscribe(up, timeout=30):
+                log.warning("no SUBACK for %s within 30 s; going on (paho resubscribes on reconnect)", up)
         self.ready.set()
+        if self.ingest is not None:
+            return self._run_worker()
         if self.cfg.shard_url is None:
             self._publish_shards()
         else:
@@ -362,6 +380,42 @@ class Aggregator:
                 self.dashboard_port = None
             self.store.close()
 
+    def _uplink(self) -> list[str]:
+        """The topic filters this process takes: every device uplink (``role: all``); the
+        uploads (update, stats) shared among the workers (``$share``); the rest for the
+        coordinator."""
+        if self.role == "all":
+            return [self.topics.all_up()]
+        shared = ("update", "stats")
+        kinds = shared if self.role == "worker" else [k for k in UP_KINDS if k not in shared]
+        filters = [f"{self.topics.root}/dev/+/up/{kind}" for kind in kinds]
+        return [f"$share/fedmoe-workers/{f}" for f in filters] if self.role == "worker" else filters
+
+    def _run_worker(self) -> list[dict[str, Any]]:
+        """A worker's loop: take uploads until the federation's last round closed or :meth:`stop`."""
+        log.info("worker %s taking uploads of federation %s (%s aggregation)", self.cfg.worker_id,
+                 self.cfg.federation, "running sums" if self.engine.strategy.decomposes else "stored for the coordinator")
+        try:
+            while not self._stop.is_set() and self.engine.completed < self.cfg.rounds:
+                self.ingest.refresh()
+                until = time.monotonic() + FLUSH_S
+                m = self.transport.get(FLUSH_S)
+                while m is not None:
+                    with self.store.transaction():  # one database round trip to begin and one to commit
+                        self._handle(m.topic, m.payload, m.properties)
+                    self.transport.ack(m)  # only now: a worker killed before this gets it again from its session
+                    m = self.transport.get(0) if time.monotonic() < until else None
+                self.ingest.poll()
+                self._reject_log.flush()
+            return []
+        finally:
+            self._reject_log.flush(force=True)
+            self.transport.close(end_session=self.engine.completed >= self.cfg.rounds)
+            if self.metrics is not None:
+                self.metrics.stop()
+                self.metrics_port = None
+            self.store.close()
+
     def _resume(self) -> None:
         """Take in what the broker queued while we were down, re-send assignments, and
         keep the resumed round open at least ``resume_drain_s`` more seconds."""
@@ -375,6 +429,7 @@ class Aggregator:
                 self._handle(m.topic, m.payload, m.properties)
                 self.transport.ack(m)
                 last = time.monotonic()
+        self.engine.sync()  # what the workers took (coordinator): those devices are not sent their assignment again
         n = self.engine.resend_assignments()
         rnd.deadline = max(rnd.deadline, time.time() + self.cfg.resume_drain_s)
         log.info("round %d resumed: %d/%d reported, assignment re-sent to %d devices", rnd.number,
@@ -476,6 +531,9 @@ class Aggregator:
             if not self.store.leader_alive():
                 raise StoreError(f"lost the leader lock of store {redact_url(self.cfg.store)}; stopping so that "
                                  "a standby leads alone")
+        if self.engine.coordinator is not None and now - self._synced >= REFRESH_S:
+            self._synced = now
+            self.engine.sync()  # what the workers took
         m = self.transport.get(timeout)
         while m is not None:
             self._handle(m.topic, m.payload, m.properties)
@@ -538,6 +596,9 @@ class Aggregator:
                     raise MessageError(f"unknown task {msg.task!r}; this federation trains {sorted(self.model.tasks)}")
                 self.registry.register(msg)
                 return
+            if self.ingest is not None:  # a worker: uploads only; whether the device may send them, the round says
+                self._take_upload(device_id, kind, payload, props or {})
+                return
             if self.registry.get(device_id) is None:
                 raise MessageError(f"unknown device {device_id!r}: send hello first")
             if kind == "update":
@@ -566,6 +627,18 @@ class Aggregator:
             self._reject_log.log(f"internal error on {kind}", logging.ERROR, "internal error handling %s from %s",
                                  kind, device_id, exc_info=True)
             self._refuse(device_id, kind, payload, f"{kind} rejected: internal error ({type(e).__name__})")
+
+    def _take_upload(self, device_id: str, kind: str, payload: bytes, props: dict[str, str]) -> None:
+        """A worker's handling of an update chunk or stats message (:class:`cloud.workers.Ingest`).
+        Raises MessageError, ChunkError or SignatureError for bad input."""
+        if kind == "update":
+            if all(f.accept_chunk(device_id, payload, props) for f in self.filters):
+                self.ingest.on_chunk(device_id, payload)
+        elif kind == "stats":
+            msg = parse_message(payload, Stats)
+            self._same_device(device_id, msg.device_id)
+            if all(f.accept_stats(device_id, payload, msg, props) for f in self.filters):
+                self.ingest.on_stats(device_id, msg)
 
     # Chunks of an incomplete update are acknowledged to the broker, so they are kept in
     # the store until the update completes: a restarted aggregator reloads them.

@@ -110,7 +110,18 @@ class Store:
                         Path(path).parent.mkdir(parents=True, exist_ok=True)
                         self._engine = create_engine(URL.create("sqlite", database=path))
                         event.listen(self._engine, "connect", lambda dbapi, _: dbapi.execute("PRAGMA journal_mode=WAL"))
-                _META.create_all(self._engine)
+                if self.kind == "postgresql":  # processes sharing a new schema (workers) create its tables once
+                    with self._engine.begin() as c:
+                        c.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtextextended(current_database() || '.' "
+                                          "|| current_schema() || '.fedmoe-tables', 0))")
+                        _META.create_all(c)
+                        # blobs are tensors and chunks: PostgreSQL's attempt to compress each (pglz)
+                        # fails and cost 5 of 9 ms per 256 KiB chunk written here
+                        if c.exec_driver_sql("SELECT attstorage FROM pg_attribute WHERE attrelid = 'blobs'::regclass "
+                                             "AND attname = 'value'").scalar() != "e":
+                            c.exec_driver_sql("ALTER TABLE blobs ALTER COLUMN value SET STORAGE EXTERNAL")
+                else:
+                    _META.create_all(self._engine)
         except ImportError:
             raise StoreError(f"cannot open store {self._name}: a postgresql:// store needs psycopg 3: "
                              "pip install 'fedmoe[postgres]'") from None
@@ -182,6 +193,35 @@ class Store:
                 self._exec(delete(t).where(_starts(t, to)), update(t).where(_starts(t, prefix)).values(
                     key=literal(to, Text) + func.substr(t.c.key, len(prefix) + 1)))
 
+    def json_items(self, prefix: str) -> dict[str, Any]:
+        """key -> decoded JSON document, for the keys starting with ``prefix`` (literally). Raises StoreError."""
+        return {k: json.loads(v) for k, v in self._exec(select(_KV.c.key, _KV.c.value).where(_starts(_KV, prefix)))}
+
+    def json_keys(self, prefix: str) -> list[str]:
+        """Keys of the JSON documents starting with ``prefix`` (literally), unsorted. Raises StoreError."""
+        return [k for (k,) in self._exec(select(_KV.c.key).where(_starts(_KV, prefix)))]
+
+    def json_many(self, keys: list[str]) -> dict[str, Any]:
+        """key -> decoded JSON document for those of ``keys`` that exist. Raises StoreError."""
+        out: dict[str, Any] = {}
+        for i in range(0, len(keys), 500):
+            rows = self._exec(select(_KV.c.key, _KV.c.value).where(_KV.c.key.in_(keys[i:i + 500])))
+            out.update({k: json.loads(v) for k, v in rows})
+        return out
+
+    def lock(self, name: str, shared: bool = False) -> None:
+        """Take the lock ``name`` until the open :meth:`transaction` ends (call inside one):
+        on PostgreSQL a transaction-level advisory lock (``shared``: many holders, none
+        exclusive), so processes sharing the store serialise on it; SQLite serialises writers
+        by itself and holds no such lock (one process per file). Raises StoreError."""
+        if self.kind != "postgresql":
+            return
+        from sqlalchemy import text
+
+        fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+        self._exec(text(f"SELECT {fn}(hashtextextended(current_database() || '.' || current_schema() || '.' "
+                        f"|| :name, 0))").bindparams(name=name))
+
     # blobs
     def put_blob(self, key: str, value: bytes) -> None:
         """Insert or replace blob ``key`` (bytes). Raises StoreError."""
@@ -191,6 +231,11 @@ class Store:
         """The bytes of blob ``key``, or None when absent. Raises StoreError."""
         rows = self._exec(select(_BLOBS.c.value).where(_BLOBS.c.key == key))
         return bytes(rows[0][0]) if rows else None
+
+    def blob_items(self, prefix: str) -> list[tuple[str, bytes]]:
+        """(key, bytes) of the blobs starting with ``prefix`` (literally), by key; one query. Raises StoreError."""
+        return [(k, bytes(v)) for k, v in self._exec(select(_BLOBS.c.key, _BLOBS.c.value).where(
+            _starts(_BLOBS, prefix)).order_by(_BLOBS.c.key))]
 
     def blob_keys(self, prefix: str) -> list[str]:
         """Keys of the blobs starting with ``prefix`` (literally; ``%``/``_`` escaped), sorted."""

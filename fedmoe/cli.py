@@ -247,6 +247,9 @@ def _aggregator_options() -> dict:
             "dashboard": Option("dashboard", "HOST:PORT of the live read-only dashboard (port 0: a free one)"),
             "standby": Option("standby", "wait while another aggregator holds the store, then take over its "
                                          "round (default: exit at once)", switch=True),
+            "role": Option("role", "all (default): one process; coordinator: rounds and the close while worker "
+                                   "processes take the uploads (both need a postgresql:// store and MQTT 5)"),
+            "worker_id": Option("worker_id", "a worker's name, unique among the workers and kept across restarts"),
             "dashboard_token": Option("dashboard_token", "secret the dashboard requires (Bearer or basic-auth "
                                                          "password); needed beyond loopback"),
             **schema_options(BrokerSettings)}

@@ -1,8 +1,9 @@
-"""The aggregation-strategy interface."""
+"""The aggregation-strategy interface, and running weighted sums for the rules that decompose into them."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -10,8 +11,94 @@ import torch
 from ..strategy import ClientResult, Failure, Registered
 
 
+@dataclass
+class RoundSums:
+    """Running weighted sums of one round's accepted updates (the decomposed form of a
+    weighted-mean aggregation rule, e.g. FedAvg: ``theta = sum_c w_c theta_c / sum_c w_c``).
+
+    Attributes:
+        weighted: tensor name -> ``sum_c w_c * theta_c`` (float64, the tensor's shape).
+        weight: tensor name -> ``sum_c w_c`` (the same weights; >= 0).
+        devices: how many updates were folded in.
+    """
+
+    weighted: dict[str, torch.Tensor] = field(default_factory=dict)
+    weight: dict[str, float] = field(default_factory=dict)
+    devices: int = 0
+
+    def add(self, name: str, tensor: torch.Tensor, w: float) -> None:
+        """Fold ``w * tensor`` (any float dtype; computed in float64) into ``name``'s sums.
+
+        Raises:
+            ValueError: ``tensor``'s shape differs from what ``name`` already holds.
+        """
+        x = tensor.to(torch.float64) * w
+        have = self.weighted.get(name)
+        if have is None:
+            self.weighted[name] = x
+        elif have.shape != x.shape:
+            raise ValueError(f"{name}: shape {tuple(x.shape)} differs from the sums' {tuple(have.shape)}")
+        else:
+            have += x
+        self.weight[name] = self.weight.get(name, 0.0) + w
+
+    def copy(self) -> "RoundSums":
+        """A deep copy (fold into it, keep these if the store write fails)."""
+        return RoundSums({k: v.clone() for k, v in self.weighted.items()}, dict(self.weight), self.devices)
+
+    def merge(self, other: "RoundSums") -> None:
+        """Add ``other``'s sums (another worker's) into these. Raises ValueError on a shape mismatch."""
+        for name, t in other.weighted.items():
+            have = self.weighted.get(name)
+            if have is None:
+                self.weighted[name] = t.clone()
+            elif have.shape != t.shape:
+                raise ValueError(f"{name}: shape {tuple(t.shape)} differs from the sums' {tuple(have.shape)}")
+            else:
+                have += t
+            self.weight[name] = self.weight.get(name, 0.0) + other.weight[name]
+        self.devices += other.devices
+
+    def to_bytes(self) -> bytes:
+        """Safetensors bytes: ``s/{name}`` float64 sums, ``w/{name}`` float64 [1] weights and
+        ``n`` (int64 [1]) the device count."""
+        from safetensors.torch import save
+
+        tensors = {f"s/{k}": v.contiguous() for k, v in self.weighted.items()}
+        tensors.update({f"w/{k}": torch.tensor([w], dtype=torch.float64) for k, w in self.weight.items()})
+        tensors["n"] = torch.tensor([self.devices], dtype=torch.int64)
+        return save(tensors)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "RoundSums":
+        """The sums :meth:`to_bytes` wrote. Raises ValueError for other bytes."""
+        from safetensors.torch import load
+
+        try:
+            tensors = load(bytes(data))
+            out = cls(devices=int(tensors.pop("n")[0]))
+            for k, v in tensors.items():
+                kind, name = k.split("/", 1)
+                if kind == "s":
+                    out.weighted[name] = v
+                else:
+                    out.weight[name] = float(v[0])
+        except Exception as e:
+            raise ValueError(f"not running sums: {type(e).__name__}: {e}") from None
+        if set(out.weighted) != set(out.weight):
+            raise ValueError("not running sums: sums and weights name different tensors")
+        return out
+
+
 class AggregationStrategy(Registered):
     """Maps (global adapter state, accepted updates) to the next global adapter state.
+
+    A rule that is a per-tensor weighted mean sets :attr:`decomposes` and implements
+    :meth:`fold` and :meth:`finish`: aggregator workers then fold each update into
+    running sums as it arrives (:class:`RoundSums`, kept in the store) and the
+    coordinator only divides; :meth:`aggregate` is ``finish(fold(...))``, one code path.
+    Other rules (robust statistics, DP noise) need every update at once and run on the
+    coordinator.
 
     Args:
         **params: strategy-specific settings from the config.
@@ -19,6 +106,8 @@ class AggregationStrategy(Registered):
 
     _registry: ClassVar[dict[str, type]] = {}
     _package: ClassVar[str] = "cloud.aggregation"
+    decomposes: ClassVar[bool] = False
+    """Whether :meth:`fold` / :meth:`finish` implement this rule (a weighted mean)."""
 
     def __init__(self, **params: Any):
         if params:
@@ -30,6 +119,22 @@ class AggregationStrategy(Registered):
     ) -> dict[str, torch.Tensor]:
         """The next global adapter state (same keys and shapes as ``global_state``).
         Keys no result holds stay unchanged."""
+
+    def fold(self, sums: RoundSums, result: ClientResult) -> None:
+        """Add one accepted update to ``sums`` (only where :attr:`decomposes`).
+
+        Raises:
+            NotImplementedError: the rule does not decompose into sums.
+        """
+        raise NotImplementedError(f"aggregation {self.name!r} does not decompose into running sums")
+
+    def finish(self, global_state: dict[str, torch.Tensor], sums: RoundSums) -> dict[str, torch.Tensor]:
+        """The next global state from the round's ``sums`` (only where :attr:`decomposes`).
+
+        Raises:
+            NotImplementedError: the rule does not decompose into sums.
+        """
+        raise NotImplementedError(f"aggregation {self.name!r} does not decompose into running sums")
 
 
 def get_aggregation(name: str) -> type[AggregationStrategy]:

@@ -18,7 +18,7 @@ import torch
 from protocol import keys
 
 from ..strategy import ClientResult, Failure
-from .base import AggregationStrategy
+from .base import AggregationStrategy, RoundSums
 
 
 class Modular(AggregationStrategy):
@@ -33,19 +33,28 @@ class Modular(AggregationStrategy):
         """Weight of ``result`` for a tensor of unit ``key.module``: |D_c|."""
         return float(result.num_samples)
 
+    decomposes = True
+
+    def fold(self, sums: RoundSums, result: ClientResult) -> None:
+        """Add ``weight(result) * theta_c`` per tensor ``result`` holds (003_a50797d291873d18.txt, Sec. 4)."""
+        for name, t in result.state.items():
+            sums.add(name, t, self.weight(result, keys.parse(name)))
+        sums.devices += 1
+
+    def finish(self, global_state: dict[str, torch.Tensor], sums: RoundSums) -> dict[str, torch.Tensor]:
+        """Each tensor's weighted mean ``sums.weighted / sums.weight``, cast to its dtype; unchanged
+        where no update held it or its weights sum to <= 0."""
+        out = dict(global_state)
+        for name, current in global_state.items():
+            total = sums.weight.get(name, 0.0)
+            if total > 0:
+                out[name] = (sums.weighted[name] / total).to(current.dtype)
+        return out
+
     def aggregate(
         self, round: int, global_state: dict[str, torch.Tensor], results: list[ClientResult], failures: list[Failure]
     ) -> dict[str, torch.Tensor]:
-        out = dict(global_state)
-        for name, current in global_state.items():
-            key = keys.parse(name)
-            holders = [r for r in results if name in r.state]
-            weights = [self.weight(r, key) for r in holders]
-            total = sum(weights)
-            if not holders or total <= 0:
-                continue
-            acc = torch.zeros_like(current, dtype=torch.float64)
-            for r, w in zip(holders, weights):
-                acc += (w / total) * r.state[name].to(torch.float64)
-            out[name] = acc.to(current.dtype)
-        return out
+        sums = RoundSums()
+        for r in results:
+            self.fold(sums, r)
+        return self.finish(global_state, sums)

@@ -62,6 +62,23 @@ class Defences:
             return Screened(list(results))
         return self.screen.screen(round, global_state, results)
 
+    @property
+    def streamable(self) -> bool:
+        """Whether screening can run on each update alone as it arrives (aggregator workers,
+        :meth:`screen_update`): not when experts with few holders are damped
+        (``min_holders`` > 1 needs the round's holders)."""
+        return self.screen is None or self.screen.min_holders <= 1
+
+    def screen_update(self, round: int, global_state: dict[str, torch.Tensor], result: ClientResult) -> Screened:
+        """Screen one update as it arrives, against the reference norms of the rounds before
+        (an aggregator worker's streaming screening; rejection and clipping as in
+        :meth:`screen_round`; the round's median of claimed samples is not known yet, so the
+        sample cap does not apply: ``max_samples_per_device`` and the device's declared
+        samples still bound its weight)."""
+        if self.screen is None:
+            return Screened([result])
+        return self.screen.screen(round, global_state, [result], references=dict(self.screen.references))
+
     def state_dict(self) -> dict[str, Any]:
         """JSON state kept between rounds (screening references, guard history)."""
         return {"screening": self.screen.state_dict() if self.screen else {}, "guard": self.guard.state_dict()}

@@ -82,7 +82,7 @@ def group_of(name: str) -> tuple[str, str]:
     return "backbone", "backbone"
 
 
-def _routed_experts(result: ClientResult) -> set[str] | None:
+def routed_experts(result: ClientResult) -> set[str] | None:
     """The expert groups (``expert.{l}.{e}``) ``result``'s device routed training tokens to
     (its ``Stats`` usage), or None when it sent no per-layer statistics (all count)."""
     if result.stats is None or not result.stats.layers:
@@ -98,11 +98,15 @@ class Screened:
         results: the accepted results, with clipped/damped states and capped weights.
         rejected: device -> why its update was rejected (reply text).
         report: JSON-serialisable summary for the round record.
+        norms: device -> group -> L2 norm of its change (before clipping).
+        kinds: group -> kind (what reference a group is held against).
     """
 
     results: list[ClientResult]
     rejected: dict[str, str] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)
+    norms: dict[str, dict[str, float]] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
 
 
 class UpdateScreen:
@@ -120,7 +124,8 @@ class UpdateScreen:
         """kind -> reference norm (L2, in parameter units) of the last round that had one."""
         self._logged: dict[str, str] = {}
 
-    def screen(self, round: int, global_state: dict[str, torch.Tensor], results: list[ClientResult]) -> Screened:
+    def screen(self, round: int, global_state: dict[str, torch.Tensor], results: list[ClientResult],
+               references: dict[str, float] | None = None) -> Screened:
         """Screen one round's accepted results.
 
         Args:
@@ -128,6 +133,9 @@ class UpdateScreen:
             global_state: the state every device was sent this round (name -> tensor).
             results: updates that passed the protocol's checks; ``state`` holds the
                 device's trained tensors (same shapes as ``global_state``).
+            references: kind -> reference norm to hold the results against instead of
+                this round's (:meth:`update_references`): an aggregator worker screens
+                each update as it arrives against the references of the rounds before.
 
         Returns:
             :class:`Screened`; the inputs are not modified.
@@ -149,19 +157,10 @@ class UpdateScreen:
             deltas[r.device_id] = d
             norms[r.device_id] = {g: math.sqrt(v) for g, v in sq.items()}
 
-        by_kind: dict[str, list[float]] = {}
-        for r in results:
-            routed = _routed_experts(r)
-            for g, n in norms[r.device_id].items():
-                if routed is None or not g.startswith("expert.") or g in routed:
-                    by_kind.setdefault(kinds[g], []).append(n)
-        reference: dict[str, float] = {}
-        for kind in sorted(set(kinds.values())):
-            values = [n for n in by_kind.get(kind, []) if math.isfinite(n)]
-            if len(values) >= cfg.min_reference and statistics.median(values) > 0:
-                reference[kind] = self.references[kind] = statistics.median(values)
-            elif kind in self.references:
-                reference[kind] = self.references[kind]
+        if references is None:
+            reference = self.update_references(norms, kinds, {r.device_id: routed_experts(r) for r in results})
+        else:
+            reference = references
 
         rejected: dict[str, str] = {}
         scales: dict[str, dict[str, float]] = {}
@@ -215,7 +214,36 @@ class UpdateScreen:
                   "rejected": rejected,
                   "capped_samples": {d: [claimed[d], r.num_samples] for d, r in capped.items()},
                   "damped": damped}
-        return Screened(out, rejected, report)
+        return Screened(out, rejected, report, norms, kinds)
+
+    def update_references(self, norms: dict[str, dict[str, float]], kinds: dict[str, str],
+                          routed: dict[str, set[str] | None]) -> dict[str, float]:
+        """This round's reference norm per kind, kept for later rounds: the median of the
+        devices' group norms of that kind (expert groups only where the device routed
+        tokens to the expert), given at least ``min_reference`` of them; else the last
+        round's.
+
+        Args:
+            norms: device -> group -> L2 norm of its change.
+            kinds: group -> kind.
+            routed: device -> expert groups it routed tokens to (None: unknown, all count).
+
+        Returns:
+            kind -> reference norm (kinds with none are absent).
+        """
+        by_kind: dict[str, list[float]] = {}
+        for d, groups in norms.items():
+            for g, n in groups.items():
+                if routed.get(d) is None or not g.startswith("expert.") or g in routed[d]:
+                    by_kind.setdefault(kinds[g], []).append(n)
+        reference: dict[str, float] = {}
+        for kind in sorted(set(kinds.values())):
+            values = [n for n in by_kind.get(kind, []) if math.isfinite(n)]
+            if len(values) >= self.config.min_reference and statistics.median(values) > 0:
+                reference[kind] = self.references[kind] = statistics.median(values)
+            elif kind in self.references:
+                reference[kind] = self.references[kind]
+        return reference
 
     def _few_holders(self, kept: list[ClientResult]) -> tuple[dict[str, int], dict[str, dict[tuple, float]]]:
         """Damping of experts with fewer than ``min_holders`` holders this round.

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 from moe_model.objectives import perplexity
 from protocol.messages import MAX_SAMPLES, Ack, Objective, Stats
 
-from ..aggregation.base import AggregationStrategy
+from ..aggregation.base import AggregationStrategy, RoundSums
 from ..strategy import Aggregated, ClientResult, DeviceView, Experts, Failure, Plan, Registered, Setup
 
 if TYPE_CHECKING:
@@ -164,14 +164,50 @@ class Strategy(Registered):
                   failures: list[Failure]) -> Aggregated:
         """The next global state from the accepted (screened) updates.
 
-        Default: the aggregation part on ``model.state``; the strategy's tensors stay.
+        Default: the aggregation part on ``model.state`` (each result as
+        :meth:`for_aggregation` gives it); the strategy's tensors stay.
 
         Raises:
             NotImplementedError: no aggregation part and no override.
         """
         if self.aggregation is None:
             raise NotImplementedError(f"strategy {self.name!r} has no aggregation part and does not aggregate")
+        results = [self.for_aggregation(r) for r in results]
         return Aggregated(self.aggregation.aggregate(round, model.state, results, failures))
+
+    def for_aggregation(self, result: ClientResult) -> ClientResult:
+        """``result`` as the aggregation part sees it (default: unchanged)."""
+        return result
+
+    @property
+    def decomposes(self) -> bool:
+        """Whether this method's aggregation runs as running sums (:meth:`fold` per update,
+        :meth:`finish` at the close), so aggregator workers can fold updates as they arrive:
+        the default :meth:`aggregate` through an aggregation part whose rule decomposes
+        (``modular``, ``usage_weighted``; not a robust rule or DP-FedAvg)."""
+        return self.aggregation is not None and self.aggregation.decomposes and \
+            type(self).aggregate is Strategy.aggregate
+
+    def fold(self, sums: RoundSums, result: ClientResult) -> None:
+        """Add one accepted update to the round's ``sums`` (only where :attr:`decomposes`).
+
+        Raises:
+            NotImplementedError: the method does not decompose into sums.
+        """
+        if not self.decomposes:
+            raise NotImplementedError(f"strategy {self.name!r} does not aggregate by running sums")
+        self.aggregation.fold(sums, self.for_aggregation(result))
+
+    def finish(self, round: int, model: "GlobalModel", sums: RoundSums) -> Aggregated:
+        """The next global state from the round's ``sums`` (what :meth:`aggregate` gives for
+        the updates folded into them).
+
+        Raises:
+            NotImplementedError: the method does not decompose into sums.
+        """
+        if not self.decomposes:
+            raise NotImplementedError(f"strategy {self.name!r} does not aggregate by running sums")
+        return Aggregated(self.aggregation.finish(model.state, sums))
 
     def observe(self, round: int, results: list[ClientResult], failures: list[Failure]) -> None:
         """Feedback after every round, with or without a quorum (default: ignored)."""

@@ -51,11 +51,9 @@ class Composed(Strategy):
     def configure_round(self, round: int, devices: list[DeviceView], model: "GlobalModel") -> Plan:
         return self.assignment.configure(round, devices)
 
-    def aggregate(self, round: int, model: "GlobalModel", results: list[ClientResult],
-                  failures: list[Failure]) -> Aggregated:
-        if self.setup.train.router == "private":
-            results = [_without_router(r) for r in results]
-        return super().aggregate(round, model, results, failures)
+    def for_aggregation(self, result: ClientResult) -> ClientResult:
+        """Without its router rows when the router is private (``train.router: private``)."""
+        return _without_router(result) if self.setup.train.router == "private" else result
 
     def evaluated_experts(self, model: "GlobalModel") -> dict[int, list[int]] | None:
         """The assignment part's common sub-MoE (:meth:`AssignmentStrategy.served_experts`), else all."""

@@ -1,0 +1,462 @@
+"""Aggregator workers and the coordinator: how they share one round through the store.
+
+``fedmoe aggregator --role worker`` processes (any number) take the devices' uploads (update
+chunks and statistics) off the broker with an MQTT 5 shared subscription
+(``$share/{group}/...``: the broker hands each message to one worker), and
+``fedmoe aggregator --role coordinator`` (one leader, by the store's leader lock; standbys
+wait) runs everything else: registration, rounds, assignment, the close. They meet in the
+store (PostgreSQL; :class:`cloud.store.Store`), under these keys of round ``n``:
+
+- ``chunks/{n}/{device}/{transfer}/{seq}``: the chunks of an update not yet complete (a
+  shared subscription spreads one update's chunks over the workers; whoever stores the
+  last one reassembles it, under the transfer's lock);
+- ``inflight/{n}/update/{device}`` and ``inflight/{n}/stats/{device}``: the validated
+  update (its bytes as sent) and statistics, as the single-process aggregator keeps them;
+- ``inflight/{n}/sums/{worker}``: the worker's running weighted sums
+  (:class:`cloud.aggregation.base.RoundSums`) of the updates it folded in;
+- ``inflight/{n}/folded/{device}``: the marker that the device's update was taken: folded
+  into a worker's sums, rejected by screening, or (a method that does not decompose into
+  sums) stored for the coordinator, with its statistics and screening norms;
+- ``inflight/{n}/rejected/{device}``: why a message of the device was refused;
+- ``inflight/{n}/fence``: set by the coordinator when it closes the round.
+
+Exactly once: a worker folds a device's update, writes its sums and the device's marker in
+one transaction holding the device's lock (a transaction-level advisory lock) and the
+round's lock shared; the coordinator sets the fence holding the round's lock exclusively,
+so no fold is half done or starts after it, and then reads the markers and every worker's
+sums. A worker killed at any instant leaves its transaction undone; what it had not
+acknowledged the broker redelivers to its session when it comes back (a fixed
+``--worker-id``), and stored chunks and update/stats pairs left complete but unfolded are
+folded by :meth:`Ingest.sweep`. A repeat is recognised by the marker and ignored.
+
+Screening runs on each update as it arrives, against the reference norms of the rounds
+before (:meth:`cloud.robust.defences.Defences.screen_update`); the coordinator updates the
+references from the norms in the markers. A method whose aggregation does not decompose
+into sums (:attr:`cloud.strategies.Strategy.decomposes`: robust rules, DP-FedAvg,
+FedAlign-MoE, the fusion methods) or damping of experts with few holders
+(``defences.min_holders`` > 1) has its updates stored by the workers and aggregated by the
+coordinator as in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from protocol.chunking import Blob, ChunkError, Reassembler, parse_chunk
+from protocol.codec import sha256_hex
+from protocol.messages import Stats
+
+from .aggregation.base import RoundSums
+from .robust.screening import Screened, routed_experts
+from .strategy import ClientResult
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 0.5
+"""How often (seconds) a worker reads the open round from the store at most."""
+MAX_DECODED = 64
+"""Decoded updates a worker keeps while their statistics are on the way."""
+FLUSH_BATCH = 32
+"""A worker commits its taken updates in groups of at most this many (one sums write each)."""
+FLUSH_S = 0.5
+"""... or after this many seconds (latency added to a report, at most)."""
+SWEEP_S = 5.0
+"""How often (seconds) a worker folds what is complete in the store but not folded (a
+crashed worker's leftovers)."""
+
+
+def _key(n: int, what: str, name: str = "") -> str:
+    return f"inflight/{n}/{what}/{name}"
+
+
+def sums_mode(engine: Any) -> bool:
+    """Whether the round engine's method and defences aggregate by running sums."""
+    return engine.strategy.decomposes and engine.defences.streamable
+
+
+class Ingest:
+    """A worker's side: validate uploads for the open round and take each device's update
+    exactly once (module docstring).
+
+    Args:
+        engine: a :class:`cloud.rounds.RoundEngine` over the shared store; only its
+            validation (:meth:`RoundEngine.check_current`, ``decode_update``,
+            ``stats_problem``) and its model, strategy and defences are used; it never
+            starts or closes a round.
+        worker_id: this worker's name (``--worker-id``), keys its sums.
+        reject: ``(device, round, reason, *, kind, upload_id)`` -> reply to the device.
+        progress: ``(event, round, detail)`` -> operator progress (a ``report`` per update taken).
+        max_update_bytes: largest update, in bytes.
+    """
+
+    def __init__(self, engine: Any, worker_id: str, reject: Callable[..., None],
+                 progress: Callable[[str, int, dict], None], max_update_bytes: int):
+        self.engine, self.store, self.worker_id = engine, engine.store, worker_id
+        self.reject, self.progress = reject, progress
+        self.max_update_bytes = max_update_bytes
+        self._round_json: Any = None
+        self._last: int | None = None
+        self._refreshed = 0.0
+        self._swept = 0.0
+        self._decoded: dict[tuple[int, str], tuple[str, dict[str, torch.Tensor], str | None]] = {}
+        """(round, device) -> (sha256, tensors, chunks' prefix) decoded here and not yet taken."""
+        self._pending: dict[str, tuple[int, ClientResult | None, dict[str, Any], str | None]] = {}
+        """device -> (round, screened result to fold or None, marker, its chunks' prefix): taken, not
+        yet committed."""
+        self._pending_since = 0.0
+        self._waiting: set[str] = set()
+        self._complete: set[str] = set()
+        """Chunk prefixes complete but not reassembled at the last sweep."""
+        """Devices whose update and stats were stored but not taken at the last sweep."""
+        self._sums: tuple[int, RoundSums] | None = None
+        self.taken = 0
+        """Updates this worker folded (or stored) since it started."""
+
+    # ------------------------------------------------------------------ the open round
+    def refresh(self, force: bool = False) -> None:
+        """Read the open round (and after a close, the new global state) from the store, at
+        most every :data:`REFRESH_S` seconds unless ``force``. Raises StoreError."""
+        now = time.monotonic()
+        if not force and now - self._refreshed < REFRESH_S:
+            return
+        self._refreshed = now
+        last = int(self.store.get_json("last_round", 0))
+        if last != self._last:
+            self._pending.clear()  # a closed round takes nothing more
+            self.engine.completed = last
+            self.engine.restore(open_round=False)
+            self.engine.registry.reload()
+            self._last, self._round_json = last, None
+            self._decoded.clear()
+        cur = self.store.get_json("current_round")
+        if cur is None or cur.get("number") != last + 1:
+            self.engine.current, self._round_json = None, None
+        elif cur != self._round_json:
+            if self._round_json is None or cur["number"] != self._round_json.get("number"):
+                self.engine.registry.reload()  # devices that registered for this round
+            self.engine.current = self.engine.round_from_json(cur)
+            self._round_json = cur
+        if now - self._swept >= SWEEP_S and self.engine.current is not None:
+            self._swept = now
+            self.sweep()
+
+    def _current(self, device_id: str, round_: int, what: str, upload_id: str | None = None):
+        rnd = self.engine.current
+        if rnd is None or rnd.number != round_:
+            self.refresh(force=round_ > (rnd.number if rnd else self._last or 0))
+        return self.engine.check_current(device_id, round_, what, upload_id)
+
+    # ------------------------------------------------------------------ uploads
+    def on_chunk(self, device_id: str, payload: bytes) -> None:
+        """One update chunk (signature already verified): stored; the worker that stores a
+        transfer's last chunk reassembles it (:meth:`on_update`).
+
+        Raises:
+            ChunkError: a malformed chunk.
+        """
+        header, _ = parse_chunk(payload, self.max_update_bytes)
+        rnd = self._current(device_id, header.round, "update", header.id)
+        if rnd is None:
+            return
+        prefix = f"chunks/{header.round}/{device_id}/{header.id}/"
+        with self.store.transaction():
+            self.store.lock(prefix)
+            self.store.put_blob(f"{prefix}{header.seq}", payload)
+            complete = len(self.store.blob_keys(prefix)) >= header.n
+        if complete:
+            self._assemble(device_id, prefix)
+
+    def _assemble(self, device_id: str, prefix: str) -> None:
+        """Reassemble the update whose chunks are stored under ``prefix`` and hand it to
+        :meth:`on_update`. The chunks stay until the update is taken (:meth:`flush` drops
+        them with its marker): a worker killed before leaves them for :meth:`sweep`.
+
+        Raises:
+            ChunkError: the stored chunks, all there, do not make one update (they are dropped).
+        """
+        assembler, blob = Reassembler(self.max_update_bytes), None
+        try:
+            for _, data in self.store.blob_items(prefix):
+                blob = assembler.add(device_id, data) or blob
+            if blob is None:
+                raise ChunkError(f"the chunks stored under {prefix} do not make one update")
+        except ChunkError:  # complete in number but not one update (they passed their checks once): drop them
+            self.store.delete_prefix(prefix)
+            raise
+        self.on_update(device_id, blob, prefix)
+
+    def on_update(self, device_id: str, blob: Blob, chunks: str) -> None:
+        """A reassembled update (its chunks stored under ``chunks``): validated as the
+        single-process engine does (:meth:`RoundEngine.on_update`), kept decoded here, and
+        taken once its statistics are there; for a method that does not aggregate by sums,
+        also stored whole for the coordinator."""
+        refers = {"kind": "update", "upload_id": blob.header.id}
+        rnd = self._current(device_id, blob.header.round, "update", blob.header.id)
+        if rnd is None:
+            return
+        n = rnd.number
+        marker = self.store.get_json(_key(n, "folded", device_id))
+        if marker is not None:
+            if marker["sha"] != blob.header.sha:
+                self.reject(device_id, n, "a second, different update for this round was ignored", **refers)
+            return
+        try:
+            tensors = self.engine.decode_update(device_id, rnd.selected[device_id], blob.data)
+        except Exception as e:  # CodecError, or the strategy's sent state failing its layout check
+            self.store.put_json(_key(n, "rejected", device_id), f"update rejected: {e}"[:2000])
+            self.reject(device_id, n, f"update rejected: {e}", **refers)
+            return
+        if not sums_mode(self.engine):
+            self.store.put_blob(_key(n, "update", device_id), blob.data)
+        self._decoded[(n, device_id)] = (blob.header.sha, tensors, chunks)
+        while len(self._decoded) > MAX_DECODED:  # the oldest: the sweep reassembles it from its chunks
+            self._decoded.pop(next(iter(self._decoded)))
+        self.take(n, device_id)
+
+    def on_stats(self, device_id: str, stats: Stats) -> None:
+        """A device's statistics (signature already verified): bounded as the single-process
+        engine bounds them, stored, and the update taken once it is there."""
+        upload = stats.update.transfer_id if stats.update else None
+        rnd = self._current(device_id, stats.round, "stats", upload)
+        if rnd is None:
+            return
+        n = rnd.number
+        if self.store.get_json(_key(n, "folded", device_id)) is not None:
+            return
+        problem = self.engine.stats_problem(rnd, device_id, stats)
+        if problem:
+            self.store.put_json(_key(n, "rejected", device_id), f"stats rejected: {problem}"[:2000])
+            self.reject(device_id, n, f"stats rejected: {problem}", kind="stats", upload_id=upload)
+            return
+        self.store.put_json(_key(n, "stats", device_id), stats.model_dump(mode="json"))
+        if (n, device_id) in self._decoded:  # else the worker that holds the update takes it (:meth:`poll`)
+            self.take(n, device_id)
+
+    # ------------------------------------------------------------------ folding
+    def take(self, n: int, device_id: str) -> bool:
+        """Take ``device_id``'s update of round ``n`` if its update and statistics are both
+        stored and agree and nobody took it: screen it and queue it to be folded into this
+        worker's sums (or stored for the coordinator); :meth:`flush` commits the queue.
+
+        Returns:
+            True when this call queued it.
+
+        Raises:
+            StoreError: the store failed.
+        """
+        rnd = self.engine.current
+        dev = self.engine.registry.get(device_id)
+        if rnd is None or rnd.number != n or device_id not in rnd.selected or dev is None or \
+                device_id in self._pending or self.store.get_json(_key(n, "folded", device_id)) is not None:
+            return False
+        raw = self.store.get_json(_key(n, "stats", device_id))
+        if raw is None:
+            return False
+        stats = Stats.model_validate(raw)
+        cached = self._decoded.get((n, device_id))
+        if cached is None or stats.update is None or cached[0] != stats.update.sha256:
+            # decoded by another worker (it takes it) or replaced; stored whole only for the coordinator
+            data = None if sums_mode(self.engine) else self.store.get_blob(_key(n, "update", device_id))
+            if data is None:
+                return False
+            cached = (sha256_hex(data), None, None)
+            if stats.update is not None and cached[0] == stats.update.sha256:
+                cached = (cached[0], self.engine.decode_update(device_id, rnd.selected[device_id], data), None)
+        sha, tensors, chunks = cached
+        if stats.update is None or stats.update.sha256 != sha:
+            self.reject(device_id, n, "stats reference an update other than the one received", kind="stats",
+                        upload_id=stats.update.transfer_id if stats.update else None)
+            return False
+        self._decoded.pop((n, device_id), None)
+        marker: dict[str, Any] = {"worker": self.worker_id, "sha": sha, "stats": raw}
+        result = None
+        if sums_mode(self.engine):
+            candidate = ClientResult(device_id, dev.task, stats.num_samples, rnd.selected[device_id], tensors, stats)
+            screened = self.engine.defences.screen_update(n, self.engine.model.state, candidate)
+            marker["norms"] = screened.norms.get(device_id, {})
+            marker["kinds"] = screened.kinds
+            if screened.rejected:
+                marker.update(status="rejected", reason=screened.rejected[device_id])
+            else:
+                result = screened.results[0]
+                marker["status"] = "folded"
+                if screened.report.get("clipped"):
+                    marker["clipped"] = screened.report["clipped"][device_id]
+        else:
+            marker["status"] = "stored"
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        self._pending[device_id] = (n, result, marker, chunks)
+        if len(self._pending) >= FLUSH_BATCH or time.monotonic() - self._pending_since >= FLUSH_S:
+            self.flush()
+        return True
+
+    def flush(self) -> int:
+        """Commit the queued updates: in one transaction, holding the round's lock shared and
+        each device's lock, fold those nobody else took into this worker's sums, write the
+        sums and their markers (module docstring); then tell the operator (``report``) and the
+        devices whose update screening rejected. A fenced (closing) round takes nothing more.
+
+        Returns:
+            How many were taken.
+
+        Raises:
+            StoreError: the store failed (nothing was taken; the queue is kept for the next try).
+        """
+        if not self._pending:
+            return 0
+        pending = dict(self._pending)
+        n = next(iter(pending.values()))[0]
+        with self.store.transaction():
+            self.store.lock(f"round/{n}", shared=True)
+            if self.store.get_json(_key(n, "fence")) is not None:
+                log.warning("round %d closed before %d updates taken here were committed; they are not applied",
+                            n, len(pending))
+                self._pending.clear()
+                return 0
+            for d in sorted(pending):
+                self.store.lock(f"take/{n}/{d}")
+            taken = {d: x for d, x in pending.items()
+                     if x[0] == n and self.store.get_json(_key(n, "folded", d)) is None}
+            sums = self._round_sums(n).copy()
+            for d, (_, result, _, _) in taken.items():
+                if result is not None:
+                    self.engine.strategy.fold(sums, result)
+            if sums.devices != self._round_sums(n).devices:
+                key = _key(n, "sums", self.worker_id)
+                self.store.lock(key)
+                self.store.put_blob(key, sums.to_bytes())
+            for d, (_, _, marker, chunks) in taken.items():
+                self.store.put_json(_key(n, "folded", d), marker)
+                if chunks is not None:
+                    self.store.delete_prefix(chunks)
+        self._sums = (n, sums)
+        self._pending.clear()
+        self.taken += len(taken)
+        for d, (_, _, marker, _) in taken.items():
+            if marker["status"] == "rejected":
+                self.reject(d, n, f"update rejected: {marker['reason']}", kind="update")
+            self.progress("report", n, {"device": d, "val_accuracy": marker["stats"].get("val_accuracy"),
+                                        "worker": self.worker_id})
+        return len(taken)
+
+    def poll(self) -> int:
+        """Take the updates decoded here whose statistics another worker stored, and commit
+        what waits (:meth:`flush`); the worker's loop calls it between batches of messages.
+        Returns how many were taken. Raises StoreError."""
+        rnd = self.engine.current
+        if rnd is not None and any(k[0] == rnd.number for k in self._decoded):
+            have = set(self.store.json_keys(_key(rnd.number, "stats")))
+            for n, d in [k for k in self._decoded if k[0] == rnd.number]:
+                if _key(n, "stats", d) in have:
+                    self.take(n, d)
+        return self.flush()
+
+    def _round_sums(self, n: int) -> RoundSums:
+        """This worker's committed sums of round ``n`` (read from the store once per round)."""
+        if self._sums is None or self._sums[0] != n:
+            blob = self.store.get_blob(_key(n, "sums", self.worker_id))
+            self._sums = (n, RoundSums.from_bytes(blob) if blob is not None else RoundSums())
+        return self._sums[1]
+
+    def sweep(self) -> int:
+        """Take what a stopped worker left: updates whose statistics are stored, nobody took,
+        and nobody here holds decoded, that were left so at the last sweep too: reassembled
+        from their stored chunks (or, for the coordinator's methods, read whole). Returns how
+        many were taken. Raises StoreError."""
+        rnd = self.engine.current
+        if rnd is None:
+            return 0
+        n = rnd.number
+        folded = set(self.store.json_keys(_key(n, "folded")))
+        devices = {k.rsplit("/", 1)[1] for k in self.store.json_keys(_key(n, "stats"))
+                   if _key(n, "folded", k.rsplit("/", 1)[1]) not in folded} - {d for m, d in self._decoded if m == n}
+        left = {d: f"chunks/{n}/{d}/" for d in devices}
+        for d in sorted(set(left) & self._waiting):  # left since the last sweep: the worker holding it is gone
+            if not sums_mode(self.engine):
+                self.take(n, d)
+            transfers: dict[str, list[str]] = {}
+            for key in self.store.blob_keys(left[d]):
+                transfers.setdefault(key.rsplit("/", 1)[0] + "/", []).append(key)
+            for prefix, keys in transfers.items():
+                try:  # only a complete transfer: the rest of an incomplete one may still come (a redelivery)
+                    if len(keys) >= parse_chunk(self.store.get_blob(keys[0]) or b"", self.max_update_bytes)[0].n:
+                        self._assemble(d, prefix)
+                except ChunkError as e:
+                    log.warning("round %d: dropped the stored chunks of %s: %s", n, d, e)
+                    self.store.delete_prefix(prefix)
+        self._waiting = set(left)
+        taken = self.flush()
+        if taken:
+            log.info("round %d: took %d updates that a stopped worker had left", n, taken)
+        return taken
+
+
+class Coordinator:
+    """The coordinator's side: learn which updates the workers took, fence the round at its
+    close, and read the workers' sums (module docstring).
+
+    Args:
+        store: the shared store.
+    """
+
+    def __init__(self, store: Any):
+        self.store = store
+
+    def markers(self, n: int, known: Any = ()) -> dict[str, dict[str, Any]]:
+        """device -> marker of every update taken in round ``n``, but those of the ``known``
+        devices (read only the new ones)."""
+        prefix = _key(n, "folded")
+        keys = [k for k in self.store.json_keys(prefix) if k[len(prefix):] not in known]
+        return {k[len(prefix):]: v for k, v in self.store.json_many(keys).items()}
+
+    def refusals(self, n: int) -> dict[str, str]:
+        """device -> why a worker refused its update or statistics in round ``n``."""
+        prefix = _key(n, "rejected")
+        return {k[len(prefix):]: v for k, v in self.store.json_items(prefix).items()}
+
+    def fence(self, n: int) -> tuple[dict[str, dict[str, Any]], RoundSums]:
+        """Close round ``n`` to workers and return what they took: the markers and the sum of
+        every worker's sums.
+
+        Raises:
+            RuntimeError: the sums hold another number of updates than the markers say were
+                folded (exactly-once broken: the round must fail, not be applied).
+            StoreError: the store failed.
+        """
+        with self.store.transaction():
+            self.store.lock(f"round/{n}")
+            self.store.put_json(_key(n, "fence"), time.time())
+        markers = self.markers(n)
+        total = RoundSums()
+        for key in self.store.blob_keys(_key(n, "sums")):
+            total.merge(RoundSums.from_bytes(self.store.get_blob(key)))
+        folded = sum(m.get("status") == "folded" for m in markers.values())
+        if total.devices != folded:
+            raise RuntimeError(f"round {n}: the workers' sums hold {total.devices} updates but {folded} are marked "
+                               "folded")
+        return markers, total
+
+    @staticmethod
+    def screened(screen: Any, results: list[ClientResult], markers: dict[str, dict[str, Any]]) -> Screened:
+        """The round's screening as the workers did it (their markers), the reference norms
+        updated from the norms they recorded (``screen``: the engine's
+        :class:`cloud.robust.screening.UpdateScreen`, or None when screening is off)."""
+        kept = [r for r in results if markers[r.device_id].get("status") == "folded"]
+        rejected = {r.device_id: markers[r.device_id].get("reason", "rejected by screening") for r in results
+                    if markers[r.device_id].get("status") == "rejected"}
+        report: dict[str, Any] = {"streaming": True, "rejected": rejected,
+                                  "clipped": {r.device_id: markers[r.device_id]["clipped"] for r in kept
+                                              if "clipped" in markers[r.device_id]}}
+        if screen is not None:
+            kinds: dict[str, str] = {}
+            for m in markers.values():
+                kinds.update(m.get("kinds", {}))
+            report["reference"] = {k: float(f"{v:.6g}") for k, v in screen.update_references(
+                {r.device_id: markers[r.device_id].get("norms", {}) for r in results}, kinds,
+                {r.device_id: routed_experts(r) for r in results}).items()}
+        return Screened(kept, rejected, report)
