@@ -19,7 +19,7 @@ updates, no model). It measures:
   ``report`` event twice for a device and round, none missing, no reject);
 - aggregator and broker peak RSS, and their CPU seconds per accepted update.
 
-    python benchmarks/fleet.py            # one Mosquitto: 1,000 / 3,000 / 10,000 devices, 1,000 updates per round
+    python benchmarks/fleet.py            # one Mosquitto: 1,000 / 10,000 devices, 1,000 updates per round; 1/2/4 workers
     python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round: Mosquitto, the cluster, 1-2 workers
     python benchmarks/fleet.py --sizes "" --cluster-sizes 100,300    # the NATS cluster only
 
@@ -131,15 +131,16 @@ class Monitor:
             self.events.append((time.time(), event))
             if event.get("event") in ("round_start", "round_end"):  # CPU spent in rounds, not in start-up
                 for name, pids in list(self._pids.items()):
-                    self.samples[name].setdefault(event["event"], []).append(self._cpu(pids))
+                    self.samples[name].setdefault(event["event"], []).append(self._cpu(_resolve(pids)))
         else:
             try:
                 self.sys_connected = max(self.sys_connected, int(msg.payload))
             except ValueError:
                 pass
 
-    def watch(self, name: str, pids: list[int]) -> None:
-        """Sample the summed RSS and CPU time of ``pids`` as ``name``."""
+    def watch(self, name: str, pids) -> None:
+        """Sample the summed RSS and CPU time of ``pids`` (a list, or a function returning the
+        list at each sample: processes that come and go) as ``name``."""
         self._pids[name] = pids
         self.samples.setdefault(name, {"peak_rss": 0})
 
@@ -166,7 +167,7 @@ class Monitor:
         while not self._stop.wait(1.0):
             for name, pids in list(self._pids.items()):
                 s = self.samples[name]
-                s["peak_rss"] = max(s["peak_rss"], self._rss(pids))
+                s["peak_rss"] = max(s["peak_rss"], self._rss(_resolve(pids)))
 
     def round_cpu(self, name: str) -> float | None:
         """CPU seconds ``name`` spent from the first round's start to the last round's end."""
@@ -177,6 +178,17 @@ class Monitor:
         self._stop.set()
         self._client.loop_stop()
         self._client.disconnect()
+
+
+def _resolve(pids) -> list[int]:
+    return pids() if callable(pids) else pids
+
+
+def postgres_pids() -> list[int]:
+    """The PostgreSQL server's processes now (its connection backends come and go)."""
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("postgres")]
 
 
 def start_broker(kind: str, work: Path):
@@ -289,6 +301,8 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, work
             pool = Workers(args, url, cfg, work, workers)
         mon.watch("aggregator", [agg.pid] + (pool.pids if pool else []))
         mon.watch("coordinator", [agg.pid])
+        if workers:
+            mon.watch("store", postgres_pids)
         mon.watch("broker", broker_pids)
         nprocs = min(args.procs, n)
         spec = {"federation": "fleet", "task": "bbc", "protocol": protocol, "nodes": nodes, "train_s": args.train_s,
@@ -426,6 +440,7 @@ def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Moni
         "devices_peak_rss_bytes": s["devices"]["peak_rss"],
         "aggregator_cpu_s_per_update": per_update(mon.round_cpu("aggregator")),
         "coordinator_peak_rss_bytes": s["coordinator"]["peak_rss"],
+        "store_cpu_s_per_update": per_update(mon.round_cpu("store")),
         "coordinator_cpu_s_per_update": per_update(mon.round_cpu("coordinator")),
         "broker_cpu_s_per_update": per_update(mon.round_cpu("broker")),
         "devices_cpu_s_per_update": per_update(mon.round_cpu("devices")),
@@ -522,18 +537,20 @@ def markdown(result: dict) -> str:
              "`--role worker` processes (PostgreSQL store, MQTT 5 shared subscription), all on these 2 cores "
              "with the broker and the device processes.", "",
              "| broker | workers | devices | connected | updates/round | rounds closed | accepted | not accepted | twice | "
-             "rejects | rounds/h | updates/s ingesting | latency p50 / p99 (s) | aggregator peak RSS (MiB) | "
-             "broker peak RSS (MiB) | aggregator CPU ms/update | broker CPU ms/update |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "rejects | rounds/h | updates/s ingesting | latency p50 / p99 (s) | aggregator peak RSS (MiB): all / "
+             "coordinator | broker peak RSS (MiB) | CPU ms/update: aggregator / broker / PostgreSQL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["settings"]:
         lines.append(
             f"| {s['broker']} | {s['workers']} | {s['devices']} | {s['connected']} | {s['updates_per_round']} | {s['rounds_closed']} | "
             f"{s['accepted']} | {s['not_accepted']} | {s['reported_twice']} | {s['rejects']} | "
             f"{fmt(s['rounds_per_hour'], '.0f')} | {fmt(s['ingest_per_s'], '.1f')} | "
             f"{fmt(s['latency_p50_s'], '.2f')} / {fmt(s['latency_p99_s'], '.2f')} | "
-            f"{s['aggregator_peak_rss_bytes'] / MIB:.0f} | {s['broker_peak_rss_bytes'] / MIB:.0f} | "
-            f"{fmt(s['aggregator_cpu_s_per_update'] and 1000 * s['aggregator_cpu_s_per_update'], '.1f')} | "
-            f"{fmt(s['broker_cpu_s_per_update'] and 1000 * s['broker_cpu_s_per_update'], '.1f')} |")
+            f"{s['aggregator_peak_rss_bytes'] / MIB:.0f} / {s.get('coordinator_peak_rss_bytes', 0) / MIB:.0f} | "
+            f"{s['broker_peak_rss_bytes'] / MIB:.0f} | "
+            f"{fmt(s['aggregator_cpu_s_per_update'] and 1000 * s['aggregator_cpu_s_per_update'], '.1f')} / "
+            f"{fmt(s['broker_cpu_s_per_update'] and 1000 * s['broker_cpu_s_per_update'], '.1f')} / "
+            f"{fmt(s.get('store_cpu_s_per_update') and 1000 * s['store_cpu_s_per_update'], '.1f')} |")
     sc = result.get("scaling") or []
     if sc:
         lines += ["", "Scaling with workers (same fleet, same run): updates accepted per second while ingesting.", "",
@@ -594,21 +611,26 @@ def plot(result: dict, path: Path) -> None:
         xs = [s["devices"] for s in ss]
         axes[0].plot(xs, [s["ingest_per_s"] or 0 for s in ss], marker="o", label=f"{b}, one process")
         axes[1].plot(xs, [s["latency_p99_s"] or 0 for s in ss], marker="o", label=f"{b}, one process")
+    ws = sorted((s for s in result["settings"] if s["workers"]), key=lambda s: s["workers"])
+    for s in ws:
+        for ax, key in ((axes[0], "ingest_per_s"), (axes[1], "latency_p99_s")):
+            ax.scatter([s["devices"]], [s[key] or 0], marker="s", zorder=3, label=f"coordinator + {s['workers']} worker(s)")
     axes[0].set(xlabel="devices connected", ylabel="updates accepted / s", title="ingest rate vs fleet size")
     axes[1].set(xlabel="devices connected", ylabel="s", title="p99 last chunk -> taken")
-    ws = sorted((s for s in result["settings"] if s["workers"]), key=lambda s: s["workers"])
     if ws:
-        axes[2].plot([s["workers"] for s in ws], [s["ingest_per_s"] or 0 for s in ws], marker="o",
+        axes[2].plot([s["workers"] for s in ws], [s["ingest_per_s"] or 0 for s in ws], marker="s",
                      label=f"coordinator + workers, n={ws[0]['devices']}")
-        axes[2].plot([s["workers"] for s in ws], [s["latency_p99_s"] or 0 for s in ws], marker="s", ls="--",
-                     label="p99 latency (s)")
+        one = [s for s in result["settings"] if s["broker"] == "mosquitto" and not s["workers"]
+               and s["devices"] == ws[0]["devices"]]
+        if one and one[0]["ingest_per_s"]:
+            axes[2].axhline(one[0]["ingest_per_s"], ls="--", color="gray", label="one process, same fleet")
         axes[2].set_xticks([s["workers"] for s in ws])
     axes[2].set(xlabel="aggregator workers", ylabel="updates accepted / s", title="ingest rate vs workers (2 cores)")
     for i, a in enumerate(axes):
         if i < 2:
             a.set_xscale("log")
         a.set_ylim(bottom=0)
-        a.legend()
+        a.legend(fontsize=8)
         a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -617,8 +639,9 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="300 devices, 100 updates per round, 2 rounds (< 5 min)")
-    ap.add_argument("--sizes", help="fleet sizes, e.g. 1000,3000,10000 (default: by profile)")
+    ap.add_argument("--quick", action="store_true", help="300 devices, 100 updates per round, 2 rounds: Mosquitto, "
+                    "the NATS cluster, 1 and 2 workers (< 5 min)")
+    ap.add_argument("--sizes", help="fleet sizes, one aggregator process (default 1000,10000; quick 300)")
     ap.add_argument("--cluster-sizes", help="fleet sizes on the NATS cluster (default: 300 with --quick, else none: "
                     "at 300 devices it already delivered only part of the assignments, README)")
     ap.add_argument("--worker-counts", help="aggregator workers to measure at the largest Mosquitto size, each with a "
@@ -629,7 +652,7 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=4, help="device processes")
     ap.add_argument("--train-s", type=float, default=5.0, help="devices upload after a uniform wait of up to this")
     ap.add_argument("--connect-rate", type=float, default=400.0, help="device connects per second, all processes")
-    ap.add_argument("--round-timeout", type=float, help="seconds a round waits for its quorum (default 900; quick 60)")
+    ap.add_argument("--round-timeout", type=float, help="seconds a round waits for its quorum (default 900; quick 30)")
     ap.add_argument("--timeout", type=float, help="seconds one setting may run (default 3600; quick 240)")
     ap.add_argument("--fedmoe", default=str(Path(sys.executable).parent / "fedmoe"))
     ap.add_argument("--work", default=str(ROOT / "runs" / "fleet"))
@@ -640,14 +663,14 @@ def main() -> int:
                         datefmt="%H:%M:%S")
     profile = "quick" if args.quick else "full"
     sizes = [int(x) for x in (args.sizes if args.sizes is not None else
-                              ("300" if args.quick else "1000,3000,10000")).split(",") if x]
+                              ("300" if args.quick else "1000,10000")).split(",") if x]
     csizes = [int(x) for x in (args.cluster_sizes if args.cluster_sizes is not None else
                                ("300" if args.quick else "")).split(",") if x]
     wcounts = [int(x) for x in (args.worker_counts if args.worker_counts is not None else
                                 ("1,2" if args.quick else "1,2,4")).split(",") if x]
     per_round = args.per_round or (100 if args.quick else 1000)
     args.rounds = args.rounds or (2 if args.quick else 3)
-    args.round_timeout = args.round_timeout or (60.0 if args.quick else 900.0)
+    args.round_timeout = args.round_timeout or (30.0 if args.quick else 900.0)
     args.timeout = args.timeout or (240.0 if args.quick else 3600.0)
     settings = []
     with heavy_lock(args.lock):

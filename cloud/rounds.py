@@ -796,7 +796,12 @@ class RoundEngine:
                 continue
             tensors: dict[str, torch.Tensor] = {}
             if m.get("status") == "stored":
-                tensors = self.decode_update(d, rnd.selected[d], self.store.get_blob(f"inflight/{rnd.number}/update/{d}"))
+                try:
+                    tensors = self.decode_update(d, rnd.selected[d],
+                                                 self.store.get_blob(f"inflight/{rnd.number}/update/{d}") or b"")
+                except Exception as e:  # a worker accepted it; it must not stop the coordinator now
+                    rnd.rejected[d] = f"stored update does not decode: {type(e).__name__}: {e}"[:500]
+                    continue
             rnd.stats[d] = Stats.model_validate(m["stats"])
             rnd.updates[d] = (m["sha"], tensors)
             rnd.takers[d] = m.get("worker", "?")

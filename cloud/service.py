@@ -55,7 +55,7 @@ from .registry import Registry
 from .robust.defences import Defences
 from .rounds import RoundEngine, RoundSettings
 from .store import Store, StoreError, redact_url
-from .workers import FLUSH_S, REFRESH_S, Coordinator, Ingest
+from .workers import FLUSH_S, REFRESH_S, WORKER_STALE_S, Coordinator, Ingest
 from .strategies import get_strategy
 from .strategy import Setup
 
@@ -163,6 +163,7 @@ class Aggregator:
         if self.role == "all":
             self._reload_chunks()
         self._synced = 0.0
+        self._told_no_worker = False
         self.initial: dict[str, Any] | None = self.store.get_json("initial_evaluation")
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -338,9 +339,13 @@ class Aggregator:
                 self._wait_for_devices()
             idle_since = None
             while not self._stop.is_set() and self.engine.completed < self.cfg.rounds:
-                if self.engine.current is None and not self.engine.start_round():
+                no_worker = self._no_worker() if self.engine.current is None else None
+                if self.engine.current is None and (no_worker or not self.engine.start_round()):
                     idle_since = idle_since or time.monotonic()
                     if time.monotonic() - idle_since > self.cfg.start_timeout_s:
+                        if no_worker:
+                            raise TimeoutError(f"round {self.engine.completed + 1}: {no_worker} for "
+                                               f"{self.cfg.start_timeout_s:.0f} s")
                         why = self.engine.plan_error or "; ".join(
                             f"{d}: {r}" for d, r in sorted(self.engine.excluded.items())[:10])
                         raise TimeoutError(
@@ -380,6 +385,22 @@ class Aggregator:
                 self.dashboard_port = None
             self.store.close()
 
+    def _no_worker(self) -> str | None:
+        """A coordinator's reason not to start a round: no aggregator worker has announced
+        itself in the last :data:`cloud.workers.WORKER_STALE_S` seconds (uploads published
+        before any worker subscribed would be lost: the broker keeps them for no one). None
+        when a worker is there, or for one process (``role: all``)."""
+        if self.engine.coordinator is None:
+            return None
+        if self.engine.coordinator.live_workers():
+            self._told_no_worker = False
+            return None
+        if not self._told_no_worker:
+            log.warning("no aggregator worker is running; rounds wait for one (fedmoe aggregator --role worker "
+                        "--worker-id ...)")
+            self._told_no_worker = True
+        return f"no aggregator worker announced itself within {WORKER_STALE_S:.0f} s"
+
     def _uplink(self) -> list[str]:
         """The topic filters this process takes: every device uplink (``role: all``); the
         uploads (update, stats) shared among the workers (``$share``); the rest for the
@@ -397,6 +418,7 @@ class Aggregator:
                  self.cfg.federation, "running sums" if self.engine.strategy.decomposes else "stored for the coordinator")
         try:
             while not self._stop.is_set() and self.engine.completed < self.cfg.rounds:
+                self.ingest.announce()
                 self.ingest.refresh()
                 until = time.monotonic() + FLUSH_S
                 m = self.transport.get(FLUSH_S)
@@ -596,26 +618,17 @@ class Aggregator:
                     raise MessageError(f"unknown task {msg.task!r}; this federation trains {sorted(self.model.tasks)}")
                 self.registry.register(msg)
                 return
-            if self.ingest is not None:  # a worker: uploads only; whether the device may send them, the round says
-                self._take_upload(device_id, kind, payload, props or {})
-                return
-            if self.registry.get(device_id) is None:
+            # a worker takes uploads only, and the round it reads says whether the device may send them
+            if self.ingest is None and self.registry.get(device_id) is None:
                 raise MessageError(f"unknown device {device_id!r}: send hello first")
             if kind == "update":
-                if not all(f.accept_chunk(device_id, payload, props or {}) for f in self.filters):
-                    return
-                blob = self.updates.add(device_id, payload)
-                if blob is not None:
-                    self._forget_chunks(device_id, blob.header.round, blob.header.id)
-                    self.engine.on_update(device_id, blob)
-                else:
-                    self._keep_chunk(device_id, payload)
+                if all(f.accept_chunk(device_id, payload, props or {}) for f in self.filters):
+                    (self.ingest.on_chunk if self.ingest is not None else self._on_chunk)(device_id, payload)
             elif kind == "stats":
                 msg = parse_message(payload, Stats)
                 self._same_device(device_id, msg.device_id)
-                if not all(f.accept_stats(device_id, payload, msg, props or {}) for f in self.filters):
-                    return
-                self.engine.on_stats(device_id, msg)
+                if all(f.accept_stats(device_id, payload, msg, props or {}) for f in self.filters):
+                    (self.ingest.on_stats if self.ingest is not None else self.engine.on_stats)(device_id, msg)
             elif kind == "ack":
                 msg = parse_message(payload, Ack)
                 self._same_device(device_id, msg.device_id)
@@ -628,17 +641,15 @@ class Aggregator:
                                  kind, device_id, exc_info=True)
             self._refuse(device_id, kind, payload, f"{kind} rejected: internal error ({type(e).__name__})")
 
-    def _take_upload(self, device_id: str, kind: str, payload: bytes, props: dict[str, str]) -> None:
-        """A worker's handling of an update chunk or stats message (:class:`cloud.workers.Ingest`).
-        Raises MessageError, ChunkError or SignatureError for bad input."""
-        if kind == "update":
-            if all(f.accept_chunk(device_id, payload, props) for f in self.filters):
-                self.ingest.on_chunk(device_id, payload)
-        elif kind == "stats":
-            msg = parse_message(payload, Stats)
-            self._same_device(device_id, msg.device_id)
-            if all(f.accept_stats(device_id, payload, msg, props) for f in self.filters):
-                self.ingest.on_stats(device_id, msg)
+    def _on_chunk(self, device_id: str, payload: bytes) -> None:
+        """An update chunk (checks passed): reassembled; a complete update goes to the engine.
+        Raises ChunkError."""
+        blob = self.updates.add(device_id, payload)
+        if blob is not None:
+            self._forget_chunks(device_id, blob.header.round, blob.header.id)
+            self.engine.on_update(device_id, blob)
+        else:
+            self._keep_chunk(device_id, payload)
 
     # Chunks of an incomplete update are acknowledged to the broker, so they are kept in
     # the store until the update completes: a restarted aggregator reloads them.

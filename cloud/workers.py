@@ -58,6 +58,16 @@ log = logging.getLogger(__name__)
 
 REFRESH_S = 0.5
 """How often (seconds) a worker reads the open round from the store at most."""
+MIN_REFRESH_S = 0.1
+"""... and at least this long apart when a message names a later round (a flood of made-up
+round numbers costs at most 10 reads a second)."""
+WORKER_STALE_S = 30.0
+"""A worker that has not announced itself (:meth:`Ingest.announce`, every few seconds) for this
+long no longer counts as running; a coordinator starts no round without one that does."""
+ANNOUNCE_S = 5.0
+MAX_TRANSFERS = 4
+"""Uploads (transfer ids) of one device a round whose chunks the workers store at once; more
+are refused (a device cannot fill the store with chunks of uploads it never finishes)."""
 MAX_DECODED = 64
 """Decoded updates a worker keeps while their statistics are on the way."""
 FLUSH_BATCH = 32
@@ -109,19 +119,26 @@ class Ingest:
         yet committed."""
         self._pending_since = 0.0
         self._waiting: set[str] = set()
-        self._complete: set[str] = set()
-        """Chunk prefixes complete but not reassembled at the last sweep."""
-        """Devices whose update and stats were stored but not taken at the last sweep."""
+        """Devices whose stats were stored but whose update nobody took, at the last sweep."""
         self._sums: tuple[int, RoundSums] | None = None
+        self._announced = 0.0
         self.taken = 0
         """Updates this worker folded (or stored) since it started."""
 
     # ------------------------------------------------------------------ the open round
+    def announce(self) -> None:
+        """Tell the coordinator this worker takes uploads (``workers/{id}``: when it last
+        said so), at most every few seconds; call it once subscribed. Raises StoreError."""
+        now = time.time()
+        if now - self._announced >= ANNOUNCE_S:
+            self.store.put_json(f"workers/{self.worker_id}", {"seen": now, "taken": self.taken})
+            self._announced = now
+
     def refresh(self, force: bool = False) -> None:
         """Read the open round (and after a close, the new global state) from the store, at
         most every :data:`REFRESH_S` seconds unless ``force``. Raises StoreError."""
         now = time.monotonic()
-        if not force and now - self._refreshed < REFRESH_S:
+        if now - self._refreshed < (MIN_REFRESH_S if force else REFRESH_S):
             return
         self._refreshed = now
         last = int(self.store.get_json("last_round", 0))
@@ -165,6 +182,10 @@ class Ingest:
         prefix = f"chunks/{header.round}/{device_id}/{header.id}/"
         with self.store.transaction():
             self.store.lock(prefix)
+            held = {k.rsplit("/", 1)[0] + "/" for k in self.store.blob_keys(f"chunks/{header.round}/{device_id}/")}
+            if prefix not in held and len(held) >= MAX_TRANSFERS:
+                raise ChunkError(f"{len(held)} uploads of this device are already in progress in round "
+                                 f"{header.round}; at most {MAX_TRANSFERS}")
             self.store.put_blob(f"{prefix}{header.seq}", payload)
             complete = len(self.store.blob_keys(prefix)) >= header.n
         if complete:
@@ -208,6 +229,7 @@ class Ingest:
             tensors = self.engine.decode_update(device_id, rnd.selected[device_id], blob.data)
         except Exception as e:  # CodecError, or the strategy's sent state failing its layout check
             self.store.put_json(_key(n, "rejected", device_id), f"update rejected: {e}"[:2000])
+            self.store.delete_prefix(chunks)  # refused: nothing to sweep up later
             self.reject(device_id, n, f"update rejected: {e}", **refers)
             return
         if not sums_mode(self.engine):
@@ -406,6 +428,13 @@ class Coordinator:
 
     def __init__(self, store: Any):
         self.store = store
+
+    def live_workers(self) -> dict[str, dict[str, Any]]:
+        """worker id -> its last announcement, for the workers seen in the last
+        :data:`WORKER_STALE_S` seconds. Raises StoreError."""
+        now = time.time()
+        return {k.split("/", 1)[1]: v for k, v in self.store.json_items("workers/").items()
+                if isinstance(v, dict) and now - float(v.get("seen", 0)) < WORKER_STALE_S}
 
     def markers(self, n: int, known: Any = ()) -> dict[str, dict[str, Any]]:
         """device -> marker of every update taken in round ``n``, but those of the ``known``

@@ -19,7 +19,7 @@ from cloud.aggregation.usage_weighted import UsageWeighted
 from cloud.config import AggregatorConfig
 from fedmoe.broker import MosquittoBroker
 
-from conftest import _pg_available
+from conftest import PG_URL, _pg_available
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -94,19 +94,6 @@ def _exactly_once(s: dict, per_round: int) -> None:
 
 
 @fleet_env
-def test_two_workers_take_every_update_exactly_once(tmp_path):
-    pytest.importorskip("aiomqtt")
-    import fleet
-
-    s = fleet.run_setting(_args(), "mosquitto", 12, 8, tmp_path, workers=2)
-    _exactly_once(s, 8)
-    logs = [(tmp_path / f"worker-{i}.log").read_text() for i in range(2)]
-    assert all("taking uploads" in text and "running sums" in text for text in logs)
-    takers = [p["by_worker"] for p in s["rounds"]]  # who took each update (the round records say)
-    assert {w for t in takers for w in t} == {"w0", "w1"} and sum(sum(t.values()) for t in takers) == 16, takers
-
-
-@fleet_env
 def test_worker_sigkill_mid_round_then_restart_applies_each_update_once(tmp_path):
     """Worker w0 is SIGKILLed as soon as the first update of round 1 is taken (others are
     mid-upload, some chunks in w0's hands) and restarted 2 s later under its id."""
@@ -150,5 +137,63 @@ def test_coordinator_sigkill_mid_round_standby_takes_over_and_applies_each_updat
     s = fleet.run_setting(_args(), "mosquitto", 12, 8, tmp_path, workers=2, chaos=chaos, standby=True)
     assert state["killed"]
     _exactly_once(s, 8)
+    takers = [p["by_worker"] for p in s["rounds"]]  # who took each update (the round records say)
+    assert {w for t in takers for w in t} == {"w0", "w1"} and sum(sum(t.values()) for t in takers) == 16, takers
+    assert all("taking uploads" in (tmp_path / f"worker-{i}.log").read_text() for i in range(2))
     text = (tmp_path / "aggregator-standby-1.log").read_text()
     assert "leader of store" in text and "resum" in text
+
+
+@pytest.fixture
+def pg_store():
+    """A throw-away PostgreSQL schema's store URL."""
+    if not _pg_available():
+        pytest.skip("no PostgreSQL server at 127.0.0.1:5432")
+    import fleet
+
+    url = fleet.fresh_schema(PG_URL)
+    yield url
+    fleet.drop_schema(url)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("robust", ["none", "multi_krum"])
+def test_real_devices_and_a_rogue_through_two_workers(mosquitto_url, tmp_path, pg_store, robust):
+    """Real SDK devices (torch training) and a rogue device that sends a stale, a wrong-shape,
+    a NaN and an over-reaching update: the workers refuse each with its reason, the honest
+    update is taken once, and the round closes with a finite model. ``none``: the workers
+    fold running sums; ``multi_krum`` (the example config's rule, not a sum): they store the
+    update and the coordinator aggregates."""
+    import threading
+
+    from cloud.robust.config import DefenceConfig
+    from cloud.service import Aggregator
+    from tests.federation import Federation
+    from tests.test_bad_input import rogue
+
+    replies, assignments = [], []
+    fed = Federation(mosquitto_url, str(tmp_path), rounds=1, experts=(2,), min_devices=2, round_timeout_s=15,
+                     config_kw={"role": "coordinator", "store": pg_store,
+                                "defences": DefenceConfig(robust={"name": robust})})
+    workers = [Aggregator(fed.aggregator.cfg.model_copy(update={"role": "worker", "worker_id": f"w{i}"}),
+                          mosquitto_url, eval_data={"bbc": fed.test_items}) for i in range(2)]
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        assert all(w.ready.wait(30) for w in workers)
+        (rec,) = fed.run(extra=lambda f: rogue(f, replies, assignments))
+    finally:
+        for w in workers:
+            w.stop()
+        for t in threads:
+            t.join(30)
+    text = "\n".join(replies)
+    for expected in ("does not match the topic", "not valid JSON", "bad magic", "current round is", "shape",
+                     "NaN or Inf", "unexpected"):
+        assert expected in text, (expected, text)
+    assert rec["status"] == "ok" and set(rec["devices"]) == {"dev0"}, rec
+    assert rec["devices"]["dev0"]["worker"] in ("w0", "w1")
+    assert "evil" in rec["failures"]
+    assert all(torch.isfinite(v).all() for v in fed.aggregator.model.state.values())
+    assert sum(w.ingest.taken for w in workers) == 1  # the honest update, once
