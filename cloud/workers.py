@@ -7,27 +7,34 @@ chunks and statistics) off the broker with an MQTT 5 shared subscription
 wait) runs everything else: registration, rounds, assignment, the close. They meet in the
 store (PostgreSQL; :class:`cloud.store.Store`), under these keys of round ``n``:
 
-- ``chunks/{n}/{device}/{transfer}/{seq}``: the chunks of an update not yet complete (a
-  shared subscription spreads one update's chunks over the workers; whoever stores the
-  last one reassembles it, under the transfer's lock);
-- ``inflight/{n}/update/{device}`` and ``inflight/{n}/stats/{device}``: the validated
-  update (its bytes as sent) and statistics, as the single-process aggregator keeps them;
+- ``chunks/{n}/{device}/{transfer}/{seq}``: an update's chunks, until the update is taken
+  (a shared subscription spreads one update's chunks over the workers; whoever stores the
+  last one reassembles and decodes it, under the transfer's lock, and keeps it decoded);
+- ``inflight/{n}/stats/{device}``: the validated statistics; the worker holding the
+  decoded update takes it once they are there (:meth:`Ingest.poll`);
+- ``inflight/{n}/update/{device}``: the validated update as sent, only for a method that
+  does not aggregate by sums (the coordinator decodes it);
 - ``inflight/{n}/sums/{worker}``: the worker's running weighted sums
   (:class:`cloud.aggregation.base.RoundSums`) of the updates it folded in;
 - ``inflight/{n}/folded/{device}``: the marker that the device's update was taken: folded
-  into a worker's sums, rejected by screening, or (a method that does not decompose into
-  sums) stored for the coordinator, with its statistics and screening norms;
+  into a worker's sums, rejected by screening, or stored for the coordinator, with its
+  statistics and screening norms;
 - ``inflight/{n}/rejected/{device}``: why a message of the device was refused;
-- ``inflight/{n}/fence``: set by the coordinator when it closes the round.
+- ``inflight/{n}/fence``: set by the coordinator when it closes the round;
+- ``workers/{worker}``: when the worker last announced itself (the coordinator starts no
+  round without a live one: uploads sent before any worker subscribed would be lost).
 
-Exactly once: a worker folds a device's update, writes its sums and the device's marker in
-one transaction holding the device's lock (a transaction-level advisory lock) and the
-round's lock shared; the coordinator sets the fence holding the round's lock exclusively,
-so no fold is half done or starts after it, and then reads the markers and every worker's
-sums. A worker killed at any instant leaves its transaction undone; what it had not
+Exactly once: a worker commits the updates it took in groups (:meth:`Ingest.flush`): in
+one transaction holding each device's lock (a transaction-level advisory lock) and the
+round's lock shared, it adds those nobody else took to its sums, writes the sums and
+their markers and drops their chunks. The coordinator sets the fence holding the round's
+lock exclusively, so no commit is half done or starts after it, and then reads the
+markers and every worker's sums. A worker acknowledges a message to the broker only once
+it is stored; killed at any instant, it leaves its transaction undone; what it had not
 acknowledged the broker redelivers to its session when it comes back (a fixed
-``--worker-id``), and stored chunks and update/stats pairs left complete but unfolded are
-folded by :meth:`Ingest.sweep`. A repeat is recognised by the marker and ignored.
+``--worker-id``); an update whose statistics are stored but that nobody took for two
+sweeps is reassembled from its chunks by another worker (:meth:`Ingest.sweep`). A repeat
+is recognised by the marker and ignored.
 
 Screening runs on each update as it arrives, against the reference norms of the rounds
 before (:meth:`cloud.robust.defences.Defences.screen_update`); the coordinator updates the
