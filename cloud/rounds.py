@@ -797,8 +797,10 @@ class RoundEngine:
             tensors: dict[str, torch.Tensor] = {}
             if m.get("status") == "stored":
                 try:
-                    tensors = self.decode_update(d, rnd.selected[d],
-                                                 self.store.get_blob(f"inflight/{rnd.number}/update/{d}") or b"")
+                    data = self.store.get_blob(f"inflight/{rnd.number}/update/{d}") or b""
+                    if sha256_hex(data) != m["sha"]:  # replaced by a later, different upload
+                        raise CodecError("the stored update is not the one the worker took")
+                    tensors = self.decode_update(d, rnd.selected[d], data)
                 except Exception as e:  # a worker accepted it; it must not stop the coordinator now
                     rnd.rejected[d] = f"stored update does not decode: {type(e).__name__}: {e}"[:500]
                     continue
@@ -1042,6 +1044,8 @@ class RoundEngine:
             self.store.delete_prefix(f"inflight/{cur['number']}/")
             return
         rnd = self.round_from_json(cur)
+        if self.coordinator is not None:  # a coordinator that died after fencing it applied nothing
+            self.coordinator.unfence(rnd.number)
         prefix = f"inflight/{rnd.number}/"
         for d in rnd.selected:
             blob = self.store.get_blob(f"{prefix}tensors/{d}")

@@ -317,6 +317,8 @@ class Aggregator:
             self.metrics_port = self.metrics.serve(*parse_address(self.cfg.metrics))
         if self.dashboard is not None and self.dashboard_port is None:
             self.dashboard_port = self.dashboard.serve(*parse_address(self.cfg.dashboard))
+        if self.role == "coordinator":  # a session that ran as one process also took the uploads
+            self.transport.unsubscribe(self.topics.all_up())
         for up in self._uplink():
             if not self.transport.subscribe(up, timeout=30):
                 log.warning("no SUBACK for %s within 30 s; going on (paho resubscribes on reconnect)", up)
@@ -636,6 +638,8 @@ class Aggregator:
         except (MessageError, ChunkError, SignatureError) as e:
             self._refuse(device_id, kind, payload, f"{kind} rejected: {e}")
         except Exception as e:  # a bug must not take the service down; the message is dropped
+            if self.ingest is not None and isinstance(e, StoreError):
+                raise  # a worker stops unacknowledged: the broker gives the message to it again
             self.internal_errors += 1
             self._reject_log.log(f"internal error on {kind}", logging.ERROR, "internal error handling %s from %s",
                                  kind, device_id, exc_info=True)

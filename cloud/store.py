@@ -209,6 +209,15 @@ class Store:
             out.update({k: json.loads(v) for k, v in rows})
         return out
 
+    def clock(self) -> float:
+        """Unix seconds by the database's clock (PostgreSQL's ``now()``: the same for every
+        process sharing the store), or this host's for SQLite. Raises StoreError."""
+        if self.kind != "postgresql":
+            return time.time()
+        from sqlalchemy import text
+
+        return float(self._exec(text("SELECT extract(epoch FROM clock_timestamp())"))[0][0])
+
     def lock(self, name: str, shared: bool = False) -> None:
         """Take the lock ``name`` until the open :meth:`transaction` ends (call inside one):
         on PostgreSQL a transaction-level advisory lock (``shared``: many holders, none

@@ -77,10 +77,9 @@ MAX_TRANSFERS = 4
 are refused (a device cannot fill the store with chunks of uploads it never finishes)."""
 MAX_DECODED = 64
 """Decoded updates a worker keeps while their statistics are on the way."""
-FLUSH_BATCH = 32
-"""A worker commits its taken updates in groups of at most this many (one sums write each)."""
 FLUSH_S = 0.5
-"""... or after this many seconds (latency added to a report, at most)."""
+"""A worker commits the updates it took at least this often (one sums write per commit; the
+latency it adds to a report, at most)."""
 SWEEP_S = 5.0
 """How often (seconds) a worker folds what is complete in the store but not folded (a
 crashed worker's leftovers)."""
@@ -124,7 +123,6 @@ class Ingest:
         self._pending: dict[str, tuple[int, ClientResult | None, dict[str, Any], str | None]] = {}
         """device -> (round, screened result to fold or None, marker, its chunks' prefix): taken, not
         yet committed."""
-        self._pending_since = 0.0
         self._waiting: set[str] = set()
         """Devices whose stats were stored but whose update nobody took, at the last sweep."""
         self._sums: tuple[int, RoundSums] | None = None
@@ -136,9 +134,9 @@ class Ingest:
     def announce(self) -> None:
         """Tell the coordinator this worker takes uploads (``workers/{id}``: when it last
         said so), at most every few seconds; call it once subscribed. Raises StoreError."""
-        now = time.time()
+        now = time.monotonic()
         if now - self._announced >= ANNOUNCE_S:
-            self.store.put_json(f"workers/{self.worker_id}", {"seen": now, "taken": self.taken})
+            self.store.put_json(f"workers/{self.worker_id}", {"seen": self.store.clock(), "taken": self.taken})
             self._announced = now
 
     def refresh(self, force: bool = False) -> None:
@@ -164,9 +162,6 @@ class Ingest:
                 self.engine.registry.reload()  # devices that registered for this round
             self.engine.current = self.engine.round_from_json(cur)
             self._round_json = cur
-        if now - self._swept >= SWEEP_S and self.engine.current is not None:
-            self._swept = now
-            self.sweep()
 
     def _current(self, device_id: str, round_: int, what: str, upload_id: str | None = None):
         rnd = self.engine.current
@@ -182,19 +177,35 @@ class Ingest:
         Raises:
             ChunkError: a malformed chunk.
         """
-        header, _ = parse_chunk(payload, self.max_update_bytes)
+        header, data = parse_chunk(payload, self.max_update_bytes)
         rnd = self._current(device_id, header.round, "update", header.id)
         if rnd is None:
             return
         prefix = f"chunks/{header.round}/{device_id}/{header.id}/"
+        shape = {"kind": header.kind, "n": header.n, "size": header.size, "sha": header.sha}
+        overflow = False
         with self.store.transaction():
             self.store.lock(prefix)
-            held = {k.rsplit("/", 1)[0] + "/" for k in self.store.blob_keys(f"chunks/{header.round}/{device_id}/")}
-            if prefix not in held and len(held) >= MAX_TRANSFERS:
-                raise ChunkError(f"{len(held)} uploads of this device are already in progress in round "
-                                 f"{header.round}; at most {MAX_TRANSFERS}")
-            self.store.put_blob(f"{prefix}{header.seq}", payload)
-            complete = len(self.store.blob_keys(prefix)) >= header.n
+            keys = self.store.blob_keys(f"chunks/{header.round}/{device_id}/")
+            seqs = {k.rsplit("/", 1)[1] for k in keys if k.startswith(prefix)}
+            head = self.store.get_json(f"{prefix}head")
+            if head is None:
+                held = {k.rsplit("/", 1)[0] for k in keys}
+                if len(held) >= MAX_TRANSFERS:
+                    raise ChunkError(f"{len(held)} uploads of this device are already in progress in round "
+                                     f"{header.round}; at most {MAX_TRANSFERS}")
+                head = {**shape, "bytes": 0}
+            elif {k: head[k] for k in shape} != shape:
+                raise ChunkError(f"chunk {header.seq} of {header.id} disagrees with earlier chunks of the transfer")
+            overflow = str(header.seq) not in seqs and head["bytes"] + len(data) > header.size
+            if str(header.seq) not in seqs and not overflow:  # a repeat (a redelivery) stores nothing
+                self.store.put_blob(f"{prefix}{header.seq}", payload)
+                self.store.put_json(f"{prefix}head", {**head, "bytes": head["bytes"] + len(data)})
+                seqs.add(str(header.seq))
+            complete = len(seqs) >= header.n
+        if overflow:  # the transfer is dropped (outside the block: a raise inside would undo the drop)
+            self.store.delete_prefix(prefix)
+            raise ChunkError(f"transfer {header.id} sent more bytes than it declared ({header.size})")
         if complete:
             self._assemble(device_id, prefix)
 
@@ -287,7 +298,12 @@ class Ingest:
             return False
         stats = Stats.model_validate(raw)
         cached = self._decoded.get((n, device_id))
-        if cached is None or stats.update is None or cached[0] != stats.update.sha256:
+        if cached is not None and (stats.update is None or cached[0] != stats.update.sha256):
+            del self._decoded[(n, device_id)]  # the engine's rule: stats name the update they go with
+            self.reject(device_id, n, "stats reference an update other than the one received", kind="stats",
+                        upload_id=stats.update.transfer_id if stats.update else None)
+            return False
+        if cached is None:
             # decoded by another worker (it takes it) or replaced; stored whole only for the coordinator
             data = None if sums_mode(self.engine) else self.store.get_blob(_key(n, "update", device_id))
             if data is None:
@@ -317,11 +333,7 @@ class Ingest:
                     marker["clipped"] = screened.report["clipped"][device_id]
         else:
             marker["status"] = "stored"
-        if not self._pending:
-            self._pending_since = time.monotonic()
         self._pending[device_id] = (n, result, marker, chunks)
-        if len(self._pending) >= FLUSH_BATCH or time.monotonic() - self._pending_since >= FLUSH_S:
-            self.flush()
         return True
 
     def flush(self) -> int:
@@ -342,7 +354,7 @@ class Ingest:
         n = next(iter(pending.values()))[0]
         with self.store.transaction():
             self.store.lock(f"round/{n}", shared=True)
-            if self.store.get_json(_key(n, "fence")) is not None:
+            if self.store.get_json(_key(n, "fence")) is not None or int(self.store.get_json("last_round", 0)) >= n:
                 log.warning("round %d closed before %d updates taken here were committed; they are not applied",
                             n, len(pending))
                 self._pending.clear()
@@ -374,9 +386,14 @@ class Ingest:
         return len(taken)
 
     def poll(self) -> int:
-        """Take the updates decoded here whose statistics another worker stored, and commit
-        what waits (:meth:`flush`); the worker's loop calls it between batches of messages.
-        Returns how many were taken. Raises StoreError."""
+        """Take the updates decoded here whose statistics another worker stored, sweep up what
+        a stopped worker left (every :data:`SWEEP_S` s) and commit what waits (:meth:`flush`).
+        The worker's loop calls it between batches of messages, outside any transaction: a
+        commit must be the outermost one. Returns how many were taken. Raises StoreError."""
+        now = time.monotonic()
+        if now - self._swept >= SWEEP_S and self.engine.current is not None:
+            self._swept = now
+            self.sweep()
         rnd = self.engine.current
         if rnd is not None and any(k[0] == rnd.number for k in self._decoded):
             have = set(self.store.json_keys(_key(rnd.number, "stats")))
@@ -439,7 +456,7 @@ class Coordinator:
     def live_workers(self) -> dict[str, dict[str, Any]]:
         """worker id -> its last announcement, for the workers seen in the last
         :data:`WORKER_STALE_S` seconds. Raises StoreError."""
-        now = time.time()
+        now = self.store.clock()  # the database's clock: the hosts' clocks may differ
         return {k.split("/", 1)[1]: v for k, v in self.store.json_items("workers/").items()
                 if isinstance(v, dict) and now - float(v.get("seen", 0)) < WORKER_STALE_S}
 
@@ -476,6 +493,13 @@ class Coordinator:
             raise RuntimeError(f"round {n}: the workers' sums hold {total.devices} updates but {folded} are marked "
                                "folded")
         return markers, total
+
+    def unfence(self, n: int) -> None:
+        """Open round ``n`` to the workers again (a coordinator that resumes it: one that died
+        after fencing it applied nothing). Raises StoreError."""
+        with self.store.transaction():
+            self.store.lock(f"round/{n}")
+            self.store.delete(_key(n, "fence"))
 
     @staticmethod
     def screened(screen: Any, results: list[ClientResult], markers: dict[str, dict[str, Any]]) -> Screened:

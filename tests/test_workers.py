@@ -197,3 +197,44 @@ def test_real_devices_and_a_rogue_through_two_workers(mosquitto_url, tmp_path, p
     assert "evil" in rec["failures"]
     assert all(torch.isfinite(v).all() for v in fed.aggregator.model.state.values())
     assert sum(w.ingest.taken for w in workers) == 1  # the honest update, once
+
+
+def test_worker_bounds_what_a_device_can_store_in_chunks(pg_store):
+    """A (signing) device cannot grow the store without bound through a worker: a repeated
+    chunk stores nothing, a chunk that disagrees with its transfer's header or carries more
+    bytes than the transfer declared is refused, and a device has at most MAX_TRANSFERS
+    uploads in progress a round."""
+    import os
+    import struct
+    from types import SimpleNamespace
+
+    from cloud.store import Store
+    from cloud.workers import MAX_TRANSFERS, Ingest
+    from protocol.chunking import MAGIC, ChunkError, parse_chunk, sha256_hex, split_blob
+
+    store = Store(pg_store)
+    rnd = SimpleNamespace(number=1, selected={"d": {}})
+    engine = SimpleNamespace(store=store, current=rnd,
+                             check_current=lambda d, r, what, upload=None: rnd if r == 1 and d in rnd.selected else None)
+    ing = Ingest(engine, "w0", reject=lambda *a, **k: None, progress=lambda *a: None, max_update_bytes=2**20)
+    data = os.urandom(10_000)
+    chunks, _ = split_blob(data, 4096, "t1", "update", 1)
+    ing.on_chunk("d", chunks[0])
+    ing.on_chunk("d", chunks[0])  # a redelivery
+    assert store.blob_keys("chunks/1/d/") == ["chunks/1/d/t1/0"]
+    other, _ = split_blob(os.urandom(20_000), 4096, "t1", "update", 1)  # same upload id, another blob
+    with pytest.raises(ChunkError, match="disagrees"):
+        ing.on_chunk("d", other[1])
+    h, _ = parse_chunk(chunks[1], 2**20)
+    big = os.urandom(len(data))  # seq 1 claiming the whole declared size on top of seq 0
+    hb = h.model_copy(update={"csha": sha256_hex(big)}).model_dump_json().encode()
+    with pytest.raises(ChunkError, match="more bytes than it declared"):
+        ing.on_chunk("d", MAGIC + struct.pack(">I", len(hb)) + hb + big)
+    assert store.blob_keys("chunks/1/d/t1/") == []  # the transfer is dropped
+    for i in range(MAX_TRANSFERS):
+        ing.on_chunk("d", split_blob(data, 4096, f"u{i}", "update", 1)[0][0])
+    with pytest.raises(ChunkError, match=f"at most {MAX_TRANSFERS}"):
+        ing.on_chunk("d", split_blob(data, 4096, "u9", "update", 1)[0][0])
+    ing.on_chunk("x", chunks[0])  # not selected: refused by the round, nothing stored
+    assert store.blob_keys("chunks/1/x/") == []
+    store.close()
