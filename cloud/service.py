@@ -55,7 +55,7 @@ from .registry import Registry
 from .robust.defences import Defences
 from .rounds import RoundEngine, RoundSettings
 from .store import Store, StoreError, redact_url
-from .workers import FLUSH_S, REFRESH_S, WORKER_STALE_S, Coordinator, Ingest
+from .workers import FLUSH_S, REFRESH_S, WORKER_STALE_S, Coordinator, Ingest, sums_mode
 from .strategies import get_strategy
 from .strategy import Setup
 
@@ -374,18 +374,24 @@ class Aggregator:
                     self.transport.publish(self.topics.down(dev.device_id, "command"), encode(Command(command="stop")))
             return self.store.rounds()
         finally:
-            self._reject_log.flush(force=True)
-            finished = self.engine.completed >= self.cfg.rounds
-            if self.cfg.clear_retained_on_exit:
-                self._clear_retained()
-            self.transport.close(end_session=finished)
-            if self.metrics is not None:
-                self.metrics.stop()
-                self.metrics_port = None
-            if self.dashboard is not None:
-                self.dashboard.stop()
-                self.dashboard_port = None
-            self.store.close()
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """What :meth:`run` ends with, in any role: the log summary, retained shards cleared
+        (``clear_retained_on_exit``; only a process that published them: not a worker), the
+        broker session closed (ended once the federation is done), the operator endpoints
+        stopped, the store closed."""
+        self._reject_log.flush(force=True)
+        if self.cfg.clear_retained_on_exit and self.ingest is None:
+            self._clear_retained()
+        self.transport.close(end_session=self.engine.completed >= self.cfg.rounds)
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics_port = None
+        if self.dashboard is not None:
+            self.dashboard.stop()
+            self.dashboard_port = None
+        self.store.close()
 
     def _no_worker(self) -> str | None:
         """A coordinator's reason not to start a round: no aggregator worker has announced
@@ -417,7 +423,7 @@ class Aggregator:
     def _run_worker(self) -> list[dict[str, Any]]:
         """A worker's loop: take uploads until the federation's last round closed or :meth:`stop`."""
         log.info("worker %s taking uploads of federation %s (%s aggregation)", self.cfg.worker_id,
-                 self.cfg.federation, "running sums" if self.engine.strategy.decomposes else "stored for the coordinator")
+                 self.cfg.federation, "running sums" if sums_mode(self.engine) else "stored for the coordinator")
         try:
             while not self._stop.is_set() and self.engine.completed < self.cfg.rounds:
                 self.ingest.announce()
@@ -433,12 +439,7 @@ class Aggregator:
                 self._reject_log.flush()
             return []
         finally:
-            self._reject_log.flush(force=True)
-            self.transport.close(end_session=self.engine.completed >= self.cfg.rounds)
-            if self.metrics is not None:
-                self.metrics.stop()
-                self.metrics_port = None
-            self.store.close()
+            self._shutdown()
 
     def _resume(self) -> None:
         """Take in what the broker queued while we were down, re-send assignments, and
