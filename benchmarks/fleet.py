@@ -19,15 +19,18 @@ updates, no model). It measures:
   ``report`` event twice for a device and round, none missing, no reject);
 - aggregator and broker peak RSS, and their CPU seconds per accepted update.
 
-    python benchmarks/fleet.py            # one Mosquitto: 1,000 / 10,000 devices, 1,000 updates per round; 1/2/4 workers
-    python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round: Mosquitto, the cluster, 1-2 workers
+    python benchmarks/fleet.py            # Mosquitto: 1,000 / 10,000 devices, 1,000 updates per round, 1/2/4 workers;
+                                          # the NATS cluster: 300 devices, one process and 1/2 workers
+    python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round: Mosquitto (one process,
+                                          # 1-2 workers), then the cluster at 100 devices (one process, 2 workers)
     python benchmarks/fleet.py --sizes "" --cluster-sizes 100,300    # the NATS cluster only
 
 Writes ``results/fleet/fleet{,_quick}.{json,md,png}``. At the largest Mosquitto size it
 also runs a coordinator with 1, 2 and 4 ``--role worker`` processes (``--worker-counts``;
 PostgreSQL store, a fresh schema each, ``--pg``) and reports how the ingest rate grows with
-workers, measured in the same run (``scaling``). The NATS cluster speaks MQTT 3.1.1 only, so
-it has no shared subscriptions and runs one aggregator process.
+workers, measured in the same run (``scaling``); at the largest cluster size, a coordinator
+with ``--cluster-worker-counts`` workers. Each device sends its uploads to the worker its
+assignment names (``Assignment.uplink``), on the cluster's MQTT 3.1.1 as on Mosquitto.
 """
 
 from __future__ import annotations
@@ -305,7 +308,7 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, work
             mon.watch("store", postgres_pids)
         mon.watch("broker", broker_pids)
         nprocs = min(args.procs, n)
-        spec = {"federation": "fleet", "task": "bbc", "protocol": protocol, "nodes": nodes, "train_s": args.train_s,
+        spec = {"federation": "fleet", "task": "bbc", "protocol": protocol, "nodes": nodes, "train_s": args.train_s, "down_qos": getattr(args, "down_qos", 1),
                 "out": str(work), "connect_rate": args.connect_rate / nprocs,
                 "devices": [devices[i::nprocs] for i in range(nprocs)]}
         (work / "spec.json").write_text(json.dumps(spec))
@@ -499,7 +502,7 @@ def _worker_estimate(settings: list[dict], rate: float) -> dict:
     """The coordinator + workers part of :func:`estimate`: their CPU per update (all
     processes, the 1-worker setting), the cores that makes at ``rate`` updates/s, the
     coordinator's peak RSS and how many updates per second one worker took."""
-    one = [s for s in settings if s["workers"] == 1 and s["accepted"]]
+    one = [s for s in settings if s["broker"] == "mosquitto" and s["workers"] == 1 and s["accepted"]]
     if not one:
         return {}
     s = one[-1]
@@ -511,19 +514,22 @@ def _worker_estimate(settings: list[dict], rate: float) -> dict:
 
 
 def scaling(settings: list[dict]) -> list[dict]:
-    """Updates accepted per second with k workers over the same fleet with 1 worker (and over
-    one ``all``-role process where measured), from the settings of one run."""
-    by_w = {s["workers"]: s for s in settings if s["broker"] == "mosquitto" and s["workers"]}
-    one = by_w.get(1)
-    single = [s for s in settings if s["broker"] == "mosquitto" and not s["workers"]
-              and one is not None and s["devices"] == one["devices"]]
+    """Per broker, updates accepted per second with k workers over the same fleet with 1
+    worker (and over one ``all``-role process where measured), from the settings of one run."""
     out = []
-    for w, s in sorted(by_w.items()):
-        ratio = s["ingest_per_s"] / one["ingest_per_s"] if one and one["ingest_per_s"] and s["ingest_per_s"] else None
-        vs_single = s["ingest_per_s"] / single[0]["ingest_per_s"] if single and single[0]["ingest_per_s"] and \
-            s["ingest_per_s"] else None
-        out.append({"workers": w, "devices": s["devices"], "ingest_per_s": s["ingest_per_s"],
-                    "vs_one_worker": ratio, "vs_one_process": vs_single})
+    for broker in sorted({s["broker"] for s in settings}):
+        by_w = {s["workers"]: s for s in settings if s["broker"] == broker and s["workers"]}
+        if not by_w:
+            continue
+        n = next(iter(by_w.values()))["devices"]
+        one = by_w.get(1)
+        single = [s for s in settings if s["broker"] == broker and not s["workers"] and s["devices"] == n]
+        for w, s in sorted(by_w.items()):
+            rate = s["ingest_per_s"]
+            ratio = rate / one["ingest_per_s"] if one and one["ingest_per_s"] and rate else None
+            vs_single = rate / single[0]["ingest_per_s"] if single and single[0]["ingest_per_s"] and rate else None
+            out.append({"broker": broker, "workers": w, "devices": s["devices"], "ingest_per_s": rate,
+                        "vs_one_worker": ratio, "vs_one_process": vs_single})
     return out
 
 
@@ -534,7 +540,8 @@ def markdown(result: dict) -> str:
              f"MiB (fp32 LoRA state of {MODEL['num_experts']} experts x 2 MoE layers, signed, 256 KiB chunks); "
              f"{result['rounds']} rounds per setting; devices upload after a uniform 0-{result['train_s']} s wait. "
              "Workers 0: one `fedmoe aggregator` process (SQLite store); k >= 1: a coordinator and k "
-             "`--role worker` processes (PostgreSQL store, MQTT 5 shared subscription), all on these 2 cores "
+             "`--role worker` processes (PostgreSQL store; each device sends its uploads to the worker its assignment names), "
+             "all on these 2 cores "
              "with the broker and the device processes.", "",
              "| broker | workers | devices | connected | updates/round | rounds closed | accepted | not accepted | twice | "
              "rejects | rounds/h | updates/s ingesting | latency p50 / p99 (s) | aggregator peak RSS (MiB): all / "
@@ -554,9 +561,9 @@ def markdown(result: dict) -> str:
     sc = result.get("scaling") or []
     if sc:
         lines += ["", "Scaling with workers (same fleet, same run): updates accepted per second while ingesting.", "",
-                  "| workers | devices | updates/s | vs 1 worker | vs one process |", "|---|---|---|---|---|"]
+                  "| broker | workers | devices | updates/s | vs 1 worker | vs one process |", "|---|---|---|---|---|---|"]
         for x in sc:
-            lines.append(f"| {x['workers']} | {x['devices']} | {fmt(x['ingest_per_s'], '.1f')} | "
+            lines.append(f"| {x.get('broker', 'mosquitto')} | {x['workers']} | {x['devices']} | {fmt(x['ingest_per_s'], '.1f')} | "
                          f"{fmt(x['vs_one_worker'], '.2f')}x | {fmt(x['vs_one_process'], '.2f')}x |")
     lines += ["", "Per round:", "", "| broker | workers | devices | round | status | selected | uploaded | accepted | "
               "seconds | updates/s | p50 / p99 (s) | taken by |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -614,17 +621,19 @@ def plot(result: dict, path: Path) -> None:
     ws = sorted((s for s in result["settings"] if s["workers"]), key=lambda s: s["workers"])
     for s in ws:
         for ax, key in ((axes[0], "ingest_per_s"), (axes[1], "latency_p99_s")):
-            ax.scatter([s["devices"]], [s[key] or 0], marker="s", zorder=3, label=f"coordinator + {s['workers']} worker(s)")
+            ax.scatter([s["devices"]], [s[key] or 0], marker="s", zorder=3,
+                       label=f"{s['broker']}, coordinator + {s['workers']} worker(s)")
     axes[0].set(xlabel="devices connected", ylabel="updates accepted / s", title="ingest rate vs fleet size")
     axes[1].set(xlabel="devices connected", ylabel="s", title="p99 last chunk -> taken")
-    if ws:
-        axes[2].plot([s["workers"] for s in ws], [s["ingest_per_s"] or 0 for s in ws], marker="s",
-                     label=f"coordinator + workers, n={ws[0]['devices']}")
-        one = [s for s in result["settings"] if s["broker"] == "mosquitto" and not s["workers"]
-               and s["devices"] == ws[0]["devices"]]
+    for b in sorted({s["broker"] for s in ws}):
+        bs = [s for s in ws if s["broker"] == b]
+        line, = axes[2].plot([s["workers"] for s in bs], [s["ingest_per_s"] or 0 for s in bs], marker="s",
+                             label=f"{b}: coordinator + workers, n={bs[0]['devices']}")
+        one = [s for s in result["settings"] if s["broker"] == b and not s["workers"] and s["devices"] == bs[0]["devices"]]
         if one and one[0]["ingest_per_s"]:
-            axes[2].axhline(one[0]["ingest_per_s"], ls="--", color="gray", label="one process, same fleet")
-        axes[2].set_xticks([s["workers"] for s in ws])
+            axes[2].axhline(one[0]["ingest_per_s"], ls="--", color=line.get_color(), label=f"{b}: one process, same fleet")
+    if ws:
+        axes[2].set_xticks(sorted({s["workers"] for s in ws}))
     axes[2].set(xlabel="aggregator workers", ylabel="updates accepted / s", title="ingest rate vs workers (2 cores)")
     for i, a in enumerate(axes):
         if i < 2:
@@ -639,16 +648,19 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="300 devices, 100 updates per round, 2 rounds: Mosquitto, "
-                    "the NATS cluster, 1 and 2 workers (< 5 min)")
+    ap.add_argument("--quick", action="store_true", help="300 devices, 100 updates per round, 2 rounds: Mosquitto "
+                    "(one process, 1 and 2 workers), the NATS cluster at 100 devices (one process, 2 workers) (< 5 min)")
     ap.add_argument("--sizes", help="fleet sizes, one aggregator process (default 1000,10000; quick 300)")
-    ap.add_argument("--cluster-sizes", help="fleet sizes on the NATS cluster (default: 300 with --quick, else none: "
-                    "at 300 devices it already delivered only part of the assignments, README)")
+    ap.add_argument("--cluster-sizes", help="fleet sizes on the NATS cluster, one aggregator process (default 300; "
+                    "quick 100: at 300 it delivered only part of the assignments, README)")
     ap.add_argument("--worker-counts", help="aggregator workers to measure at the largest Mosquitto size, each with a "
                     "coordinator on PostgreSQL (default 1,2,4; quick 1,2)")
+    ap.add_argument("--cluster-worker-counts", help="aggregator workers to measure at the largest cluster size "
+                    "(default 1,2; quick 2)")
     ap.add_argument("--pg", default=PG_URL, help="PostgreSQL database of the worker settings (a fresh schema each)")
     ap.add_argument("--per-round", type=int, help="updates per round (default 1000; quick 100)")
     ap.add_argument("--rounds", type=int, help="rounds per setting (default 3; quick 2)")
+    ap.add_argument("--down-qos", type=int, choices=(0, 1), default=1, help="QoS of the devices' down/# subscription")
     ap.add_argument("--procs", type=int, default=4, help="device processes")
     ap.add_argument("--train-s", type=float, default=5.0, help="devices upload after a uniform wait of up to this")
     ap.add_argument("--connect-rate", type=float, default=400.0, help="device connects per second, all processes")
@@ -665,22 +677,24 @@ def main() -> int:
     sizes = [int(x) for x in (args.sizes if args.sizes is not None else
                               ("300" if args.quick else "1000,10000")).split(",") if x]
     csizes = [int(x) for x in (args.cluster_sizes if args.cluster_sizes is not None else
-                               ("300" if args.quick else "")).split(",") if x]
+                               ("100" if args.quick else "300")).split(",") if x]
     wcounts = [int(x) for x in (args.worker_counts if args.worker_counts is not None else
                                 ("1,2" if args.quick else "1,2,4")).split(",") if x]
+    cwcounts = [int(x) for x in (args.cluster_worker_counts if args.cluster_worker_counts is not None else
+                                 ("2" if args.quick else "1,2")).split(",") if x]
     per_round = args.per_round or (100 if args.quick else 1000)
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.round_timeout = args.round_timeout or (30.0 if args.quick else 900.0)
     args.timeout = args.timeout or (240.0 if args.quick else 3600.0)
     settings = []
     with heavy_lock(args.lock):
-        for kind, ns in (("mosquitto", sizes), ("nats-cluster", csizes)):
+        for kind, ns, counts in (("mosquitto", sizes, wcounts), ("nats-cluster", csizes, cwcounts)):
             for n in ns:
                 settings.append(run_setting(args, kind, n, min(per_round, n), Path(args.work) / f"{kind}-{n}"))
-        n = max(sizes, default=0)
-        for w in wcounts if n else []:  # the same fleet, one run: how ingest grows with workers
-            settings.append(run_setting(args, "mosquitto", n, min(per_round, n),
-                                        Path(args.work) / f"mosquitto-{n}-workers-{w}", workers=w))
+            n = max(ns, default=0)
+            for w in counts if n else []:  # the same fleet, one run: how ingest grows with workers
+                settings.append(run_setting(args, kind, n, min(per_round, n),
+                                            Path(args.work) / f"{kind}-{n}-workers-{w}", workers=w))
     result = {"profile": profile, "rounds": args.rounds, "train_s": args.train_s, "procs": args.procs,
               "machine": f"{os.cpu_count()} CPU cores", "model": MODEL, "settings": settings}
     result["estimate"] = estimate(settings)

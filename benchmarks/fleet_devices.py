@@ -101,7 +101,7 @@ class FleetDevice:
                 delay = min(delay * 2, 30.0)
 
     async def _serve(self, client: aiomqtt.Client) -> None:
-        await client.subscribe(self.topics.device_down(self.id), qos=1)
+        await client.subscribe(self.topics.device_down(self.id), qos=self.spec.get("down_qos", 1))
         await client.publish(self.topics.up(self.id, "status"), encode(Status(device_id=self.id, state="online")),
                              qos=1, retain=True)
         hello = Hello(device_id=self.id, sdk_version="fleet-0", protocol_minor=PROTOCOL_MINOR,
@@ -190,12 +190,12 @@ class FleetDevice:
                                        a.round)
             props = self.signer.properties("update", a.round, upload_id, sha)
             for p in payloads:
-                await self._publish(client, self.topics.up(self.id, "update"), p, props)
+                await self._publish(client, self.topics.up(self.id, "update", a.uplink), p, props)
             rec["last_chunk"] = time.time()
             rec["update_bytes"] = len(data)
             stats = self._stats(a, BlobRef(transfer_id=upload_id, bytes=len(data), sha256=sha, chunks=len(payloads)))
             body = encode(stats)
-            await self._publish(client, self.topics.up(self.id, "stats"), body,
+            await self._publish(client, self.topics.up(self.id, "stats", a.uplink), body,
                                 self.signer.stats_properties(a.round, upload_id, body))
             rec["stats_sent"] = time.time()
         except asyncio.CancelledError:

@@ -161,9 +161,6 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
         if not self.store.startswith(("postgresql://", "postgres://")):
             raise ValueError(f"role {self.role!r} needs a postgresql:// store that the coordinator and its workers "
                              f"share, not {self.store.split(':')[0]!r}")
-        if self.protocol == "3.1.1":
-            raise ValueError(f"role {self.role!r} needs MQTT 5 (shared subscriptions spread the uploads over the "
-                             "workers); protocol is 3.1.1")
         if self.role == "worker" and not self.worker_id:
             raise ValueError("role 'worker' needs a worker_id (--worker-id), unique among the workers and kept "
                              "across restarts")
@@ -187,8 +184,10 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     """``all`` (default): one process does everything. ``coordinator``: rounds, assignment,
     registration and the close, while ``worker`` processes take the devices' uploads and
     fold them into running sums in the store (:mod:`cloud.workers`); both need a
-    ``postgresql://`` store shared by all of them and an MQTT 5 broker with shared
-    subscriptions (Mosquitto 2)."""
+    ``postgresql://`` store shared by all of them. Each device's assignment names the
+    worker it sends its uploads to (``Assignment.uplink``, protocol minor 9), so any MQTT
+    broker serves (an MQTT 3.1.1 cluster too); on MQTT 5 the workers also share the
+    uploads of older devices with a shared subscription (Mosquitto 2)."""
     worker_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
     """A worker's name (``--role worker`` needs one): its broker session and its sums are
     keyed by it, so a worker restarted under the same id gets the uploads the broker kept

@@ -61,7 +61,7 @@ from protocol.experts import experts_by_device_from_json, experts_by_device_to_j
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
     MAX_OBJECTIVES, MIN_MINOR_FOR_COMPRESSION, MIN_MINOR_FOR_EVALUATION, MIN_MINOR_FOR_EXTENSIONS,
-    MIN_MINOR_FOR_SHARD_URL, MIN_MINOR_FOR_STATE_PRECISION, Ack, Assignment,
+    MIN_MINOR_FOR_SHARD_URL, MIN_MINOR_FOR_STATE_PRECISION, MIN_MINOR_FOR_UPLINK, Ack, Assignment,
     BlobRef, Command, ExtraName, Objective, Stats, TensorSpec, TrainConfig, encode,
 )
 from protocol.topics import Topics
@@ -284,6 +284,12 @@ class RoundEngine:
             elif self.model.format_for(dev.weight_formats) is None:
                 excluded[dev.device_id] = (f"loads only {dev.weight_formats} shards; the cloud serves "
                                            f"{self.model.formats}", {})
+            elif self.coordinator is not None and not self.coordinator.shared_subscriptions \
+                    and dev.protocol_minor < MIN_MINOR_FOR_UPLINK:
+                excluded[dev.device_id] = (f"protocol minor {dev.protocol_minor} cannot send to an aggregator "
+                                           f"worker's uplink partition (minor {MIN_MINOR_FOR_UPLINK}), and this "
+                                           "MQTT 3.1.1 broker has no shared subscriptions: update the device SDK",
+                                           {})
             else:
                 eligible.append(dev)
         eligible.sort(key=lambda d: d.device_id)
@@ -496,6 +502,8 @@ class RoundEngine:
             objectives=rnd.objectives.get(device_id, []),
             tensors={k: TensorSpec(shape=list(t.shape), dtype=_DTYPE_NAMES[t.dtype]) for k, t in tensors.items()},
             compressed_updates=True,
+            uplink=self.coordinator.uplink(device_id) if self.coordinator is not None
+            and dev.protocol_minor >= MIN_MINOR_FOR_UPLINK else None,
         )
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
 

@@ -43,7 +43,7 @@ from protocol.signing import SignatureError
 from protocol.messages import (
     MAX_CONTROL_BYTES, MAX_INT, Ack, Command, Hello, MessageError, Progress, Stats, Status, encode, parse_message,
 )
-from protocol.topics import UP_KINDS, Topics, check_id
+from protocol.topics import PARTITIONED_KINDS, UP_KINDS, Topics, check_id
 from protocol.transport import Transport, TlsConfig
 
 from .config import AggregatorConfig, FederationSettings, StrategyConfig, TaskConfig  # noqa: F401  (re-exported)
@@ -132,7 +132,7 @@ class Aggregator:
         worker = self.role == "worker"
         self.transport = Transport(
             broker, f"fedmoe-worker-{config.federation}-{config.worker_id}" if worker else
-            f"fedmoe-aggregator-{config.federation}", protocol="5" if worker else config.protocol,
+            f"fedmoe-aggregator-{config.federation}", protocol=config.protocol,
             username=config.username, password=config.password, tls=tls, max_payload=config.max_payload,
             clean_start=False if worker else "first_only" if fresh else False,
             session_expiry_s=config.session_expiry_s, manual_ack=True)
@@ -185,7 +185,7 @@ class Aggregator:
         before their payload was parsed: malformed topics (no reply), oversize payloads
         and, with signatures, devices that are not provisioned (no reply) and unsigned
         update/stats messages."""
-        self._max_topic = len(f"{self.topics.root}/dev/") + 64 + len("/up/") + max(map(len, UP_KINDS))
+        self._max_topic = len(f"{self.topics.root}/dev/") + 64 + len("/up/") + max(map(len, UP_KINDS)) + 65  # + "/{partition}"
         self._reject_log = LogLimiter(log, "rejections", per_key=3, total=20, interval_s=60.0)
         """Rejections are logged rate-limited: a flood of junk yields a few lines and a summary a minute."""
         self._replies = RateLimiter(rate=0.5, burst=10)
@@ -319,6 +319,7 @@ class Aggregator:
             self.dashboard_port = self.dashboard.serve(*parse_address(self.cfg.dashboard))
         if self.role == "coordinator":  # a session that ran as one process also took the uploads
             self.transport.unsubscribe(self.topics.all_up())
+            self.engine.coordinator.shared_subscriptions = self.transport.v5
         for up in self._uplink():
             if not self.transport.subscribe(up, timeout=30):
                 log.warning("no SUBACK for %s within 30 s; going on (paho resubscribes on reconnect)", up)
@@ -410,15 +411,16 @@ class Aggregator:
         return f"no aggregator worker announced itself within {WORKER_STALE_S:.0f} s"
 
     def _uplink(self) -> list[str]:
-        """The topic filters this process takes: every device uplink (``role: all``); the
-        uploads (update, stats) shared among the workers (``$share``); the rest for the
-        coordinator."""
+        """The topic filters this process takes: every device uplink (``role: all``); a
+        worker the uploads (update, stats) of its uplink partition (``Assignment.uplink``)
+        and, on an MQTT 5 broker, those of devices older than protocol minor 9, shared among
+        the workers (``$share``); the rest for the coordinator."""
         if self.role == "all":
             return [self.topics.all_up()]
-        shared = ("update", "stats")
-        kinds = shared if self.role == "worker" else [k for k in UP_KINDS if k not in shared]
-        filters = [f"{self.topics.root}/dev/+/up/{kind}" for kind in kinds]
-        return [f"$share/fedmoe-workers/{f}" for f in filters] if self.role == "worker" else filters
+        if self.role == "coordinator":
+            return [f"{self.topics.root}/dev/+/up/{kind}" for kind in UP_KINDS if kind not in PARTITIONED_KINDS]
+        shared = [f"$share/fedmoe-workers/{self.topics.root}/dev/+/up/{kind}" for kind in PARTITIONED_KINDS]
+        return self.topics.partition_filters(self.cfg.worker_id) + (shared if self.transport.v5 else [])
 
     def _run_worker(self) -> list[dict[str, Any]]:
         """A worker's loop: take uploads until the federation's last round closed or :meth:`stop`."""

@@ -1,15 +1,22 @@
 """Aggregator workers and the coordinator: how they share one round through the store.
 
 ``fedmoe aggregator --role worker`` processes (any number) take the devices' uploads (update
-chunks and statistics) off the broker with an MQTT 5 shared subscription
-(``$share/{group}/...``: the broker hands each message to one worker), and
-``fedmoe aggregator --role coordinator`` (one leader, by the store's leader lock; standbys
-wait) runs everything else: registration, rounds, assignment, the close. They meet in the
-store (PostgreSQL; :class:`cloud.store.Store`), under these keys of round ``n``:
+chunks and statistics) off the broker, and ``fedmoe aggregator --role coordinator`` (one
+leader, by the store's leader lock; standbys wait) runs everything else: registration,
+rounds, assignment, the close. The coordinator hands each device an uplink partition with
+its assignment (``Assignment.uplink``, protocol minor 9: a live worker's id, chosen by
+rendezvous hashing, :meth:`Coordinator.uplink`), and the device publishes that round's
+update and stats to ``dev/{id}/up/{update|stats}/{worker}``, which only that worker
+subscribes to. This needs nothing of the broker beyond MQTT 3.1.1 (a NATS cluster has no
+shared subscriptions) and keeps one upload's chunks on one worker. On an MQTT 5 broker the
+workers also share the plain topics of older devices with a shared subscription
+(``$share/fedmoe-workers/...``: the broker hands each message to one worker). They meet in
+the store (PostgreSQL; :class:`cloud.store.Store`), under these keys of round ``n``:
 
 - ``chunks/{n}/{device}/{transfer}/{seq}``: an update's chunks, until the update is taken
-  (a shared subscription spreads one update's chunks over the workers; whoever stores the
-  last one reassembles and decodes it, under the transfer's lock, and keeps it decoded);
+  (with a shared subscription one update's chunks are spread over the workers; whoever
+  stores the last one reassembles and decodes it, under the transfer's lock, and keeps it
+  decoded);
 - ``inflight/{n}/stats/{device}``: the validated statistics; the worker holding the
   decoded update takes it once they are there (:meth:`Ingest.poll`);
 - ``inflight/{n}/update/{device}``: the validated update as sent, only for a method that
@@ -22,7 +29,8 @@ store (PostgreSQL; :class:`cloud.store.Store`), under these keys of round ``n``:
 - ``inflight/{n}/rejected/{device}``: why a message of the device was refused;
 - ``inflight/{n}/fence``: set by the coordinator when it closes the round;
 - ``workers/{worker}``: when the worker last announced itself (the coordinator starts no
-  round without a live one: uploads sent before any worker subscribed would be lost).
+  round without a live one, since uploads sent before any worker subscribed would be lost,
+  and hands out only live workers' partitions).
 
 Exactly once: a worker commits the updates it took in groups (:meth:`Ingest.flush`): in
 one transaction holding each device's lock (a transaction-level advisory lock) and the
@@ -47,6 +55,7 @@ coordinator as in one process.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any, Callable
@@ -452,6 +461,11 @@ class Coordinator:
 
     def __init__(self, store: Any):
         self.store = store
+        self.shared_subscriptions = True
+        """Whether the broker has MQTT 5 shared subscriptions (the service sets it once
+        connected): without them only devices that follow ``Assignment.uplink`` (protocol
+        minor 9) can reach a worker."""
+        self._partitions: tuple[float, list[str]] = (-1e9, [])
 
     def live_workers(self) -> dict[str, dict[str, Any]]:
         """worker id -> its last announcement, for the workers seen in the last
@@ -459,6 +473,22 @@ class Coordinator:
         now = self.store.clock()  # the database's clock: the hosts' clocks may differ
         return {k.split("/", 1)[1]: v for k, v in self.store.json_items("workers/").items()
                 if isinstance(v, dict) and now - float(v.get("seen", 0)) < WORKER_STALE_S}
+
+    def uplink(self, device_id: str) -> str | None:
+        """The uplink partition (a live worker's id) for ``device_id``'s uploads
+        (``Assignment.uplink``), by rendezvous hashing: the live worker with the highest
+        ``blake2b(worker/device)``. A device keeps its worker while the set of live workers
+        stays the same, each worker gets about 1/k of the devices, and a worker that stopped
+        announcing itself gets none from the next assignment on (its devices move, the
+        others stay). None when no worker is live. The live set is read at most every
+        :data:`ANNOUNCE_S` seconds. Raises StoreError."""
+        read, workers = self._partitions
+        if time.monotonic() - read >= ANNOUNCE_S:
+            workers = sorted(self.live_workers())
+            self._partitions = (time.monotonic(), workers)
+        if not workers:
+            return None
+        return max(workers, key=lambda w: hashlib.blake2b(f"{w}/{device_id}".encode(), digest_size=8).digest())
 
     def markers(self, n: int, known: Any = ()) -> dict[str, dict[str, Any]]:
         """device -> marker of every update taken in round ``n``, but those of the ``known``

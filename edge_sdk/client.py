@@ -495,11 +495,11 @@ class EdgeClient:
         upload_id = uuid.uuid4().hex[:16]
         props = self._properties("update", a.round, upload_id, update)
         ref = self._publish("update", a.round, lambda: self.transport.publish_blob(
-            self.topics.up(self.device_id, "update"), update, "update", a.round, transfer_id=upload_id,
+            self.topics.up(self.device_id, "update", a.uplink), update, "update", a.round, transfer_id=upload_id,
             user_properties=props))
         peak, footprint = meter.peaks()
         self._recalibrate(a.round, footprint, plan.total)
-        topic = self.topics.up(self.device_id, "stats")
+        topic = self.topics.up(self.device_id, "stats", a.uplink)
         sent0, recv0 = self._mark
         down = self.transport.bytes_received - recv0
 

@@ -32,7 +32,7 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 8
+PROTOCOL_MINOR = 9
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
@@ -54,7 +54,10 @@ aggregator older than minor 7 refuses such a message as malformed, as it refused
 unsigned before); 8 added compressed tensor payloads (``protocol.codec``: a zlib stream
 after ``FMZ1zlib``), which the cloud sends as state only to devices of minor 8 or later and
 invites in updates by ``Assignment.compressed_updates``, and nf4 updates whose 1-D tensors
-of 64 or more values (router rows) are packed too (already decodable since minor 4). A peer ignores unknown fields and
+of 64 or more values (router rows) are packed too (already decodable since minor 4); 9 added
+``Assignment.uplink``, the partition (an aggregator worker) whose topics the device sends that
+round's update and stats to (``Topics.up(..., partition)``; workers on an MQTT 3.1.1 cluster
+have no shared subscriptions). A peer ignores unknown fields and
 unknown commands of a newer minor version, so the cloud sends objectives and extra
 tensors only to devices that announced minor 2 or later (an older device would silently
 train without them) and the evaluation term only to minor 3 or later."""
@@ -66,6 +69,8 @@ MIN_MINOR_FOR_SHARD_URL = 6
 """Lowest ``Hello.protocol_minor`` that fetches a shard from ``ShardManifest.url``."""
 MIN_MINOR_FOR_COMPRESSION = 8
 """Lowest ``Hello.protocol_minor`` that decodes compressed tensor payloads."""
+MIN_MINOR_FOR_UPLINK = 9
+"""Lowest ``Hello.protocol_minor`` that sends its update and stats to ``Assignment.uplink``."""
 MIN_MINOR_FOR_EVALUATION = 3
 """Lowest ``Hello.protocol_minor`` whose SDK has the ``evaluate_received`` term (a minor-2
 device would refuse the whole assignment over the unknown term)."""
@@ -493,6 +498,11 @@ class Assignment(_Message):
     compressed_updates: bool = False
     """(minor 8) The cloud decodes a compressed update payload (``protocol.codec``); a
     device configured to compress (``update_compression``) does so only where this is set."""
+    uplink: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
+    """(minor 9) The uplink partition: the device publishes this round's update chunks and
+    stats to ``dev/{id}/up/{update|stats}/{uplink}`` (:meth:`protocol.topics.Topics.up`)
+    instead of ``dev/{id}/up/{update|stats}``. Set by a coordinator whose aggregator workers
+    take the uploads (the partition is a worker's id); None: the plain topics."""
 
     @field_validator("experts", mode="before")
     @classmethod

@@ -3,6 +3,9 @@
 Layout under the root ``fl/v1/{federation}``:
 
 - ``dev/{device_id}/up/{kind}``: the device publishes (hello, stats, update, ack, status).
+- ``dev/{device_id}/up/{kind}/{partition}``: where a device publishes its update and stats
+  when its assignment names an uplink partition (protocol minor 9: the aggregator worker
+  that takes them, :mod:`cloud.workers`); still below the device's own ``up/`` subtree.
 - ``dev/{device_id}/down/{kind}``: the cloud publishes (assignment, state, command).
 - ``shards/{model_version}/{format}/{layer}/{expert}/{chunk}``: retained expert base
   shards in weight format ``format`` (fp32, bf16, int8, nf4; one level more than
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 
 ROOT = "fl/v1"
 UP_KINDS = ("hello", "stats", "update", "ack", "status")
+PARTITIONED_KINDS = ("update", "stats")
+"""The up kinds a device publishes to its assignment's uplink partition (minor 9)."""
 DOWN_KINDS = ("assignment", "state", "command")
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -51,12 +56,25 @@ class Topics:
         return f"{ROOT}/{self.federation}"
 
     # device-scoped
-    def up(self, device_id: str, kind: str) -> str:
-        """``{root}/dev/{device_id}/up/{kind}``. Raises ValueError for a kind not in ``UP_KINDS``
-        or an invalid device id."""
+    def up(self, device_id: str, kind: str, partition: str | None = None) -> str:
+        """``{root}/dev/{device_id}/up/{kind}``, or ``.../up/{kind}/{partition}`` for an update
+        or stats sent to an uplink partition (``Assignment.uplink``). Raises ValueError for a
+        kind not in ``UP_KINDS`` (``PARTITIONED_KINDS`` with a partition), an invalid device id
+        or partition."""
         if kind not in UP_KINDS:
             raise ValueError(f"unknown up kind {kind!r}")
-        return f"{self.root}/dev/{check_id(device_id, 'device id')}/up/{kind}"
+        topic = f"{self.root}/dev/{check_id(device_id, 'device id')}/up/{kind}"
+        if partition is None:
+            return topic
+        if kind not in PARTITIONED_KINDS:
+            raise ValueError(f"{kind} is not sent to an uplink partition")
+        return f"{topic}/{check_id(partition, 'uplink partition')}"
+
+    def partition_filters(self, partition: str) -> list[str]:
+        """The filters an aggregator worker subscribes to for its uplink partition:
+        ``{root}/dev/+/up/{kind}/{partition}`` for each of ``PARTITIONED_KINDS``."""
+        check_id(partition, "uplink partition")
+        return [f"{self.root}/dev/+/up/{kind}/{partition}" for kind in PARTITIONED_KINDS]
 
     def down(self, device_id: str, kind: str) -> str:
         """``{root}/dev/{device_id}/down/{kind}``. Raises ValueError for a kind not in ``DOWN_KINDS``
@@ -100,7 +118,8 @@ class Topics:
         return f"{self.root}/cloud/progress"
 
     def parse_device_topic(self, topic: str) -> tuple[str, str, str]:
-        """Split ``.../dev/{id}/{up|down}/{kind}`` into (device_id, direction, kind).
+        """Split ``.../dev/{id}/{up|down}/{kind}`` (or ``.../up/{kind}/{partition}`` for an
+        update or stats sent to an uplink partition) into (device_id, direction, kind).
 
         Raises:
             ValueError: the topic is not a device topic of this federation.
@@ -109,6 +128,8 @@ class Topics:
         if not topic.startswith(prefix):
             raise ValueError(f"not a device topic of {self.federation}: {topic!r}")
         parts = topic[len(prefix):].split("/")
+        if len(parts) == 4 and parts[1] == "up" and parts[2] in PARTITIONED_KINDS:
+            check_id(parts.pop(), "uplink partition")
         if len(parts) != 3 or parts[1] not in ("up", "down"):
             raise ValueError(f"malformed device topic {topic!r}")
         device_id, direction, kind = parts

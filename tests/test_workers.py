@@ -93,14 +93,64 @@ def _exactly_once(s: dict, per_round: int) -> None:
     assert s["not_accepted"] == 0 and s["reported_twice"] == 0 and s["rejects"] == 0, s
 
 
+def test_uplink_partition_topics_round_trip():
+    from protocol.topics import Topics
+
+    t = Topics("f")
+    topic = t.up("d1", "update", "w0")
+    assert topic == "fl/v1/f/dev/d1/up/update/w0" and t.parse_device_topic(topic) == ("d1", "up", "update")
+    assert t.parse_device_topic(t.up("d1", "stats", "w0")) == ("d1", "up", "stats")
+    assert t.partition_filters("w0") == ["fl/v1/f/dev/+/up/update/w0", "fl/v1/f/dev/+/up/stats/w0"]
+    for bad in ("fl/v1/f/dev/d1/up/hello/w0", "fl/v1/f/dev/d1/down/state/w0", "fl/v1/f/dev/d1/up/update/w+"):
+        with pytest.raises(ValueError):
+            t.parse_device_topic(bad)
+    with pytest.raises(ValueError, match="partition"):
+        t.up("d1", "ack", "w0")
+
+
+def test_uplinks_spread_devices_over_live_workers_and_leave_a_dead_one(tmp_path, monkeypatch):
+    """Rendezvous hashing: each live worker gets a share of the devices, a device keeps its
+    worker while the set stays, and a worker that stopped announcing itself gets no device
+    (only its own devices move)."""
+    import cloud.workers as workers
+    from cloud.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    for w in ("w0", "w1", "w2"):
+        store.put_json(f"workers/{w}", {"seen": store.clock(), "taken": 0})
+    coord = workers.Coordinator(store)
+    devices = [f"d{i:04d}" for i in range(600)]
+    first = {d: coord.uplink(d) for d in devices}
+    counts = {w: list(first.values()).count(w) for w in ("w0", "w1", "w2")}
+    assert all(150 <= c <= 250 for c in counts.values()), counts
+    assert {d: coord.uplink(d) for d in devices} == first
+    store.put_json("workers/w2", {"seen": store.clock() - 2 * workers.WORKER_STALE_S, "taken": 0})
+    monkeypatch.setattr(workers, "ANNOUNCE_S", 0.0)  # read the live set again now
+    after = {d: coord.uplink(d) for d in devices}
+    assert "w2" not in after.values()
+    assert all(after[d] == w for d, w in first.items() if w != "w2")
+    store.put_json("workers/w0", {"seen": 0.0})
+    store.put_json("workers/w1", {"seen": 0.0})
+    assert coord.uplink("d0000") is None
+    store.close()
+
+
 @fleet_env
-def test_worker_sigkill_mid_round_then_restart_applies_each_update_once(tmp_path):
+@pytest.mark.parametrize("broker", ["mosquitto", "nats-cluster"])
+def test_worker_sigkill_mid_round_then_restart_applies_each_update_once(tmp_path, broker):
     """Worker w0 is SIGKILLed as soon as the first update of round 1 is taken (others are
-    mid-upload, some chunks in w0's hands) and restarted 2 s later under its id."""
+    mid-upload, some chunks in w0's hands) and restarted 2 s later under its id. On Mosquitto
+    (MQTT 5) and on the 3-node NATS cluster (MQTT 3.1.1: no shared subscriptions; each device
+    sends to the worker its assignment names, and w0's session keeps its share)."""
     pytest.importorskip("aiomqtt")
     import time
 
+    import shutil
+
     import fleet
+
+    if broker == "nats-cluster" and not (shutil.which("nats-server") or shutil.which("/usr/sbin/nats-server")):
+        pytest.skip("no nats-server binary (Debian package nats-server)")
 
     state = {"killed": None, "restarted": False}
 
@@ -114,9 +164,10 @@ def test_worker_sigkill_mid_round_then_restart_applies_each_update_once(tmp_path
             pool.start(0)
             state["restarted"] = True
 
-    s = fleet.run_setting(_args(), "mosquitto", 12, 8, tmp_path, workers=2, chaos=chaos)
+    s = fleet.run_setting(_args(), broker, 12, 8, tmp_path, workers=2, chaos=chaos)
     assert state["restarted"]
     _exactly_once(s, 8)
+    assert {w for p in s["rounds"] for w in p["by_worker"]} == {"w0", "w1"}, s["rounds"]
 
 
 @fleet_env
