@@ -20,9 +20,10 @@ updates, no model). It measures:
 - aggregator and broker peak RSS, and their CPU seconds per accepted update.
 
     python benchmarks/fleet.py            # Mosquitto: 1,000 / 10,000 devices, 1,000 updates per round, 1/2/4 workers;
-                                          # the NATS cluster: 300 devices, one process and 1/2 workers
+                                          # the NATS cluster: 300 / 1,000 devices, 1/2 workers at 1,000, and 300
+                                          # devices with a QoS 1 downlink (as before protocol 1.9)
     python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round: Mosquitto (one process,
-                                          # 1-2 workers), then the cluster at 100 devices (one process, 2 workers)
+                                          # 1-2 workers), the cluster (one process, 1-2 workers)
     python benchmarks/fleet.py --sizes "" --cluster-sizes 100,300    # the NATS cluster only
 
 Writes ``results/fleet/fleet{,_quick}.{json,md,png}``. At the largest Mosquitto size it
@@ -269,7 +270,7 @@ def drop_schema(store: str) -> None:
 
 
 def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, workers: int = 0,
-                chaos=None, standby: bool = False) -> dict:
+                chaos=None, standby: bool = False, down_qos: str | None = None) -> dict:
     """One fleet run; returns its measurements (module docstring).
 
     Args:
@@ -277,6 +278,8 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, work
             and k workers on a fresh PostgreSQL schema (``args.pg``).
         chaos: called about every second as ``chaos(monitor, workers, coordinators)`` (fault tests).
         standby: start a second coordinator with ``--standby`` (it takes over when the first dies).
+        down_qos: "0", "1" or "auto" (the default: ``args.down_qos``): the QoS of the devices'
+            ``down/#`` subscription; auto is 0 on the cluster (as the SDK does there), 1 on Mosquitto.
     """
     work.mkdir(parents=True, exist_ok=True)
     for f in work.glob("*"):
@@ -288,6 +291,8 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, work
     procs, agg, logs, pool = [], None, [], None
     store = fresh_schema(getattr(args, "pg", PG_URL)) if workers else f"sqlite:///{work / 'aggregator.db'}"
     mon = Monitor(nodes[0][0], nodes[0][1], "fleet")
+    down_qos = {"auto": 1 if broker_kind == "mosquitto" else 0, "0": 0, "1": 1}[
+        down_qos or getattr(args, "down_qos", "auto")]
     try:
         cfg = aggregator_config(work, args, n, per_round, protocol, keys, store)
         coords = []
@@ -308,7 +313,8 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, work
             mon.watch("store", postgres_pids)
         mon.watch("broker", broker_pids)
         nprocs = min(args.procs, n)
-        spec = {"federation": "fleet", "task": "bbc", "protocol": protocol, "nodes": nodes, "train_s": args.train_s, "down_qos": getattr(args, "down_qos", 1),
+        spec = {"federation": "fleet", "task": "bbc", "protocol": protocol, "nodes": nodes, "train_s": args.train_s,
+                "down_qos": down_qos,
                 "out": str(work), "connect_rate": args.connect_rate / nprocs,
                 "devices": [devices[i::nprocs] for i in range(nprocs)]}
         (work / "spec.json").write_text(json.dumps(spec))
@@ -367,7 +373,9 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, work
         if f.exists():
             records.update(json.loads(f.read_text()))
     try:
-        return summarise(broker_kind, n, per_round, records, mon, work, timed_out, time.time() - t0, store, workers)
+        out = summarise(broker_kind, n, per_round, records, mon, work, timed_out, time.time() - t0, store, workers)
+        out["down_qos"] = down_qos
+        return out
     finally:
         if workers:
             drop_schema(store)
@@ -433,6 +441,7 @@ def summarise(broker_kind: str, n: int, per_round: int, records: dict, mon: Moni
         "rounds_closed": len(rounds), "timed_out": timed_out, "wall_s": wall,
         "accepted": accepted_total, "not_accepted": lost, "reported_twice": twice,
         "rejects": sum(x["rejects"] for x in records.values()),
+        "resent_assignments_taken": sum(x["rounds"][r].get("resent", 0) for x in records.values() for r in x["rounds"]),
         "reject_reasons": sorted({r for x in records.values() for r in x["reject_reasons"]})[:5],
         "device_errors": sorted({x["rounds"][r]["error"] for x in records.values() for r in x["rounds"]
                                  if "error" in x["rounds"][r]})[:5],
@@ -543,14 +552,16 @@ def markdown(result: dict) -> str:
              "`--role worker` processes (PostgreSQL store; each device sends its uploads to the worker its assignment names), "
              "all on these 2 cores "
              "with the broker and the device processes.", "",
-             "| broker | workers | devices | connected | updates/round | rounds closed | accepted | not accepted | twice | "
-             "rejects | rounds/h | updates/s ingesting | latency p50 / p99 (s) | aggregator peak RSS (MiB): all / "
+             "| broker | down QoS | workers | devices | connected | updates/round | rounds closed | accepted | not accepted | "
+             "twice | rejects | re-sent assignments taken | rounds/h | updates/s ingesting | latency p50 / p99 (s) | aggregator peak RSS (MiB): all / "
              "coordinator | broker peak RSS (MiB) | CPU ms/update: aggregator / broker / PostgreSQL |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["settings"]:
         lines.append(
-            f"| {s['broker']} | {s['workers']} | {s['devices']} | {s['connected']} | {s['updates_per_round']} | {s['rounds_closed']} | "
+            f"| {s['broker']} | {s.get('down_qos', 1)} | {s['workers']} | {s['devices']} | {s['connected']} | "
+            f"{s['updates_per_round']} | {s['rounds_closed']} | "
             f"{s['accepted']} | {s['not_accepted']} | {s['reported_twice']} | {s['rejects']} | "
+            f"{s.get('resent_assignments_taken', '-')} | "
             f"{fmt(s['rounds_per_hour'], '.0f')} | {fmt(s['ingest_per_s'], '.1f')} | "
             f"{fmt(s['latency_p50_s'], '.2f')} / {fmt(s['latency_p99_s'], '.2f')} | "
             f"{s['aggregator_peak_rss_bytes'] / MIB:.0f} / {s.get('coordinator_peak_rss_bytes', 0) / MIB:.0f} | "
@@ -649,18 +660,19 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="300 devices, 100 updates per round, 2 rounds: Mosquitto "
-                    "(one process, 1 and 2 workers), the NATS cluster at 100 devices (one process, 2 workers) (< 5 min)")
+                    "(one process, 1 and 2 workers), the NATS cluster (one process, 1 and 2 workers) (< 5 min)")
     ap.add_argument("--sizes", help="fleet sizes, one aggregator process (default 1000,10000; quick 300)")
-    ap.add_argument("--cluster-sizes", help="fleet sizes on the NATS cluster, one aggregator process (default 300; "
-                    "quick 100: at 300 it delivered only part of the assignments, README)")
+    ap.add_argument("--cluster-sizes", help="fleet sizes on the NATS cluster, one aggregator process (default "
+                    "300,1000; quick 300); the full profile also runs the smallest with the devices' downlink at QoS 1")
     ap.add_argument("--worker-counts", help="aggregator workers to measure at the largest Mosquitto size, each with a "
                     "coordinator on PostgreSQL (default 1,2,4; quick 1,2)")
     ap.add_argument("--cluster-worker-counts", help="aggregator workers to measure at the largest cluster size "
-                    "(default 1,2; quick 2)")
+                    "(default 1,2)")
     ap.add_argument("--pg", default=PG_URL, help="PostgreSQL database of the worker settings (a fresh schema each)")
     ap.add_argument("--per-round", type=int, help="updates per round (default 1000; quick 100)")
     ap.add_argument("--rounds", type=int, help="rounds per setting (default 3; quick 2)")
-    ap.add_argument("--down-qos", type=int, choices=(0, 1), default=1, help="QoS of the devices' down/# subscription")
+    ap.add_argument("--down-qos", choices=("auto", "0", "1"), default="auto", help="QoS of the devices' down/# "
+                    "subscription (auto: 0 on the cluster, as the SDK does, 1 on Mosquitto)")
     ap.add_argument("--procs", type=int, default=4, help="device processes")
     ap.add_argument("--train-s", type=float, default=5.0, help="devices upload after a uniform wait of up to this")
     ap.add_argument("--connect-rate", type=float, default=400.0, help="device connects per second, all processes")
@@ -677,11 +689,11 @@ def main() -> int:
     sizes = [int(x) for x in (args.sizes if args.sizes is not None else
                               ("300" if args.quick else "1000,10000")).split(",") if x]
     csizes = [int(x) for x in (args.cluster_sizes if args.cluster_sizes is not None else
-                               ("100" if args.quick else "300")).split(",") if x]
+                               ("300" if args.quick else "300,1000")).split(",") if x]
     wcounts = [int(x) for x in (args.worker_counts if args.worker_counts is not None else
                                 ("1,2" if args.quick else "1,2,4")).split(",") if x]
     cwcounts = [int(x) for x in (args.cluster_worker_counts if args.cluster_worker_counts is not None else
-                                 ("2" if args.quick else "1,2")).split(",") if x]
+                                 "1,2").split(",") if x]
     per_round = args.per_round or (100 if args.quick else 1000)
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.round_timeout = args.round_timeout or (30.0 if args.quick else 900.0)
@@ -695,6 +707,10 @@ def main() -> int:
             for w in counts if n else []:  # the same fleet, one run: how ingest grows with workers
                 settings.append(run_setting(args, kind, n, min(per_round, n),
                                             Path(args.work) / f"{kind}-{n}-workers-{w}", workers=w))
+        if csizes and not args.quick and args.down_qos == "auto":  # the cluster as it was: a QoS 1 downlink
+            n = min(csizes)
+            settings.append(run_setting(args, "nats-cluster", n, min(per_round, n),
+                                        Path(args.work) / f"nats-cluster-{n}-qos1", down_qos="1"))
     result = {"profile": profile, "rounds": args.rounds, "train_s": args.train_s, "procs": args.procs,
               "machine": f"{os.cpu_count()} CPU cores", "model": MODEL, "settings": settings}
     result["estimate"] = estimate(settings)

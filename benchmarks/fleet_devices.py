@@ -139,13 +139,17 @@ class FleetDevice:
             except MessageError as e:
                 log.debug("%s: bad assignment: %s", self.id, e)
                 return
-            if (a.round, a.attempt) <= self.served:
+            if (a.round, a.attempt) < self.served:
+                return
+            if (a.round, a.attempt) == self.served:  # re-sent: take its state if the first is still missing
+                if self.waiting is not None and (self.waiting.round, self.waiting.attempt) == self.served:
+                    self.waiting = a
+                    self.record["rounds"][str(a.round)]["resent"] = \
+                        self.record["rounds"][str(a.round)].get("resent", 0) + 1
                 return
             self.served = (a.round, a.attempt)
             self.waiting = a
             self.record["rounds"][str(a.round)] = {"assigned": time.time()}
-            ack = Ack(device_id=self.id, round=a.round, accepted=True, attempt=a.attempt)
-            self._spawn(tasks, client.publish(self.topics.up(self.id, "ack"), encode(ack), qos=1))
         elif kind == "command":
             try:
                 c = parse_message(payload, Command)
@@ -157,7 +161,9 @@ class FleetDevice:
                     self.record["reject_reasons"].append(c.reason)
         a = self.waiting
         if a is not None and a.state.transfer_id in self.states:
-            self.waiting = None
+            self.waiting = None  # acknowledged once the state is here, as the SDK does (PROTOCOL.md §4.2)
+            ack = Ack(device_id=self.id, round=a.round, accepted=True, attempt=a.attempt)
+            self._spawn(tasks, client.publish(self.topics.up(self.id, "ack"), encode(ack), qos=1))
             self._spawn(tasks, self._train_and_upload(client, a, self.states.pop(a.state.transfer_id)))
             self.states.clear()
 

@@ -123,6 +123,9 @@ class RoundSettings:
     shard_url: str | None = None
     """Base URL of the shard files (``AggregatorConfig.shard_url``): manifests for devices
     of minor 6 or later name their files there."""
+    assignment_resend_s: float = 0.0
+    """Re-send an assignment that was not acknowledged this many seconds after it was sent
+    (:meth:`RoundEngine.resend_unacked`; 0: never)."""
 
 
 @dataclass
@@ -148,6 +151,10 @@ class _Round:
     """Online devices the round could not use, and why (each was told)."""
     takers: dict[str, str] = field(default_factory=dict)
     """device -> the aggregator worker that took its update (``role: coordinator``)."""
+    sent: dict[str, float] = field(default_factory=dict)
+    """device -> when (Unix seconds) its assignment was last sent."""
+    resends: dict[str, int] = field(default_factory=dict)
+    """device -> how often its assignment was re-sent unacknowledged."""
 
     def reported(self, device_id: str) -> bool:
         up, st = self.updates.get(device_id), self.stats.get(device_id)
@@ -506,6 +513,7 @@ class RoundEngine:
             and dev.protocol_minor >= MIN_MINOR_FOR_UPLINK else None,
         )
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
+        rnd.sent[device_id] = time.time()
 
     # ------------------------------------------------------------------ incoming
     def check_current(self, device_id: str, round_: int, what: str, upload_id: str | None = None) -> _Round | None:
@@ -1109,6 +1117,30 @@ class RoundEngine:
                       excluded=cur.get("excluded", {}),
                       objectives={d: [Objective.model_validate(o) for o in x]
                                   for d, x in cur.get("objectives", {}).items()})
+
+    MAX_RESENDS = 3
+
+    def resend_unacked(self, now: float | None = None) -> int:
+        """Send the open round's assignment again (same round and attempt, a new state
+        transfer) to each selected device that has not acknowledged it nor finished
+        ``assignment_resend_s`` after it was last sent, at most :attr:`MAX_RESENDS` times a
+        round. On a cluster devices take their downlink at QoS 0 (``EdgeClient.downlink_qos``),
+        so an assignment or its state can be lost while a device moves between nodes; a
+        device acknowledges only once it has the state (PROTOCOL.md §4.2). ``now``: Unix
+        seconds (default: the clock). Returns how many were sent."""
+        every, rnd = self.settings.assignment_resend_s, self.current
+        if not every or rnd is None:
+            return 0
+        now = time.time() if now is None else now
+        due = [d for d in rnd.selected if d not in rnd.acks and not rnd.finished(d)
+               and rnd.resends.get(d, 0) < self.MAX_RESENDS and now - rnd.sent.get(d, now) >= every
+               and self.registry.get(d) is not None]
+        for d in due:
+            rnd.resends[d] = rnd.resends.get(d, 0) + 1
+            self._send_assignment(rnd, d, rnd.selected[d])
+        if due:
+            log.info("round %d: re-sent %d unacknowledged assignments", rnd.number, len(due))
+        return len(due)
 
     def resend_assignments(self) -> int:
         """Send the open round's assignment again to every selected device that has not

@@ -46,7 +46,7 @@ from protocol.messages import (
 from protocol.topics import PARTITIONED_KINDS, UP_KINDS, Topics, check_id
 from protocol.transport import Transport, TlsConfig
 
-from .config import AggregatorConfig, FederationSettings, StrategyConfig, TaskConfig  # noqa: F401  (re-exported)
+from .config import CLUSTER_RESEND_S, AggregatorConfig, FederationSettings, StrategyConfig, TaskConfig  # noqa: F401  (re-exported)
 from .filters import InboundFilter, Verification
 from .dashboard import Dashboard
 from .global_model import GlobalModel
@@ -144,7 +144,9 @@ class Aggregator:
                                  config.max_update_bytes, config.eval_batch_size, config.seed,
                                  max_samples_per_device=config.max_samples_per_device,
                                  state_precision=config.state_precision, shard_url=config.shard_url,
-                                 state_compression=config.state_compression)
+                                 state_compression=config.state_compression,
+                                 assignment_resend_s=config.assignment_resend_s if config.assignment_resend_s
+                                 is not None else CLUSTER_RESEND_S if "," in broker else 0.0)
         self.engine = RoundEngine(self.model, self.registry, self.store, strategy, self, self.topics, settings,
                                   self.eval_data, self._reject, self._progress, defences=Defences(config.defences))
         self.engine.ensure_shards = self._ensure_shards
@@ -361,6 +363,7 @@ class Aggregator:
                 idle_since = None
                 while not self._stop.is_set() and not self.engine.should_close():
                     self._pump(0.2)
+                    self.engine.resend_unacked()
                 if self.engine.current is not None and not self._stop.is_set():
                     record = self.engine.close_round()
                     if self.metrics is not None:

@@ -113,6 +113,11 @@ class _Held:
     model: SubMoE
 
 
+MAX_HELD_STATES = 4
+"""Adapter-state blobs a device keeps before their assignment uses them (the oldest goes first:
+the state of a re-sent assignment that arrived after the first one was taken)."""
+
+
 @dataclass
 class _Inbox:
     controls: list[Any] = field(default_factory=list)
@@ -218,8 +223,15 @@ class EdgeClient:
                                 B.parse_bytes(cache_max) if cache_max else None)
         status_offline = encode(Status(device_id=device_id, state="offline"))
         kw = {"max_payload": max_payload} if max_payload else {}
-        if "," in broker:  # a cluster: keep the session (the down/# subscription and what is queued for it)
-            kw.update(clean_start="first_only", session_expiry_s=3600)  # when moving to another node
+        self.downlink_qos = 1
+        """QoS of the ``down/#`` subscription: 1 on one broker; 0 on a cluster (a broker URL
+        naming several nodes), where a QoS 1 subscription costs a replicated JetStream
+        consumer per device (the fleet benchmark measured NATS losing most assignments at
+        300 devices that way); the cloud re-sends an assignment that was not acknowledged
+        (``assignment_resend_s``) and the device takes a re-sent state (PROTOCOL.md §4.2)."""
+        if "," in broker:  # a cluster: keep the session (the down/# subscription) when moving to another node
+            kw.update(clean_start="first_only", session_expiry_s=3600)
+            self.downlink_qos = 0
         self.transport = Transport(
             broker, f"dev-{device_id}", protocol=protocol, username=username or device_id, password=password,
             tls=tls, will=(self.topics.up(device_id, "status"), status_offline), **kw,
@@ -302,7 +314,7 @@ class EdgeClient:
             protocol.transport.TransportError: the broker cannot be reached.
         """
         self.transport.connect()
-        self.transport.subscribe(self.topics.device_down(self.device_id))
+        self.transport.subscribe(self.topics.device_down(self.device_id), qos=self.downlink_qos)
         status = encode(Status(device_id=self.device_id, state="online"))
         self.transport.publish(self.topics.up(self.device_id, "status"), status, retain=True)
         hello = Hello(
@@ -390,6 +402,8 @@ class EdgeClient:
                 if blob is not None:
                     self._inbox.states[blob.transfer_id] = blob.data
                     self._blob_bytes_received += len(blob.data)
+                    while len(self._inbox.states) > MAX_HELD_STATES:  # re-sent states nobody took
+                        self._inbox.states.pop(next(iter(self._inbox.states)))
             elif kind in ("assignment", "command"):
                 self._inbox.controls.append(parse_message(m.payload, Assignment if kind == "assignment" else Command))
         except VersionError as e:  # another major version: say so once per (kind, version) and minute
@@ -421,6 +435,7 @@ class EdgeClient:
     def _serve(self, a: Assignment) -> None:
         if (a.round, a.attempt) <= self._last_round:
             log.info("%s: ignoring stale assignment for round %d", self.device_id, a.round)
+            self._inbox.states.pop(a.state.transfer_id, None)
             return
         self._last_round = (a.round, a.attempt)
         try:
@@ -437,6 +452,27 @@ class EdgeClient:
         msg = Ack(device_id=self.device_id, round=rnd, accepted=accepted,
                   reason=None if reason is None else reason[:1000], **extra)
         self.transport.publish(self.topics.up(self.device_id, "ack"), encode(msg))
+
+    def _await_state(self, a: Assignment) -> bytes:
+        """The adapter-state blob of assignment ``a``, once it arrived: the one ``a`` names or
+        that of a re-sent copy of ``a`` (same round and attempt, a new state transfer: the
+        cloud re-sends an assignment it got no ack for, since on a QoS 0 downlink the first
+        state may be lost). Raises TimeoutError at ``a.deadline``."""
+        ids = [a.state.transfer_id]
+
+        def arrived() -> bool:
+            for c in self._inbox.controls:
+                if isinstance(c, Assignment) and (c.round, c.attempt) == (a.round, a.attempt) \
+                        and c.state.transfer_id not in ids:
+                    ids.append(c.state.transfer_id)
+            return any(i in self._inbox.states for i in ids)
+
+        self._wait(arrived, a.deadline, "adapter state")
+        found = next(i for i in ids if i in self._inbox.states)
+        for i in ids:
+            if i != found:
+                self._inbox.states.pop(i, None)
+        return self._inbox.states.pop(found)
 
     def _train_round(self, a: Assignment) -> None:
         t0 = time.perf_counter()
@@ -458,17 +494,17 @@ class EdgeClient:
             log.warning("%s: refusing round %d: %s", self.device_id, a.round, e)
             self._ack(a.round, False, str(e)[:1000], attempt=a.attempt)
             return
-        self._ack(a.round, True, attempt=a.attempt)
+        state_bytes = self._await_state(a)
+        self._ack(a.round, True, attempt=a.attempt)  # only now: the cloud re-sends what was not acknowledged
         train_items, val_items = self._local_data(labels)
 
         fetched = self._fetch_shards(a)
         model = self._model_for(a, len(labels))
         B.release_free_memory()
         meter.mark()
-        self._wait(lambda: a.state.transfer_id in self._inbox.states, a.deadline, "adapter state")
         extra = {name: (tuple(t.shape), EXTRA_DTYPES[t.dtype]) for name, t in a.tensors.items()}
-        state = decode_tensors(self._inbox.states.pop(a.state.transfer_id), MAX_STATE_BYTES,
-                               {**model.expected(), **extra}, as_float=torch.float32)
+        state = decode_tensors(state_bytes, MAX_STATE_BYTES, {**model.expected(), **extra}, as_float=torch.float32)
+        del state_bytes
         tensors = {name: state.pop(name) for name in extra}
         model.load_adapter_state(state)
         terms = terms_for(a.train, a.objectives, state, tensors, self._term_memory, val_items)
