@@ -20,7 +20,7 @@ updates, no model). It measures:
 - aggregator and broker peak RSS, and their CPU seconds per accepted update.
 
     python benchmarks/fleet.py            # Mosquitto: 1,000 / 10,000 devices, 1,000 updates per round, 1/2/4 workers;
-                                          # the NATS cluster: 300 / 1,000 devices, 1/2 workers at 1,000, and 300
+                                          # the NATS cluster: 300 / 1,000 devices, 1/2/4 workers at 1,000, and 300
                                           # devices with a QoS 1 downlink (as before protocol 1.9)
     python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round: Mosquitto (one process,
                                           # 1-2 workers), the cluster (one process, 1-2 workers)
@@ -667,7 +667,7 @@ def main() -> int:
     ap.add_argument("--worker-counts", help="aggregator workers to measure at the largest Mosquitto size, each with a "
                     "coordinator on PostgreSQL (default 1,2,4; quick 1,2)")
     ap.add_argument("--cluster-worker-counts", help="aggregator workers to measure at the largest cluster size "
-                    "(default 1,2)")
+                    "(default 1,2,4; quick 1,2)")
     ap.add_argument("--pg", default=PG_URL, help="PostgreSQL database of the worker settings (a fresh schema each)")
     ap.add_argument("--per-round", type=int, help="updates per round (default 1000; quick 100)")
     ap.add_argument("--rounds", type=int, help="rounds per setting (default 3; quick 2)")
@@ -693,7 +693,7 @@ def main() -> int:
     wcounts = [int(x) for x in (args.worker_counts if args.worker_counts is not None else
                                 ("1,2" if args.quick else "1,2,4")).split(",") if x]
     cwcounts = [int(x) for x in (args.cluster_worker_counts if args.cluster_worker_counts is not None else
-                                 "1,2").split(",") if x]
+                                 ("1,2" if args.quick else "1,2,4")).split(",") if x]
     per_round = args.per_round or (100 if args.quick else 1000)
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.round_timeout = args.round_timeout or (30.0 if args.quick else 900.0)

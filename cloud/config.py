@@ -199,9 +199,9 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     assignment_resend_s: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Re-send an assignment a device has not acknowledged after this many seconds (at
     most 3 times a round; a device acknowledges once it has the adapter state). None
-    (default): :data:`CLUSTER_RESEND_S` (60 s) when the broker URL names several nodes (a cluster, where devices take
-    their downlink at QoS 0 and can miss a message while moving between nodes), else never;
-    0: never."""
+    (default): :data:`CLUSTER_RESEND_S` (60 s) when the broker URL names several nodes (a
+    cluster, where devices take their downlink at QoS 0 and can miss a message while moving
+    between nodes), else never; 0: never."""
     resume_drain_s: float = Field(3.0, ge=0, allow_inf_nan=False)
     """After a restart the resumed round stays open at least this many seconds, so the
     messages the broker queued for the session are handled before it closes."""

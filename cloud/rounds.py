@@ -155,6 +155,9 @@ class _Round:
     """device -> when (Unix seconds) its assignment was last sent."""
     resends: dict[str, int] = field(default_factory=dict)
     """device -> how often its assignment was re-sent unacknowledged."""
+    sample_cap: int | None = None
+    """The cap on claimed samples that aggregator workers apply (set by a coordinator,
+    :meth:`cloud.robust.defences.Defences.round_sample_cap`)."""
 
     def reported(self, device_id: str) -> bool:
         up, st = self.updates.get(device_id), self.stats.get(device_id)
@@ -356,6 +359,9 @@ class RoundEngine:
         rnd.objectives = {d: list(o) for d, o in plan.objectives.items() if d in rnd.selected and o}
         rnd.tensors = {d: {k: t.detach().clone() for k, t in x.items()}
                        for d, x in plan.tensors.items() if d in rnd.selected and x}
+        if self.coordinator is not None:  # workers screen update by update: the cap must be known now
+            rnd.sample_cap = self.defences.round_sample_cap(
+                [self.registry.get(d).num_samples for d in rnd.selected if self.registry.get(d) is not None])
         self.current = rnd
         for d, tensors in rnd.tensors.items():  # a restart re-sends the same assignment
             self.store.put_blob(f"inflight/{number}/tensors/{d}", encode_tensors(tensors, "fp32"))
@@ -365,6 +371,7 @@ class RoundEngine:
             "assignment_seconds": seconds, "train": rnd.train, "excluded": rnd.excluded,
             "selected": experts_by_device_to_json(rnd.selected),
             "objectives": {d: [o.model_dump(mode="json") for o in x] for d, x in rnd.objectives.items()},
+            "sample_cap": rnd.sample_cap,
         })
         for device_id, experts in rnd.selected.items():
             self._send_assignment(rnd, device_id, experts)
@@ -1116,7 +1123,8 @@ class RoundEngine:
                       attempts={d: int(a) for d, a in cur.get("attempts", {}).items()},
                       excluded=cur.get("excluded", {}),
                       objectives={d: [Objective.model_validate(o) for o in x]
-                                  for d, x in cur.get("objectives", {}).items()})
+                                  for d, x in cur.get("objectives", {}).items()},
+                      sample_cap=cur.get("sample_cap"))
 
     MAX_RESENDS = 3
 

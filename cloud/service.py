@@ -46,7 +46,9 @@ from protocol.messages import (
 from protocol.topics import PARTITIONED_KINDS, UP_KINDS, Topics, check_id
 from protocol.transport import Transport, TlsConfig
 
-from .config import CLUSTER_RESEND_S, AggregatorConfig, FederationSettings, StrategyConfig, TaskConfig  # noqa: F401  (re-exported)
+from .config import (  # noqa: F401  (re-exported)
+    CLUSTER_RESEND_S, AggregatorConfig, FederationSettings, StrategyConfig, TaskConfig,
+)
 from .filters import InboundFilter, Verification
 from .dashboard import Dashboard
 from .global_model import GlobalModel
@@ -187,7 +189,8 @@ class Aggregator:
         before their payload was parsed: malformed topics (no reply), oversize payloads
         and, with signatures, devices that are not provisioned (no reply) and unsigned
         update/stats messages."""
-        self._max_topic = len(f"{self.topics.root}/dev/") + 64 + len("/up/") + max(map(len, UP_KINDS)) + 65  # + "/{partition}"
+        self._max_topic = (len(f"{self.topics.root}/dev/") + 64 + len("/up/") + max(map(len, UP_KINDS))
+                           + 1 + 64)  # "/{uplink partition}"
         self._reject_log = LogLimiter(log, "rejections", per_key=3, total=20, interval_s=60.0)
         """Rejections are logged rate-limited: a flood of junk yields a few lines and a summary a minute."""
         self._replies = RateLimiter(rate=0.5, burst=10)

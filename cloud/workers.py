@@ -45,7 +45,9 @@ sweeps is reassembled from its chunks by another worker (:meth:`Ingest.sweep`). 
 is recognised by the marker and ignored.
 
 Screening runs on each update as it arrives, against the reference norms of the rounds
-before (:meth:`cloud.robust.defences.Defences.screen_update`); the coordinator updates the
+before (:meth:`cloud.robust.defences.Defences.screen_update`), with the round's sample cap
+from the selected devices' declared samples (set by the coordinator when the round starts,
+:meth:`cloud.robust.defences.Defences.round_sample_cap`); the coordinator updates the
 references from the norms in the markers. A method whose aggregation does not decompose
 into sums (:attr:`cloud.strategies.Strategy.decomposes`: robust rules, DP-FedAvg,
 FedAlign-MoE, the fusion methods) or damping of experts with few holders
@@ -330,7 +332,7 @@ class Ingest:
         result = None
         if sums_mode(self.engine):
             candidate = ClientResult(device_id, dev.task, stats.num_samples, rnd.selected[device_id], tensors, stats)
-            screened = self.engine.defences.screen_update(n, self.engine.model.state, candidate)
+            screened = self.engine.defences.screen_update(n, self.engine.model.state, candidate, rnd.sample_cap)
             marker["norms"] = screened.norms.get(device_id, {})
             marker["kinds"] = screened.kinds
             if screened.rejected:
@@ -338,8 +340,9 @@ class Ingest:
             else:
                 result = screened.results[0]
                 marker["status"] = "folded"
-                if screened.report.get("clipped"):
-                    marker["clipped"] = screened.report["clipped"][device_id]
+                for what in ("clipped", "capped_samples"):
+                    if screened.report.get(what):
+                        marker[what] = screened.report[what][device_id]
         else:
             marker["status"] = "stored"
         self._pending[device_id] = (n, result, marker, chunks)
@@ -539,9 +542,9 @@ class Coordinator:
         kept = [r for r in results if markers[r.device_id].get("status") == "folded"]
         rejected = {r.device_id: markers[r.device_id].get("reason", "rejected by screening") for r in results
                     if markers[r.device_id].get("status") == "rejected"}
-        report: dict[str, Any] = {"streaming": True, "rejected": rejected,
-                                  "clipped": {r.device_id: markers[r.device_id]["clipped"] for r in kept
-                                              if "clipped" in markers[r.device_id]}}
+        report: dict[str, Any] = {"streaming": True, "rejected": rejected, **{
+            what: {r.device_id: markers[r.device_id][what] for r in kept if what in markers[r.device_id]}
+            for what in ("clipped", "capped_samples")}}
         if screen is not None:
             kinds: dict[str, str] = {}
             for m in markers.values():

@@ -122,6 +122,23 @@ def test_sample_claims_capped_with_their_usage():
     assert agg["backbone.q.lora_B"][0, 0] == pytest.approx(1.0)
 
 
+def test_a_worker_caps_a_claim_alone_by_the_rounds_declared_samples():
+    """A worker screens one update at a time, so the cap comes from the selected devices'
+    declared samples (set when the round started), not from the claims it has not seen."""
+    from cloud.robust.defences import Defences
+
+    d = Defences(DefenceConfig(screening=ScreeningConfig(sample_cap_factor=3.0), robust={"name": "none"}))
+    cap = d.round_sample_cap([10, 10, 10, 10**6])  # the liar's hello cannot move the median
+    assert cap == 30 and d.round_sample_cap([]) is None
+    alone = d.screen_update(1, GLOBAL, _result("liar", 1.0, samples=10**6, usage=[1000, 0]), cap)
+    (liar,) = alone.results
+    assert liar.num_samples == 30 and liar.stats.layers[0].usage == [0, 0]
+    assert alone.report["capped_samples"] == {"liar": [10**6, 30]}
+    honest = d.screen_update(1, GLOBAL, _result("h", 1.0, samples=10, usage=[5, 0]), cap)
+    assert honest.results[0].num_samples == 10 and not honest.report["capped_samples"]
+    assert Defences(DefenceConfig(screening=None, robust={"name": "none"})).round_sample_cap([10]) is None
+
+
 def test_reference_from_last_round_when_too_few_norms():
     screen = UpdateScreen(ScreeningConfig(min_reference=3))
     screen.screen(1, GLOBAL, [_result(f"h{i}", 1.0) for i in range(3)])

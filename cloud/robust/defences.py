@@ -69,15 +69,27 @@ class Defences:
         (``min_holders`` > 1 needs the round's holders)."""
         return self.screen is None or self.screen.min_holders <= 1
 
-    def screen_update(self, round: int, global_state: dict[str, torch.Tensor], result: ClientResult) -> Screened:
+    def screen_update(self, round: int, global_state: dict[str, torch.Tensor], result: ClientResult,
+                      sample_cap: int | None = None) -> Screened:
         """Screen one update as it arrives, against the reference norms of the rounds before
         (an aggregator worker's streaming screening; rejection and clipping as in
-        :meth:`screen_round`; the round's median of claimed samples is not known yet, so the
-        sample cap does not apply: ``max_samples_per_device`` and the device's declared
-        samples still bound its weight)."""
+        :meth:`screen_round`). The round's median of claimed samples is not known yet, so
+        ``sample_cap`` (:meth:`round_sample_cap`, set when the round started) caps the claim
+        instead; None: no cap (``max_samples_per_device`` and the device's declared samples
+        still bound its weight)."""
         if self.screen is None:
             return Screened([result])
-        return self.screen.screen(round, global_state, [result], references=dict(self.screen.references))
+        return self.screen.screen(round, global_state, [result], references=dict(self.screen.references),
+                                  sample_cap=sample_cap)
+
+    def round_sample_cap(self, declared: list[int]) -> int | None:
+        """The sample cap for a round screened update by update (aggregator workers):
+        ``sample_cap_factor`` x the median of the selected devices' declared ``num_samples``
+        (their hellos; a claim in ``Stats`` may not exceed the declared count). None when
+        screening is off or nobody was selected."""
+        if self.screen is None or not declared:
+            return None
+        return self.screen.sample_cap(declared)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON state kept between rounds (screening references, guard history)."""

@@ -125,7 +125,7 @@ class UpdateScreen:
         self._logged: dict[str, str] = {}
 
     def screen(self, round: int, global_state: dict[str, torch.Tensor], results: list[ClientResult],
-               references: dict[str, float] | None = None) -> Screened:
+               references: dict[str, float] | None = None, sample_cap: int | None = None) -> Screened:
         """Screen one round's accepted results.
 
         Args:
@@ -136,6 +136,9 @@ class UpdateScreen:
             references: kind -> reference norm to hold the results against instead of
                 this round's (:meth:`update_references`): an aggregator worker screens
                 each update as it arrives against the references of the rounds before.
+            sample_cap: the cap on claimed ``num_samples`` instead of :meth:`sample_cap` of
+                these results' claims (a worker screening one update uses the round's cap
+                from the declared samples of the selected devices).
 
         Returns:
             :class:`Screened`; the inputs are not modified.
@@ -188,7 +191,7 @@ class UpdateScreen:
         kept = [r for r in results if r.device_id not in rejected]
         damped, damp = self._few_holders(kept)
         claimed = {r.device_id: r.num_samples for r in kept}
-        capped = self._sample_cap(kept)
+        capped = self._sample_cap(kept, sample_cap)
         out = []
         for r in kept:
             s, u = scales.get(r.device_id, {}), damp.get(r.device_id, {})
@@ -269,11 +272,17 @@ class UpdateScreen:
                     factors.setdefault(d, {})[unit] = len(devs) / self.min_holders
         return damped, factors
 
-    def _sample_cap(self, kept: list[ClientResult]) -> dict[str, ClientResult]:
-        """Results whose claimed ``num_samples`` exceeds the cap, with capped weights."""
+    def sample_cap(self, samples: list[int]) -> int:
+        """The sample cap over these ``num_samples`` (``sample_cap_factor`` x their median,
+        at least 1). Raises statistics.StatisticsError when ``samples`` is empty."""
+        return max(1, int(self.config.sample_cap_factor * statistics.median(samples)))
+
+    def _sample_cap(self, kept: list[ClientResult], cap: int | None = None) -> dict[str, ClientResult]:
+        """Results whose claimed ``num_samples`` exceeds the cap (``cap``, or
+        :meth:`sample_cap` of the claims), with capped weights."""
         if not kept:
             return {}
-        cap = max(1, int(self.config.sample_cap_factor * statistics.median(r.num_samples for r in kept)))
+        cap = self.sample_cap([r.num_samples for r in kept]) if cap is None else cap
         out = {}
         for r in kept:
             if r.num_samples > cap:
