@@ -84,3 +84,45 @@ def test_device_takes_the_state_of_a_resent_assignment():
     device = SimpleNamespace(_inbox=inbox, _wait=wait)
     assert EdgeClient._await_state(device, a) == b"state-2"
     assert waits == ["adapter state"] and inbox.states == {"other": b"x"}
+
+
+def test_an_assignment_missed_by_a_device_is_resent_over_mosquitto(mosquitto_url, tmp_path):
+    """A device that was online but not subscribed when round 1 was assigned (as a QoS 0
+    downlink loses a message while a device moves between cluster nodes) gets the same
+    assignment again within ``assignment_resend_s``; the round completes with the other
+    device's update."""
+    import time
+
+    from protocol.messages import Hello, Status, encode
+    from protocol.topics import Topics
+    from protocol.transport import Transport
+    from tests.federation import Federation, drain_downlink
+
+    fed = Federation(mosquitto_url, str(tmp_path), rounds=1, experts=(2,), min_devices=2, round_timeout_s=60,
+                     config_kw={"assignment_resend_s": 2.0})
+    t = Topics(fed.federation)
+    late = Transport(mosquitto_url, "late-device").connect()
+    late.publish(t.up("late", "status"), encode(Status(device_id="late", state="online")), retain=True)
+    late.publish(t.up("late", "hello"), encode(Hello(device_id="late", sdk_version="x", budget_bytes=2**40,
+                                                     weight_formats=["int8"], num_samples=40, task="bbc",
+                                                     runtime_bytes=0)), retain=True)
+    got, replies, subscribed = [], [], []
+
+    def extra(f):
+        end = time.time() + 60
+        while f.aggregator.engine.current is None and time.time() < end:
+            time.sleep(0.05)
+        assert f.aggregator.engine.current is not None and "late" in f.aggregator.engine.current.selected
+        late.subscribe(t.device_down("late"), qos=0, timeout=10)  # after round 1 was assigned: its first copy is lost
+        subscribed.append(time.time())
+        drain_downlink(late, 20, replies, got, until=lambda: bool(got))
+        a = got[0]
+        late.publish(t.up("late", "ack"), encode(Ack(device_id="late", round=a.round, accepted=False,
+                                                     attempt=a.attempt, reason="round failed on device: test")))
+
+    try:
+        (rec,) = fed.run(extra=extra)
+    finally:
+        late.close()
+    assert got and (got[0].round, got[0].attempt) == (1, 0), got  # the round's assignment, sent again
+    assert rec["status"] == "ok" and set(rec["devices"]) == {"dev0"} and "late" in rec["failures"], rec
