@@ -80,8 +80,11 @@ def provision(n: int, work: Path) -> tuple[list[tuple[str, str]], Path]:
     return devices, path
 
 
-def aggregator_config(work: Path, args, n: int, per_round: int, protocol: str, keys: Path, store: str) -> Path:
-    """The aggregator's YAML for one setting (module docstring)."""
+def aggregator_config(work: Path, args, n: int, per_round: int, protocol: str, keys: Path, store: str,
+                      resend: bool = True) -> Path:
+    """The aggregator's YAML for one setting (module docstring); ``resend``: False turns off
+    re-sending unacknowledged assignments (the devices' downlink is QoS 1, as before
+    protocol 1.9: a slow delivery is not a loss, and re-sending would only add states)."""
     import yaml
 
     (work / "eval.jsonl").write_text("".join(json.dumps({"text": f"fleet evaluation text {i}", "label": LABELS[i % 5]})
@@ -96,6 +99,8 @@ def aggregator_config(work: Path, args, n: int, per_round: int, protocol: str, k
            "train": {"max_steps": 1, "batch_size": 8}, "weight_format": "int8",
            "store": store, "device_keys": str(keys), "protocol": protocol,
            "stop_devices_when_done": False, "threads": 1}
+    if not resend:
+        cfg["assignment_resend_s"] = 0
     path = work / "aggregator.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -294,7 +299,7 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, work
     down_qos = {"auto": 1 if broker_kind == "mosquitto" else 0, "0": 0, "1": 1}[
         down_qos or getattr(args, "down_qos", "auto")]
     try:
-        cfg = aggregator_config(work, args, n, per_round, protocol, keys, store)
+        cfg = aggregator_config(work, args, n, per_round, protocol, keys, store, resend=down_qos == 0)
         coords = []
         for i in range(2 if standby else 1):  # the first leads (it exits if it cannot), the second waits
             if i:

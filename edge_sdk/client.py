@@ -226,9 +226,10 @@ class EdgeClient:
         self.downlink_qos = 1
         """QoS of the ``down/#`` subscription: 1 on one broker; 0 on a cluster (a broker URL
         naming several nodes), where a QoS 1 subscription costs a replicated JetStream
-        consumer per device (the fleet benchmark measured NATS losing most assignments at
-        300 devices that way); the cloud re-sends an assignment that was not acknowledged
-        (``assignment_resend_s``) and the device takes a re-sent state (PROTOCOL.md §4.2)."""
+        consumer per device (the fleet benchmark's 3-node NATS cluster did not carry 1,000
+        devices that way, and did with QoS 0: README, "Capacity"); the cloud re-sends an
+        assignment that was not acknowledged (``assignment_resend_s``) and the device takes
+        a re-sent state (PROTOCOL.md §4.2)."""
         if "," in broker:  # a cluster: keep the session (the down/# subscription) when moving to another node
             kw.update(clean_start="first_only", session_expiry_s=3600)
             self.downlink_qos = 0
