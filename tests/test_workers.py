@@ -143,9 +143,8 @@ def test_worker_sigkill_mid_round_then_restart_applies_each_update_once(tmp_path
     (MQTT 5) and on the 3-node NATS cluster (MQTT 3.1.1: no shared subscriptions; each device
     sends to the worker its assignment names, and w0's session keeps its share)."""
     pytest.importorskip("aiomqtt")
-    import time
-
     import shutil
+    import time
 
     import fleet
 
