@@ -629,11 +629,12 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for b in sorted({s["broker"] for s in result["settings"]}):
-        ss = sorted((s for s in result["settings"] if s["broker"] == b and not s["workers"]), key=lambda s: s["devices"])
+    for b, q in sorted({(s["broker"], s.get("down_qos", 1)) for s in result["settings"]}):
+        ss = sorted((s for s in result["settings"] if s["broker"] == b and s.get("down_qos", 1) == q
+                     and not s["workers"]), key=lambda s: s["devices"])
         xs = [s["devices"] for s in ss]
-        axes[0].plot(xs, [s["ingest_per_s"] or 0 for s in ss], marker="o", label=f"{b}, one process")
-        axes[1].plot(xs, [s["latency_p99_s"] or 0 for s in ss], marker="o", label=f"{b}, one process")
+        for ax, key in ((axes[0], "ingest_per_s"), (axes[1], "latency_p99_s")):
+            ax.plot(xs, [s[key] or 0 for s in ss], marker="o", label=f"{b} (downlink QoS {q}), one process")
     ws = sorted((s for s in result["settings"] if s["workers"]), key=lambda s: s["workers"])
     for s in ws:
         for ax, key in ((axes[0], "ingest_per_s"), (axes[1], "latency_p99_s")):
