@@ -361,7 +361,7 @@ class RoundEngine:
                        for d, x in plan.tensors.items() if d in rnd.selected and x}
         if self.coordinator is not None:  # workers screen update by update: the cap must be known now
             rnd.sample_cap = self.defences.round_sample_cap(
-                [self.registry.get(d).num_samples for d in rnd.selected if self.registry.get(d) is not None])
+                [dev.num_samples for d in rnd.selected if (dev := self.registry.get(d)) is not None])
         self.current = rnd
         for d, tensors in rnd.tensors.items():  # a restart re-sends the same assignment
             self.store.put_blob(f"inflight/{number}/tensors/{d}", encode_tensors(tensors, "fp32"))

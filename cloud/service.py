@@ -148,7 +148,7 @@ class Aggregator:
                                  state_precision=config.state_precision, shard_url=config.shard_url,
                                  state_compression=config.state_compression,
                                  assignment_resend_s=config.assignment_resend_s if config.assignment_resend_s
-                                 is not None else CLUSTER_RESEND_S if "," in broker else 0.0)
+                                 is not None else CLUSTER_RESEND_S if len(self.transport.nodes) > 1 else 0.0)
         self.engine = RoundEngine(self.model, self.registry, self.store, strategy, self, self.topics, settings,
                                   self.eval_data, self._reject, self._progress, defences=Defences(config.defences))
         self.engine.ensure_shards = self._ensure_shards

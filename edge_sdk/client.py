@@ -38,7 +38,7 @@ from protocol.messages import (
     COMMANDS, PROTOCOL_MINOR, Ack, Assignment, Command, Hello, MessageError, Stats, Status, VersionError, encode,
     parse_message,
 )
-from protocol.transport import Transport, TlsConfig, publish_packet_bytes
+from protocol.transport import BrokerURL, Transport, TlsConfig, publish_packet_bytes
 
 from moe_model import budget as B
 from moe_model.models import get_adapter
@@ -230,7 +230,7 @@ class EdgeClient:
         devices that way, and did with QoS 0: README, "Capacity"); the cloud re-sends an
         assignment that was not acknowledged (``assignment_resend_s``) and the device takes
         a re-sent state (PROTOCOL.md §4.2)."""
-        if "," in broker:  # a cluster: keep the session (the down/# subscription) when moving to another node
+        if len(BrokerURL.parse_nodes(broker)) > 1:  # a cluster: keep the session (down/#) when moving nodes
             kw.update(clean_start="first_only", session_expiry_s=3600)
             self.downlink_qos = 0
         self.transport = Transport(
