@@ -1,4 +1,4 @@
-"""Solve time and objective of the FLEX-MoE assignment program (000_5c6cd7a163e9f8d7.txt
+"""Solve time and objective of the FLEX-MoE assignment program (Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070
 eq. 10-13) as C x E grows, through PuLP+CBC, PuLP+HiGHS and the LP-relaxation fast path
 (cloud/assignment/lp_fast.py).
 

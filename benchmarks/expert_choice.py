@@ -1,5 +1,5 @@
 """Does *which* experts a device holds matter? The measurement behind FedMoE vs randomMoE
-(003_a50797d291873d18.txt, stage one: keep the experts with the highest activation
+(Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304, stage one: keep the experts with the highest activation
 probability p[c,l,e] on the device's data; randomMoE: as many experts, drawn at random).
 
 Holding a subset S of a layer's experts turns the full MoE into a sub-MoE whose router

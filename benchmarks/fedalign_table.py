@@ -1,4 +1,4 @@
-"""FedAlign-MoE's Table I and ablations (002_68975c2dbeecf897.txt, Table I, Fig. 9, 13, 14)
+"""FedAlign-MoE's Table I and ablations (Fang et al. 2026, "Aggregation Alignment for Federated Learning with Mixture-of-Experts under Data Heterogeneity" (FedAlign-MoE), arXiv:2603.21276, Table I, Fig. 9, 13, 14)
 in shape, on our data, with several seeds and paired significance tests.
 
 Model: the upcycled MiniLM MoE the other tables use (``bert-upcycled``, all-MiniLM-L6-v2

@@ -1,4 +1,4 @@
-"""FedMoE's Table 1 and Table 2 on our data (003_a50797d291873d18.txt, "End-to-End
+"""FedMoE's Table 1 and Table 2 on our data (Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304, "End-to-End
 Performance" and "Ablation Study").
 
 Settings (two tasks on one upcycled MiniLM MoE: BBC News topics, 5 classes, and tweet

@@ -1,4 +1,4 @@
-"""FLEX-MoE's table (000_5c6cd7a163e9f8d7.txt, the shape of Tables 2-4) on Fashion-MNIST:
+"""FLEX-MoE's table (Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070, the shape of Tables 2-4) on Fashion-MNIST:
 the experiment harness on ``benchmarks/configs/flex.yaml`` (20 clients, E = 8 experts,
 capacities 2-6, five partitions, Random / Greedy / FLEX and the usage-aware variants,
 3 seeds; CV of usage, eq. 8, and of the assigned data volume, with CIs and paired tests).

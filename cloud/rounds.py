@@ -1,6 +1,6 @@
 """The round engine: select devices, assign experts, collect, aggregate, evaluate, record.
 
-One round (DESIGN.md data flow):
+One round (docs/architecture.md data flow):
 
 1. Select online devices whose budget holds at least one expert per layer.
 2. The strategy (:class:`cloud.strategies.Strategy`) configures the round (``Plan``):

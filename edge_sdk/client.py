@@ -1,6 +1,6 @@
 """EdgeClient: the device side of a federation, embeddable in a device application.
 
-One round, as the device sees it (DESIGN.md data flow):
+One round, as the device sees it (docs/architecture.md data flow):
 
 1. ``down/assignment`` arrives (validated): experts per layer, shard manifests, the
    reference to this round's adapter state, training config, deadline.

@@ -44,7 +44,7 @@ def split_train_test(n: int, test_fraction: float, seed: int) -> tuple[list[int]
 def reserve(indices: Sequence[int], fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Split ``indices`` (a task's training split) into (what the devices share, what the
     cloud keeps): a seeded random ``fraction`` (at least one item) is reserved, e.g.
-    Fed-MoE's server-reserved set D^r (001_18bef9d5c509c53b.txt Sec. 3: "non-overlapping
+    Fed-MoE's server-reserved set D^r (Jiang et al. 2025, "Heterogeneous Federated Learning with Scalable Server Mixture-of-Experts", IJCAI 2025, doi:10.24963/ijcai.2025/610 Sec. 3: "non-overlapping
     with client data"). Disjoint by construction, deterministic for a seed; both sorted.
 
     Raises:

@@ -4,7 +4,7 @@ them in a weight format, and the device-side cache keyed by sha256.
 A shard id is ``backbone`` or ``L{layer}.E{expert}`` (``protocol.topics.shard_id``).
 Expert shards use expert-local tensor names (``fc1.weight``); the backbone shard uses
 model parameter/buffer names. Routers and heads are not base weights: they are part
-of the adapter state (ALGORITHMS.md §0).
+of the adapter state (docs/methods/index.md).
 """
 
 from __future__ import annotations

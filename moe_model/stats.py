@@ -1,11 +1,11 @@
-"""Expert-activation statistics a device reports each round (ALGORITHMS.md §0).
+"""Expert-activation statistics a device reports each round (docs/methods/index.md).
 
 Per MoE layer and global expert e, accumulated over the round's training batches:
 
 - ``usage[e]``: training tokens routed to e, top-k counted (FLEX-MoE u[c,e],
-  000_5c6cd7a163e9f8d7.txt eq. 4); ``tokens``: training tokens (padding excluded).
+  Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 eq. 4); ``tokens``: training tokens (padding excluded).
 - ``routing_dist[e]``: mean over tokens of the top-k-renormalised routing weight of e
-  (FedAlign-MoE r_c, 002_68975c2dbeecf897.txt eq. 3 as reconstructed in ALGORITHMS.md §3;
+  (FedAlign-MoE r_c, Fang et al. 2026, "Aggregation Alignment for Federated Learning with Mixture-of-Experts under Data Heterogeneity" (FedAlign-MoE), arXiv:2603.21276 eq. 3 as reconstructed in docs/methods/fedalign-moe.md;
   :func:`routing_mass`, so it sums to 1 over the held experts whenever tokens were seen,
   also for routers that do not renormalise their top-k themselves).
 - ``margin[e]``: mean of p(e|x) - max_{j≠e} p(j|x) over tokens whose top-1 is e
@@ -17,7 +17,7 @@ Per MoE layer and global expert e, accumulated over the round's training batches
 - ``hidden_mean[e]`` (optional): mean layer input over tokens routed to e (FedAlign eq. 12).
 
 And over the validation pass: ``activation_prob[e]`` = fraction of validation tokens
-routed to e, top-k counted (FedMoE p[c,l,e], 003_a50797d291873d18.txt).
+routed to e, top-k counted (FedMoE p[c,l,e], Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304).
 """
 
 from __future__ import annotations

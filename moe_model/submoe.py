@@ -1,4 +1,4 @@
-"""The sub-MoE a device trains (ALGORITHMS.md §0): backbone + assigned experts, LoRA.
+"""The sub-MoE a device trains (docs/methods/index.md): backbone + assigned experts, LoRA.
 
 :class:`SubMoE` builds the model skeleton on the ``meta`` device (no memory for
 experts it does not hold), assigns the decoded base-shard tensors into it, injects

@@ -1,6 +1,6 @@
 """Local training and evaluation of a sub-MoE.
 
-The local objective is composed (DESIGN.md "Seams"): the task loss of the model's
+The local objective is composed (docs/architecture.md "Seams"): the task loss of the model's
 objective (``moe_model.objectives``: cross-entropy over classes or over next tokens)
 plus the terms the assignment names, each a small callable
 ``term(model, batch, logits) -> scalar`` (:mod:`edge_sdk.objectives`, e.g. FedProx).

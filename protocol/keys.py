@@ -1,6 +1,6 @@
 """Names of adapter-state tensors, independent of the model architecture.
 
-The adapter state (what trains and moves each round; ALGORITHMS.md §0) is a flat
+The adapter state (what trains and moves each round; docs/methods/index.md) is a flat
 dict with four kinds of keys:
 
 - ``expert.{layer}.{expert}.{path}``: a tensor of expert ``expert`` in MoE layer

@@ -177,7 +177,7 @@ def _bounded_json(value: Any) -> Any:
 
 
 class LoraSpec(_Strict):
-    """LoRA configuration shared by cloud and devices (ALGORITHMS.md §0, FFA-LoRA).
+    """LoRA configuration shared by cloud and devices (docs/methods/index.md, FFA-LoRA).
 
     ``A`` factors are drawn from ``seed`` (per module name) and frozen; only ``B`` trains.
     """
@@ -358,7 +358,7 @@ class Ack(_Message):
 
 
 class LayerStats(_Strict):
-    """Activation statistics of one MoE layer on one device (ALGORITHMS.md §0).
+    """Activation statistics of one MoE layer on one device (docs/methods/index.md).
 
     Lists are indexed by global expert id (length E); experts the device does not hold
     have zeros / ``None``.

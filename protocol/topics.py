@@ -1,4 +1,4 @@
-"""MQTT topic names of protocol v1 (DESIGN.md, "Protocol (v1)").
+"""MQTT topic names of protocol v1 (docs/architecture.md, "Protocol (v1)").
 
 Layout under the root ``fl/v1/{federation}``:
 
@@ -9,7 +9,7 @@ Layout under the root ``fl/v1/{federation}``:
 - ``dev/{device_id}/down/{kind}``: the cloud publishes (assignment, state, command).
 - ``shards/{model_version}/{format}/{layer}/{expert}/{chunk}``: retained expert base
   shards in weight format ``format`` (fp32, bf16, int8, nf4; one level more than
-  DESIGN.md's layout, so a cloud can serve several formats side by side).
+  docs/architecture.md's layout, so a cloud can serve several formats side by side).
 - ``shards/{model_version}/{format}/backbone/{chunk}``: retained backbone base shard.
 - ``cloud/progress``: round progress events for operators and the simulator.
 

@@ -1,6 +1,6 @@
 """MQTT transport: a thin, safe wrapper around paho-mqtt 2.x used by both sides.
 
-What it adds to paho (see DESIGN.md "Known pitfalls"):
+What it adds to paho (see docs/architecture.md "Known pitfalls"):
 
 - MQTT 5 by default, falling back to 3.1.1 when the broker refuses v5 (the embedded
   amqtt broker speaks 3.1.1 only); ``protocol="5"`` or ``"3.1.1"`` forces one.

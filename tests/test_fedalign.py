@@ -1,4 +1,4 @@
-"""FedAlign-MoE (002_68975c2dbeecf897.txt; ALGORITHMS.md §3): each equation on hand-made
+"""FedAlign-MoE (Fang et al. 2026, "Aggregation Alignment for Federated Learning with Mixture-of-Experts under Data Heterogeneity" (FedAlign-MoE), arXiv:2603.21276; docs/methods/fedalign-moe.md): each equation on hand-made
 tensors, the device regulariser's gradient, the strategy's bounds on what devices report,
 and a federation on the embedded broker."""
 

@@ -1,4 +1,4 @@
-"""FedMoE (003_a50797d291873d18.txt): sub-model search (eq. 3), estimation of p for
+"""FedMoE (Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304): sub-model search (eq. 3), estimation of p for
 memory-insufficient devices, expert recommendation (eq. 4-6), randomMoE, multi-task heads."""
 
 import random

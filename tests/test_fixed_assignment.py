@@ -1,5 +1,5 @@
 """The ``fixed`` assignment (every device the same experts; Fed-MoE's baselines,
-001_18bef9d5c509c53b.txt Sec. 5.1) and the cloud's evaluation of that common sub-MoE."""
+Jiang et al. 2025, "Heterogeneous Federated Learning with Scalable Server Mixture-of-Experts", IJCAI 2025, doi:10.24963/ijcai.2025/610 Sec. 5.1) and the cloud's evaluation of that common sub-MoE."""
 
 from __future__ import annotations
 

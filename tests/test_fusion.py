@@ -1,4 +1,4 @@
-"""Fed-MoE server fusion (``cloud/strategies/fusion.py``; 001_18bef9d5c509c53b.txt eq. 1-13):
+"""Fed-MoE server fusion (``cloud/strategies/fusion.py``; Jiang et al. 2025, "Heterogeneous Federated Learning with Scalable Server Mixture-of-Experts", IJCAI 2025, doi:10.24963/ijcai.2025/610 eq. 1-13):
 the math against hand-computed values, the strategy on a tiny global model, the cloud-only
 reserved set D^r, and a federation on the embedded broker."""
 

@@ -191,7 +191,7 @@ def test_lookup_names_the_known_strategies():
 # --------------------------------------------------------------------------- layering
 
 LAYERS = ["protocol", "moe_model", "edge_sdk", "cloud", "fedmoe", "benchmarks"]
-"""Lowest first (DESIGN.md): a package may import only its own layer and those below."""
+"""Lowest first (docs/architecture.md): a package may import only its own layer and those below."""
 
 
 def _imports(path: Path) -> set[str]:

@@ -1,6 +1,6 @@
 """``modular`` (also accepted as ``fedmoe``, the name it had as FedMoE's aggregation):
-modular aggregation (FedMoE, 003_a50797d291873d18.txt, Sec. 4 "modular aggregation";
-ALGORITHMS.md §1 step 4).
+modular aggregation (FedMoE, Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304, Sec. 4 "modular aggregation";
+docs/methods/fedmoe.md step 4).
 
 Per aggregation unit (:attr:`protocol.keys.Key.module`): the backbone by FedAvg over
 all participants, weights |D_c|; an expert together with its router row by FedAvg over
@@ -22,7 +22,7 @@ from .base import AggregationStrategy, RoundSums
 
 
 class Modular(AggregationStrategy):
-    """FedMoE modular aggregation (003_a50797d291873d18.txt, Sec. 4): each tensor of the global
+    """FedMoE modular aggregation (Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304, Sec. 4): each tensor of the global
     state becomes the :meth:`weight`-weighted mean (fp64, cast back to its dtype) of the states of
     the results that hold it; unchanged when none holds it or the weights sum to <= 0."""
 
@@ -36,7 +36,7 @@ class Modular(AggregationStrategy):
     decomposes = True
 
     def fold(self, sums: RoundSums, result: ClientResult) -> None:
-        """Add ``weight(result) * theta_c`` per tensor ``result`` holds (003_a50797d291873d18.txt, Sec. 4)."""
+        """Add ``weight(result) * theta_c`` per tensor ``result`` holds (Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304, Sec. 4)."""
         for name, t in result.state.items():
             sums.add(name, t, self.weight(result, keys.parse(name)))
         sums.devices += 1

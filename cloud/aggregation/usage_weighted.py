@@ -1,4 +1,4 @@
-"""``usage_weighted``: FLEX-MoE aggregation (000_5c6cd7a163e9f8d7.txt eq. 3-4; ALGORITHMS.md §2).
+"""``usage_weighted``: FLEX-MoE aggregation (Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 eq. 3-4; docs/methods/flex-moe.md).
 
 - Backbone (and each task head over its own task's devices) by |D_c|-weighted FedAvg
   of the participants' states (eq. 3).
@@ -19,7 +19,7 @@ from .modular import Modular
 
 
 class UsageWeighted(Modular):
-    """FLEX-MoE aggregation (000_5c6cd7a163e9f8d7.txt eq. 3-4): :class:`Modular` with expert
+    """FLEX-MoE aggregation (Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 eq. 3-4): :class:`Modular` with expert
     tensors and router rows weighted by usage ``u[c,l,e]`` (tokens), the rest by |D_c| (samples)."""
 
     name = "usage_weighted"

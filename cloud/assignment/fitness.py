@@ -1,4 +1,4 @@
-"""Client-expert fitness scores Q (FLEX-MoE, 000_5c6cd7a163e9f8d7.txt eq. 5-7; ALGORITHMS.md §2).
+"""Client-expert fitness scores Q (FLEX-MoE, Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 eq. 5-7; docs/methods/flex-moe.md).
 
 One matrix per MoE layer, rows by device id, ``E`` columns:
 

@@ -1,7 +1,7 @@
 """``fixed``: every device holds the same expert slots in every MoE layer.
 
-The baselines of Fed-MoE (``/work/shared/papers/001_18bef9d5c509c53b.txt``, Sec. 5.1;
-ALGORITHMS.md §4) train one identical client model everywhere: FedAvg and FedProx of the
+The baselines of Fed-MoE (Jiang et al. 2025, "Heterogeneous Federated Learning with Scalable Server Mixture-of-Experts", IJCAI 2025, doi:10.24963/ijcai.2025/610, Sec. 5.1;
+docs/methods/fed-moe-fusion.md) train one identical client model everywhere: FedAvg and FedProx of the
 *compact* model (``experts: [0]``: one expert per layer is the dense model of the
 expert's architecture) and Avg-MoE/FedMix (``experts: [0, 1]``: a 2-expert client MoE
 whose experts and router rows are averaged). With the ``modular`` aggregation this is

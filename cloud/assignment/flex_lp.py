@@ -1,4 +1,4 @@
-"""``flex``: FLEX-MoE load-balanced expert assignment (000_5c6cd7a163e9f8d7.txt; ALGORITHMS.md §2).
+"""``flex``: FLEX-MoE load-balanced expert assignment (Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070; docs/methods/flex-moe.md).
 
 Per round and per MoE layer (one program per layer; Q is kept per layer):
 

@@ -1,5 +1,5 @@
 """``flex_usage``: FLEX-MoE's assignment with the load deficit driven by observed usage
-(000_5c6cd7a163e9f8d7.txt eq. 14-19; issue 15).
+(Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 eq. 14-19; issue 15).
 
 :class:`~.flex_lp.Flex` computes the deviation of eq. 14 from the data volume it
 *assigned* to each expert, ``W_e = sum_{c holds e} |D_c|``. Its load-balance measure

@@ -1,4 +1,4 @@
-"""``full``: every device holds every expert (FedAvg of the full MoE; ALGORITHMS.md §5).
+"""``full``: every device holds every expert (FedAvg of the full MoE; docs/methods/baselines.md).
 
 The memory and traffic upper bound. A device whose budget cannot hold the full MoE
 (capacity < E) is left out of the round, and the plan records it.

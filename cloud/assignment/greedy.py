@@ -1,4 +1,4 @@
-"""``greedy``: the Greedy top-k baseline of FLEX-MoE (000_5c6cd7a163e9f8d7.txt eq. 20).
+"""``greedy``: the Greedy top-k baseline of FLEX-MoE (Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 eq. 20).
 
 Each device takes, per layer, the ``k_c`` experts with the highest fitness Q in its
 row (the same Q as ``flex``: eq. 5-7, :mod:`.fitness`), ignoring load balance. Exact

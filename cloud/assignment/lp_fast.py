@@ -1,6 +1,6 @@
 """Fast path for the FLEX-MoE assignment program: LP relaxation + rounding + repair.
 
-The integer program of 000_5c6cd7a163e9f8d7.txt eq. 10-13 (one MoE layer)::
+The integer program of Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 eq. 10-13 (one MoE layer)::
 
     max  sum_{c,e} Q[c,e] X[c,e]
     s.t. sum_e X[c,e] = k_c                        (eq. 11, every client c)

@@ -1,5 +1,5 @@
 """``random_redraw`` (formerly ``random``, still accepted): the Random baseline of FLEX-MoE
-(000_5c6cd7a163e9f8d7.txt, "Baselines").
+(Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070, "Baselines").
 
 Each device gets, per layer, ``k_c`` experts drawn uniformly at random, redrawn every
 round (seeded by ``(seed, device, round)``), with the same capacities as ``flex`` and
@@ -14,7 +14,7 @@ from .random_moe import RandomMoE
 
 
 class RandomAssignment(RandomMoE):
-    """FLEX-MoE's Random baseline (000_5c6cd7a163e9f8d7.txt, "Baselines"): :class:`RandomMoE` with
+    """FLEX-MoE's Random baseline (Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070, "Baselines"): :class:`RandomMoE` with
     ``resample=True``, ``min(capacity, E)`` experts per layer redrawn every round."""
 
     name = "random_redraw"

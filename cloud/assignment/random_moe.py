@@ -1,5 +1,5 @@
 """``random_kept`` (formerly ``random_moe``, still accepted): the randomMoE baseline
-(FedMoE, 003_a50797d291873d18.txt; ALGORITHMS.md §1).
+(FedMoE, Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304; docs/methods/fedmoe.md).
 
 Each device gets, per layer, ``capacity`` experts drawn uniformly at random. The draw
 is kept across rounds (so its base shards stay cached): each device has one random order
@@ -20,7 +20,7 @@ from .base import AssignmentStrategy
 
 
 class RandomMoE(AssignmentStrategy):
-    """randomMoE (003_a50797d291873d18.txt): per layer the first ``min(capacity, E)`` experts
+    """randomMoE (Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304): per layer the first ``min(capacity, E)`` experts
     of a uniformly random order (``random.Random`` seeded by seed and device; also by the
     round when ``resample``), so draws are nested across capacities. Devices with
     capacity < 1 are left out of the plan. Stateless (the order is recomputed)."""

@@ -1,6 +1,6 @@
 """``random_same_size`` (formerly ``randommoe``, still accepted): FedMoE's randomMoE
-baseline with sub-models of the *same sizes* (003_a50797d291873d18.txt, "Baselines";
-ALGORITHMS.md §1 last line).
+baseline with sub-models of the *same sizes* (Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304, "Baselines";
+docs/methods/fedmoe.md last line).
 
 Every device goes through FedMoE's stage one (probe or estimate, then the θ search of
 eq. 3, :mod:`.submodel_search`), so each layer gets the same number of experts FedMoE
@@ -21,7 +21,7 @@ from .submodel_search import FedMoE
 
 
 class RandomSameSize(FedMoE):
-    """FedMoE's stage one (per-layer expert counts, 003_a50797d291873d18.txt eq. 3) without stage two:
+    """FedMoE's stage one (per-layer expert counts, Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304 eq. 3) without stage two:
     when stage one sizes a device without a final map (not a probe round), that many experts per
     layer are drawn uniformly at random (seeded per device) and kept. Params as :class:`FedMoE`
     (``stage2`` defaults to False)."""

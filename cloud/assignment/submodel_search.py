@@ -1,5 +1,5 @@
-"""``fedmoe``: FedMoE's two-stage sub-model assignment (003_a50797d291873d18.txt,
-"Stage One" eq. 3 and "Stage Two" Algorithm 1 / eq. 4-6; ALGORITHMS.md §1).
+"""``fedmoe``: FedMoE's two-stage sub-model assignment (Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304,
+"Stage One" eq. 3 and "Stage Two" Algorithm 1 / eq. 4-6; docs/methods/fedmoe.md).
 
 Stage one, per device, the first time it is selected:
 
@@ -23,7 +23,7 @@ Stage two, after every round (:meth:`FedMoE.observe`): expert recommendation
 ``patience`` rounds, exploratory (reverted and frozen when the next score does not
 improve).
 
-Choices where the paper is silent (documented here, ALGORITHMS.md §1 preamble):
+Choices where the paper is silent (documented here, docs/methods/fedmoe.md preamble):
 
 - p is top-k counted (sums to top_k per layer), so it is renormalised per layer to
   sum 1 before the search; θ ∈ [0, 1] then means "share of routing mass kept".
@@ -110,7 +110,7 @@ def headroom_limit(budget: int, fixed: int, alpha: float) -> float:
 def search_threshold(p: Mapping[int, Sequence[float]], memory: Callable[[Experts], int], limit: float,
                      tol: float = 1e-3, min_experts: int = 1,
                      order: Mapping[int, Sequence[int]] | None = None) -> tuple[float, Experts] | None:
-    """Heuristic sub-model search (003_a50797d291873d18.txt eq. 3): binary search for the
+    """Heuristic sub-model search (Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304 eq. 3): binary search for the
     largest θ in [0, 1] whose :func:`smallest_sets` fit ``memory(sets) <= limit``.
 
     Feasibility is monotone in θ (larger θ, superset), so bisection finds the largest

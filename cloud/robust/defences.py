@@ -1,6 +1,6 @@
 """The defences the round engine applies, built from the aggregator's ``defences`` config.
 
-Order within a round (DESIGN.md data flow, step 5):
+Order within a round (docs/architecture.md data flow, step 5):
 
 1. protocol bounds (schemas, ``max_samples_per_device``, hello/stats checks: before a
    message is accepted, in :mod:`cloud.rounds`);

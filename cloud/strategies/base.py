@@ -1,6 +1,6 @@
 """The strategy lifecycle: one object per federated method.
 
-The round engine calls, per round (DESIGN.md data flow):
+The round engine calls, per round (docs/architecture.md data flow):
 
 0. :meth:`Strategy.sample_devices` -> which of the eligible devices take part;
 1. :meth:`Strategy.configure_round` with the selected devices -> a :class:`Plan`: each

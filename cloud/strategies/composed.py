@@ -24,7 +24,7 @@ class Composed(Strategy):
     """Assignment part -> plan; aggregation part -> next state.
 
     With ``train.router: private`` (FLEX-MoE's client-private gating,
-    000_5c6cd7a163e9f8d7.txt Step 3) the router rows stay on the devices: they are left
+    Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 Step 3) the router rows stay on the devices: they are left
     out of aggregation, so the global rows keep their values.
 
     Args:

@@ -1,4 +1,4 @@
-"""``fedalign``: FedAlign-MoE (``002_68975c2dbeecf897.txt``; ALGORITHMS.md §3, whose
+"""``fedalign``: FedAlign-MoE (Fang et al. 2026, "Aggregation Alignment for Federated Learning with Mixture-of-Experts under Data Heterogeneity" (FedAlign-MoE), arXiv:2603.21276; docs/methods/fedalign-moe.md, whose
 equations are reconstructed from the paper's text), on top of any assignment part.
 
 Per round, for every MoE layer l (E experts; C devices that trained):
@@ -16,13 +16,13 @@ Per round, for every MoE layer l (E experts; C devices that trained):
   :func:`client_weights`.
 - **Everything else** (backbone LoRA, task heads, router rows) is the configured
   aggregation part's (default ``modular``: FedAvg over holders), wrapped by the engine in
-  a robust rule if configured. ALGORITHMS.md is silent on router rows; the paper aligns
+  a robust rule if configured. docs/methods/index.md is silent on router rows; the paper aligns
   gating *behaviour* through the regulariser and reads as keeping gating networks local.
   We average the rows (the global model the cloud evaluates and a device joining later
   need a router), and ``train.router: private`` gives the paper's reading (rows stay on
   the devices, ``private_router`` term; the regulariser then aligns the private rows).
 
-Choices where the paper and ALGORITHMS.md are silent:
+Choices where the paper and docs/methods/index.md are silent:
 
 - A device counts for expert e only if it held e and routed tokens to it (``usage > 0``,
   so it reported h_c[e]): a holder that never used e did not train it. r_g[e] for an

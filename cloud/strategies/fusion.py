@@ -1,6 +1,6 @@
-"""``fusion``: Fed-MoE server fusion (``/work/shared/papers/001_18bef9d5c509c53b.txt``,
+"""``fusion``: Fed-MoE server fusion (Jiang et al. 2025, "Heterogeneous Federated Learning with Scalable Server Mixture-of-Experts", IJCAI 2025, doi:10.24963/ijcai.2025/610,
 Jiang et al., "Heterogeneous Federated Learning with Scalable Server Mixture-of-Experts";
-ALGORITHMS.md §4): devices train one *compact* model, the cloud fuses the uploaded
+docs/methods/fed-moe-fusion.md): devices train one *compact* model, the cloud fuses the uploaded
 models into a server MoE (a main expert E_0, K routed experts E_1..E_K and a gate G) with
 a small labelled set D^r that only the cloud holds, and sends each device its own
 synchronised model back.
@@ -65,7 +65,7 @@ simulate`` reserves ``reserve_fraction`` (default 2%) of each task's training sp
 seeded and disjoint from every device's data (:func:`fedmoe.partition.reserve`). No
 message carries it: devices get adapter states only (tested on the wire).
 
-Choices where the paper and ALGORITHMS.md are silent: K default 3 (the paper's language
+Choices where the paper and docs/methods/index.md are silent: K default 3 (the paper's language
 setting); all routed experts start as copies of the initial compact state and diverge
 through W^r; the experts' P̂ in Step 4 are recomputed after each Step 3; M̄ is the plain
 mean (the paper's Sec. 4.2), not |D_c|-weighted; Step 3 runs inside the T loop, as in

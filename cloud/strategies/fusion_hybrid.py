@@ -1,5 +1,5 @@
 """``fusion_hybrid``: sub-MoE devices and Fed-MoE compact devices in one federation (our
-design on top of ``/work/shared/papers/001_18bef9d5c509c53b.txt``, ALGORITHMS.md §4, and
+design on top of Jiang et al. 2025, "Heterogeneous Federated Learning with Scalable Server Mixture-of-Experts", IJCAI 2025, doi:10.24963/ijcai.2025/610, docs/methods/fed-moe-fusion.md, and
 the configured assignment and aggregation parts; README "Fed-MoE server fusion").
 
 No paper has this. Devices whose budget holds ``compact_below`` (default 2) or more

@@ -1,4 +1,4 @@
-"""Terms of the local objective, chosen per round by the cloud (DESIGN.md "Seams").
+"""Terms of the local objective, chosen per round by the cloud (docs/architecture.md "Seams").
 
 The local loss is the task loss plus the terms the assignment names in
 ``Assignment.objectives`` (protocol minor 2) and, for older configurations,

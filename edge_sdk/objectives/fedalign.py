@@ -1,5 +1,5 @@
 """``fedalign_align``: FedAlign-MoE's routing regulariser on the device
-(``002_68975c2dbeecf897.txt`` Sec. III-C3, eq. 8-11 as reconstructed in ALGORITHMS.md §3).
+(Fang et al. 2026, "Aggregation Alignment for Federated Learning with Mixture-of-Experts under Data Heterogeneity" (FedAlign-MoE), arXiv:2603.21276 Sec. III-C3, eq. 8-11 as reconstructed in docs/methods/fedalign-moe.md).
 
 Per MoE layer and training token x, over the experts this device holds:
 
@@ -8,7 +8,7 @@ Per MoE layer and training token x, over the experts this device holds:
     λ_c[e] = sigmoid((O_c[e] − τ_O) / T_O),  O_c[e] = r_c[e] · r_g[e]         (eq. 4, 9)
     L = L_task + μ · mean over layers and real tokens of L_reg(x)             (eq. 11)
 
-Choices where the paper and ALGORITHMS.md are silent (documented in
+Choices where the paper and docs/methods/index.md are silent (documented in
 ``cloud/strategies/fedalign.py`` too):
 
 - The cloud sends ``r_g`` for all E experts (tensor :data:`RG_TENSOR`, ``(L, E)``, rows in

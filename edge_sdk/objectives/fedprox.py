@@ -1,4 +1,4 @@
-"""``fedprox``: the FedProx proximal term (Li et al., 2020; ALGORITHMS.md §5)."""
+"""``fedprox``: the FedProx proximal term (Li et al., 2020; docs/methods/baselines.md)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Per MoE layer, over the batch's real tokens and the device's ``n`` held experts:
     L_aux = n · Σ_j f_j · P_j                                   (1 when perfectly balanced)
     L = L_task + α · mean over layers of L_aux
 
-Why it is here (issue 15, FLEX-MoE 000_5c6cd7a163e9f8d7.txt eq. 8): FLEX balances the
+Why it is here (issue 15, FLEX-MoE Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 eq. 8): FLEX balances the
 data volume each expert is *assigned*; what eq. 8 measures is the tokens each expert is
 *routed*. A device that spreads its tokens over the experts it holds makes usage follow
 assignment. The gradient flows into the router rows only through ``P_j`` (``f_j`` is

@@ -1,5 +1,5 @@
-"""``private_router``: client-private gating (FLEX-MoE, ``000_5c6cd7a163e9f8d7.txt``
-Step 3; ALGORITHMS.md §2). The device keeps the router rows it trained and uses them
+"""``private_router``: client-private gating (FLEX-MoE, Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070
+Step 3; docs/methods/flex-moe.md). The device keeps the router rows it trained and uses them
 instead of the cloud's in later rounds; the cloud does not aggregate router rows
 (``cloud/strategies/composed.py`` strips them). Rows of experts the device holds for the
 first time start from the cloud's values. Held in RAM: a restarted device starts again

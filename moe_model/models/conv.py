@@ -1,4 +1,4 @@
-"""``conv-moe``: the vision MoE of FLEX-MoE's experiments (000_5c6cd7a163e9f8d7.txt,
+"""``conv-moe``: the vision MoE of FLEX-MoE's experiments (Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070,
 "Step 2: Local training"), small enough to train fully on a CPU.
 
 - Shared feature extractor ψ (the backbone): two 3x3 conv + ReLU + 2x2 max-pool stages

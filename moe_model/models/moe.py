@@ -35,7 +35,7 @@ class Router(nn.Module):
 
     ``forward(x)`` maps ``(N, hidden)`` to logits ``(N, n_held)`` in the order of
     ``expert_ids`` (ascending global ids). Rows are separate parameters so that each
-    expert's row is trained, shipped and aggregated with its expert (ALGORITHMS.md §1.4).
+    expert's row is trained, shipped and aggregated with its expert (docs/methods/fedmoe.md).
     """
 
     def __init__(self, hidden: int, expert_ids: list[int], device=None):
