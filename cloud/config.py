@@ -40,7 +40,9 @@ class StrategyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1)
+    """Registered name (or alias) of the strategy, assignment or aggregation part."""
     params: dict[str, Any] = Field(default_factory=dict)
+    """Its parameters (each method's page in docs/methods/ lists them with their defaults)."""
 
 
 class TaskConfig(BaseModel):
@@ -48,6 +50,7 @@ class TaskConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     labels: list[str] = Field(min_length=2)
+    """The task's class labels; label ids follow this order."""
     eval_data: str | None = None
     """CSV/JSONL ``text,label`` file the cloud evaluates the global model on."""
     reserved_data: str | None = None
@@ -62,7 +65,9 @@ class FederationSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: ModelSpec = Field(default_factory=ModelSpec)
+    """The model family, its base checkpoint, the MoE shape and LoRA (sent to every device)."""
     rounds: int = Field(10, ge=1)
+    """Rounds to run before the devices are told to stop."""
     clients_per_round: float = Field(1.0, gt=0, allow_inf_nan=False)
     """<= 1: the fraction of eligible devices selected each round; > 1: a count."""
     quorum: float = Field(0.5, gt=0, le=1)
@@ -74,11 +79,14 @@ class FederationSettings(BaseModel):
     ``assignment`` part plus the ``aggregation`` part; other methods may use those parts
     too."""
     assignment: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="random_kept"))
+    """Who holds which experts each round (:mod:`cloud.assignment`)."""
     aggregation: StrategyConfig = Field(default_factory=lambda: StrategyConfig(name="modular"))
+    """How accepted updates become the next global state (:mod:`cloud.aggregation`)."""
     defences: DefenceConfig = Field(default_factory=DefenceConfig)
     """Update screening, a robust rule or DP-FedAvg around ``aggregation``, and the
     pre-commit guard (:mod:`cloud.robust`); screening and the guard are on by default."""
     train: TrainConfig = Field(default_factory=TrainConfig)
+    """Local training hyper-parameters sent with every assignment."""
     weight_format: WeightFormat = "int8"
     """Primary format of the base shards (the cloud evaluates with these weights)."""
     weight_formats: list[WeightFormat] = Field(default_factory=list)
@@ -102,8 +110,11 @@ class FederationSettings(BaseModel):
     max_update_bytes: PositiveBytes = 256 * 1024**2
     """Largest update a device may send, in bytes (``256MiB`` or an int)."""
     eval_batch_size: int = Field(32, ge=1)
+    """Batch size of the cloud's evaluation of the global model."""
     eval_max_samples: int | None = Field(None, ge=1)
+    """Evaluate on at most this many test items per task (None: all)."""
     seed: int = 0
+    """Seed of device selection and of the strategies' random choices."""
     max_samples_per_device: int = Field(1_000_000, ge=1, le=MAX_SAMPLES)
     """Largest ``num_samples`` a device's statistics may claim, whatever its hello said:
     its weight in |D_c|-weighted aggregation. Statistics claiming more (or more than the
@@ -120,13 +131,17 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
 
     model_config = ConfigDict(extra="forbid")
     federation: str = "default"
+    """The federation's name: the topic root is ``fl/v1/{federation}``."""
     tasks: dict[str, TaskConfig]
+    """Task name -> its labels and data files; a device declares its task in its hello."""
     min_devices: int = Field(1, ge=1)
     """Devices that must have joined before round 1 starts."""
     start_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
     """Give up if fewer than ``min_devices`` joined by then."""
     store: str = "sqlite:///fedmoe-aggregator.db"
+    """Where the durable state lives: ``sqlite:///FILE`` or ``postgresql://...``."""
     stop_devices_when_done: bool = True
+    """Send every device ``command: stop`` after the last round."""
     clear_retained_on_exit: bool = False
     """Remove the retained shard messages on exit (simulations, tests)."""
     shard_url: str | None = Field(None, max_length=1500, pattern=r"^https?://[^\s]+$")

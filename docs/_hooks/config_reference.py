@@ -164,7 +164,7 @@ def _table(cls: type[BaseModel], own: bool, level: int, done: set) -> list[str]:
         inherited = [b.__name__ for b in cls.__bases__ if issubclass(b, BaseModel) and b is not BaseModel]
     done.add(cls)
     lines = [f"{'#' * level} {cls.__name__}", "",
-             f"`{cls.__module__}.{cls.__qualname__}`: {_text(inspect.getdoc(cls))}", ""]
+             f"`{cls.__module__}.{cls.__qualname__}`: {_text((inspect.getdoc(cls) or '').split(chr(10) * 2)[0])}", ""]
     if inherited:
         lines += ["Besides the fields below, it has every field of "
                   + " and ".join(f"[{b}](#{b.lower()})" for b in inherited) + ".", ""]
