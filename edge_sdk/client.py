@@ -227,7 +227,7 @@ class EdgeClient:
         """QoS of the ``down/#`` subscription: 1 on one broker; 0 on a cluster (a broker URL
         naming several nodes), where a QoS 1 subscription costs a replicated JetStream
         consumer per device (the fleet benchmark's 3-node NATS cluster did not carry 1,000
-        devices that way, and did with QoS 0: README, "Capacity"); the cloud re-sends an
+        devices that way, and did with QoS 0: docs/deployment.md); the cloud re-sends an
         assignment that was not acknowledged (``assignment_resend_s``) and the device takes
         a re-sent state (PROTOCOL.md §4.2)."""
         if len(BrokerURL.parse_nodes(broker)) > 1:  # a cluster: keep the session (down/#) when moving nodes

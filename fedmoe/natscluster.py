@@ -1,6 +1,6 @@
 """A NATS cluster with its MQTT gateway and JetStream, started on loopback (tests, benchmarks).
 
-Why NATS for a clustered broker (README "Clustered broker"): the MQTT gateway of
+Why NATS for a clustered broker (docs/deployment.md, "A clustered broker"): the MQTT gateway of
 ``nats-server`` keeps MQTT sessions, QoS 1 queues and retained messages in JetStream
 streams replicated over the cluster (``stream_replicas``/``consumer_replicas`` 3 here), so
 a client whose node dies reconnects to any other node and finds its session, its queued

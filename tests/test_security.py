@@ -264,7 +264,7 @@ def test_provision_cli_writes_a_deployment(tmp_path):
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root: the broker drops to its user")
 def test_provisioned_config_starts_mosquitto_as_written(tmp_path):
-    """README's two commands verbatim: ``fedmoe provision`` as root, then ``mosquitto -c
+    """The deployment guide's two commands verbatim (docs/deployment.md): ``fedmoe provision`` as root, then ``mosquitto -c
     secrets/mosquitto.conf`` (which drops to the ``mosquitto`` account) accepts a
     provisioned device over TLS and refuses a wrong password."""
     import pwd
