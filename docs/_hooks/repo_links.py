@@ -96,7 +96,7 @@ def on_config(config):
 
 def on_files(files: Files, config) -> Files:
     """Add every repository file outside docs/ that a page links to (transitively)."""
-    queue = [_real(f) for f in files.documentation_pages()]
+    queue = [p for p in (_real(f) for f in files.documentation_pages()) if p.is_file()]  # not generated pages
     seen = set(queue)
     while queue:
         real = queue.pop()
