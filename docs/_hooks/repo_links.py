@@ -94,9 +94,25 @@ def on_config(config):
     return config
 
 
+def _nav_paths(nav) -> list[str]:
+    """Every page path the nav names."""
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, dict):
+        return [p for v in nav.values() for p in _nav_paths(v)]
+    if isinstance(nav, list):
+        return [p for v in nav for p in _nav_paths(v)]
+    return []
+
+
 def on_files(files: Files, config) -> Files:
-    """Add every repository file outside docs/ that a page links to (transitively)."""
+    """Add every repository file outside docs/ that a page links to (transitively), and
+    the nav's pages that live at the repository root (PROTOCOL.md)."""
     queue = [p for p in (_real(f) for f in files.documentation_pages()) if p.is_file()]  # not generated pages
+    for uri in _nav_paths(config.nav):
+        if files.get_file_from_path(uri) is None and (_root / uri).is_file():
+            files.append(File.generated(config, uri, abs_src_path=str(_root / uri)))
+            queue.append(_root / uri)
     seen = set(queue)
     while queue:
         real = queue.pop()
