@@ -191,14 +191,15 @@ def _provision(args: argparse.Namespace) -> int:
     ids = [d for d in (args.devices or "").split(",") if d]
     if args.count:
         ids += [f"{args.prefix}{i}" for i in range(args.count)]
-    hosts = [h for h in (args.tls_host or "").split(",") if h]
+    hosts = [h.strip() for spec in args.tls_host or [] for h in spec.split(",") if h.strip()]
     try:
-        p = provision(args.out, ids, tls_hosts=hosts, port=args.port, broker_user=args.broker_user or None)
+        p = provision(args.out, ids, tls_hosts=hosts, port=args.port, broker_user=args.broker_user or None,
+                      bind=args.bind)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    print(f"{len(p.devices)} devices in {p.out}: devices/<id>.json (device --credentials), aggregator.json "
-          f"(aggregator --credentials), device_keys.json (aggregator --device-keys), passwd, acl, mosquitto.conf"
-          + (", tls/" if p.ca_file else ""))
+    print(f"{len(p.devices)} devices in {p.out} ({len(p.new)} new, {len(p.devices) - len(p.new)} kept): "
+          f"devices/<id>.json (device --credentials), aggregator.json (aggregator --credentials), device_keys.json "
+          f"(aggregator --device-keys), passwd, acl, mosquitto.conf, nats-users.conf" + (", tls/" if p.ca_file else ""))
     return 0
 
 
@@ -311,8 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--devices", help="comma-separated device ids")
     v.add_argument("--count", type=int, help="also provision PREFIX0..PREFIX{N-1}")
     v.add_argument("--prefix", default="dev")
-    v.add_argument("--tls-host", help="comma-separated broker host names/IPs: write a CA and server certificate")
-    v.add_argument("--port", type=int, default=8883, help="listener port in the generated mosquitto.conf")
+    v.add_argument("--tls-host", action="append", metavar="HOST[,HOST...]",
+                   help="a DNS name or IP address devices and the aggregator reach the broker by; repeat it (or "
+                        "separate by commas) for every one: all go into the server certificate's subjectAltName "
+                        "(localhost/127.0.0.1 only if given). Writes a CA (kept on later runs) and server certificate")
+    v.add_argument("--port", type=int, help="listener port in the generated mosquitto.conf (default: the port of "
+                                            "the existing one, else 8883)")
+    v.add_argument("--bind", metavar="ADDRESS",
+                   help="address the broker listens on, e.g. 10.0.0.5 or 127.0.0.1 (default: the existing "
+                        "mosquitto.conf's, else every interface; '' for every interface)")
     v.add_argument("--broker-user", default="mosquitto",
                    help="system account a broker started as root runs as; provisioning as root makes it the owner "
                         "of the broker's files ('' to leave ownership and the conf's user line alone)")
