@@ -1,4 +1,5 @@
-"""The ``fedmoe`` command line: ``simulate``, ``aggregator``, ``device``, ``export``, ``provision``, ``upcycle``."""
+"""The ``fedmoe`` command line: ``simulate``, ``aggregator``, ``device``, ``export``, ``predict``, ``status``,
+``provision``, ``data split``, ``upcycle``."""
 
 from __future__ import annotations
 
@@ -203,6 +204,22 @@ def _provision(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_split(args: argparse.Namespace) -> int:
+    from .device_data import split_devices, summary
+
+    ids = [d for d in (args.devices or "").split(",") if d]
+    if args.count:
+        ids += [f"{args.prefix}{i}" for i in range(args.count)]
+    try:
+        manifest = split_devices(args.source, ids, args.out, partition=args.partition, seed=args.seed,
+                                 test_fraction=args.test_fraction)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    print(summary(manifest) + f"wrote {len(ids)} device files, "
+          f"{'test.jsonl, ' if manifest['test'] else ''}manifest.json in {args.out}")
+    return 0
+
+
 def _layer_list(spec: str) -> list[int]:
     """``--layers``: ``"0,2,4"``, ``"0-29"`` or both (``"0-3,8"``) -> sorted unique layer indices.
 
@@ -257,8 +274,8 @@ def _aggregator_options() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, status, provision, upcycle,
-    each with ``func`` set to its handler. The options of simulate, aggregator and device
+    """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, predict, status,
+    provision, data split, upcycle, each with ``func`` set to its handler. The options of simulate, aggregator and device
     are generated from their config schemas (``fedmoe.options``)."""
     from cloud.config import AggregatorConfig
     from edge_sdk.config import DeviceConfig
@@ -325,6 +342,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="system account a broker started as root runs as; provisioning as root makes it the owner "
                         "of the broker's files ('' to leave ownership and the conf's user line alone)")
     v.set_defaults(func=_provision)
+
+    dd = sub.add_parser("data", help="prepare data files for devices").add_subparsers(dest="data_command",
+                                                                                        required=True)
+    ds = dd.add_parser("split", help="cut a labelled data set into per-device files and a held-out test file",
+                       description="Writes OUT/<device id>.jsonl per device (its --data), OUT/test.jsonl (the "
+                                   "aggregator's eval_data) and OUT/manifest.json (counts per device and label, "
+                                   "seed, method). No test text is in a device file. Device ids as `fedmoe "
+                                   "provision` names them (--count/--prefix, --devices).")
+    ds.add_argument("--from", dest="source", required=True, metavar="SOURCE",
+                    help="a CSV (header text,label) or JSONL file (objects with text and label), or a built-in "
+                         "set: builtin:bbc, builtin:tweets (its test split is then exactly the aggregator's "
+                         "eval_data builtin:NAME)")
+    ds.add_argument("--out", required=True, help="output directory")
+    ds.add_argument("--devices", help="comma-separated device ids")
+    ds.add_argument("--count", type=int, help="also PREFIX0..PREFIX{N-1}")
+    ds.add_argument("--prefix", default="dev")
+    ds.add_argument("--partition", default="iid",
+                    help="iid (default), dirichlet:ALPHA (label skew; smaller ALPHA, more skew) or classes:K "
+                         "(K labels per device)")
+    ds.add_argument("--seed", type=int, default=0, help="seed of the partition and of a file's test split")
+    ds.add_argument("--test-fraction", type=float,
+                    help="held-out share of a file (default 0.2; 0: no test split); fixed for builtin:NAME")
+    ds.set_defaults(func=_data_split)
 
     u = sub.add_parser("upcycle", help="sparse-upcycle a dense Llama checkpoint into a Hugging Face Mixtral/Qwen2-MoE",
                        description="Copy each dense FFN into E experts (sparse upcycling, Komatsuzaki et al. 2022) "
