@@ -163,16 +163,54 @@ def _device(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from cloud.service import AggregatorConfig
     from cloud.export import model_from_store
+    from cloud.service import AggregatorConfig
     from edge_sdk.export import export_onnx
 
     cfg = AggregatorConfig.load(args.config)
     task = args.task or next(iter(cfg.tasks))
-    model = model_from_store(cfg, args.store or cfg.store, task, args.device)
-    out = export_onnx(model, args.out, int8=args.int8)
-    print(f"wrote {out} ({'int8' if args.int8 else 'fp32'}, task {task}, "
-          f"{'device ' + args.device if args.device else 'global MoE'}, {out.stat().st_size / 2**20:.1f} MiB)")
+    stored = model_from_store(cfg, args.store or cfg.store, task, args.device)
+    source = f"device {args.device}'s sub-MoE" if args.device else "global MoE"
+    out = export_onnx(stored.model, args.out, int8=args.int8, labels=stored.labels,
+                      metadata={"task": task, "round": stored.round, "source": source})
+    print(f"wrote {out} ({'int8' if args.int8 else 'fp32'}, task {task}, {source}, "
+          f"{'round ' + str(stored.round) if stored.round is not None else 'initial model: no round in the store'}, "
+          f"{out.stat().st_size / 2**20:.1f} MiB; labels and tokenizer stored with it)\n"
+          f"try: fedmoe predict {out} --text \"...\"")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import json
+
+    from edge_sdk.export import OnnxClassifier
+
+    texts, truth = list(args.text or []), []
+    if args.file:
+        from edge_sdk.data import load_text_file
+
+        try:
+            truth = load_text_file(args.file).items
+        except (OSError, ValueError) as e:
+            raise UsageError(str(e)) from None
+        texts += [str(x) for x, _ in truth]
+    if not texts:
+        raise UsageError("nothing to predict: give --text TEXT (repeatable) or --file FILE")
+    try:
+        model = OnnxClassifier(args.model)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    predicted = model.predict(texts, args.batch_size)
+    for text, (label, probs) in zip(texts, predicted):
+        if args.json:
+            print(json.dumps({"text": text, "label": label, "probabilities": probs}))
+        else:
+            ranked = sorted(probs.items(), key=lambda kv: -kv[1])
+            excerpt = text if len(text) <= 60 else text[:57] + "..."
+            print(f"{label}\t{probs[label]:.3f}\t" + " ".join(f"{y}={p:.3f}" for y, p in ranked) + f"\t{excerpt}")
+    if truth and all(str(y) in model.labels for _, y in truth):  # a labelled file: how many are right
+        right = sum(str(y) == label for (_, y), (label, _) in zip(truth, predicted[len(texts) - len(truth):]))
+        log.info("%s: %d of %d right (accuracy %.3f)", args.file, right, len(truth), right / len(truth))
     return 0
 
 
@@ -317,6 +355,18 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--task", help="task head to export (default: the config's first task)")
     x.add_argument("--device", help="export this device's last assigned sub-MoE instead of the global MoE")
     x.set_defaults(func=_export)
+
+    pr = sub.add_parser("predict", help="classify texts with a model from `fedmoe export` (onnxruntime)",
+                        description="Runs MODEL.onnx with the tokenizer, maximum length and label names stored "
+                                    "with it; prints per text: label, its probability, every label's probability, "
+                                    "the text (tab-separated), or one JSON object per line with --json.")
+    pr.add_argument("model", metavar="MODEL.onnx", help="a file written by `fedmoe export` (its MODEL.tokenizer/ "
+                                                        "directory next to it)")
+    pr.add_argument("--text", action="append", help="a text to classify (repeatable)")
+    pr.add_argument("--file", help="a CSV (header text,label) or JSONL file: classify every text in it")
+    pr.add_argument("--json", action="store_true", help="one JSON object per line")
+    pr.add_argument("--batch-size", type=int, default=32)
+    pr.set_defaults(func=_predict)
 
     st = sub.add_parser("status", help="print the device and round tables from an aggregator's store",
                         description="Works while the aggregator runs and after it stopped (reads its store only).")
