@@ -13,11 +13,11 @@ after dropping ``graph.value_info`` (stale shape annotations make it fail).
 
 What inference needs besides the graph is stored with it: the ONNX file's
 ``metadata_props`` hold ``fedmoe.objective``, ``fedmoe.labels`` (classification: JSON
-list of class names by logit index), ``fedmoe.max_seq_len``, ``fedmoe.padding_side``, ``fedmoe.tokenizer`` (the tokenizer
-directory, relative to the ONNX file: ``{stem}.tokenizer/`` next to it, written by the
-tokenizer's ``save_pretrained``) and whatever ``metadata`` the caller adds (task,
-round...), each under ``fedmoe.``. :class:`OnnxClassifier` reads them back and runs the
-graph (``fedmoe predict``).
+list of class names by logit index), ``fedmoe.max_seq_len``, ``fedmoe.padding_side``,
+``fedmoe.tokenizer`` (the tokenizer directory, relative to the ONNX file:
+``{stem}.tokenizer/`` next to it, written by the tokenizer's ``save_pretrained``) and
+whatever ``metadata`` the caller adds (task, round...), each under ``fedmoe.``.
+:class:`OnnxClassifier` reads them back and runs the graph (``fedmoe predict``).
 
 Uses ``torch.onnx.export`` (needs ``onnxscript``) and ``onnxruntime``: the ``export``
 extra. optimum 2.3 has no exporter of its own. The exporters' notices (TracerWarnings,

@@ -224,12 +224,16 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_ids(args: argparse.Namespace) -> list[str]:
+    """``--devices a,b`` then ``--count N`` ids ``{--prefix}0..{N-1}`` (provision, data split: the same ids)."""
+    ids = [d for d in (args.devices or "").split(",") if d]
+    return ids + [f"{args.prefix}{i}" for i in range(args.count or 0)]
+
+
 def _provision(args: argparse.Namespace) -> int:
     from .provision import provision
 
-    ids = [d for d in (args.devices or "").split(",") if d]
-    if args.count:
-        ids += [f"{args.prefix}{i}" for i in range(args.count)]
+    ids = _device_ids(args)
     hosts = [h.strip() for spec in args.tls_host or [] for h in spec.split(",") if h.strip()]
     try:
         p = provision(args.out, ids, tls_hosts=hosts, port=args.port, broker_user=args.broker_user or None,
@@ -245,9 +249,7 @@ def _provision(args: argparse.Namespace) -> int:
 def _data_split(args: argparse.Namespace) -> int:
     from .device_data import split_devices, summary
 
-    ids = [d for d in (args.devices or "").split(",") if d]
-    if args.count:
-        ids += [f"{args.prefix}{i}" for i in range(args.count)]
+    ids = _device_ids(args)
     try:
         manifest = split_devices(args.source, ids, args.out, partition=args.partition, seed=args.seed,
                                  test_fraction=args.test_fraction)
@@ -313,8 +315,8 @@ def _aggregator_options() -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, predict, status,
-    provision, data split, upcycle, each with ``func`` set to its handler. The options of simulate, aggregator and device
-    are generated from their config schemas (``fedmoe.options``)."""
+    provision, data split, upcycle, each with ``func`` set to its handler. The options of simulate,
+    aggregator and device are generated from their config schemas (``fedmoe.options``)."""
     from cloud.config import AggregatorConfig
     from edge_sdk.config import DeviceConfig
 

@@ -343,7 +343,6 @@ def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[st
             a ``broker_user`` that is not a system account.
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     ids = list(dict.fromkeys(check_id(d, "device id") for d in device_ids))
     if aggregator_user in ids:
         raise ValueError(f"device id {aggregator_user!r} is reserved for the aggregator")
@@ -355,6 +354,7 @@ def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[st
     tls_hosts = list(dict.fromkeys(tls_hosts))
     for h in tls_hosts:  # before anything is written
         subject_alt_name(h)
+    out.mkdir(parents=True, exist_ok=True)
     devices: dict[str, dict] = {}
     for f in sorted((out / "devices").glob("*.json")):
         info = json.loads(f.read_text())

@@ -276,7 +276,8 @@ def test_provision_cli_writes_a_deployment(tmp_path):
     assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.5", "fd00::5"]
     proc = subprocess.run([sys.executable, "-m", "fedmoe", "provision", "--out", str(out), "--count", "5",
                            "--prefix", "edge-"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "6 devices" in proc.stdout and "(2 new, 4 kept)" in proc.stdout, proc.stderr  # honest counts
+    assert proc.returncode == 0, proc.stderr
+    assert "6 devices" in proc.stdout and "(2 new, 4 kept)" in proc.stdout  # honest counts
     assert "\nlistener 18883 127.0.0.1\n" in (out / "mosquitto.conf").read_text()  # a re-run keeps the listener
     for bad, why in ((["--devices", "a/b"], "invalid device id"), (["--tls-host", "mqtts://x:8883"], "DNS name"),
                      (["--port", "70000"], "not a TCP port")):
