@@ -166,6 +166,7 @@ class _OrtNotices(logging.Filter):
 
 @contextlib.contextmanager
 def _quiet_quantizer() -> Iterator[None]:
+    """Filter :class:`_OrtNotices` out of the root logger while onnxruntime quantizes."""
     root, notices = logging.getLogger(), _OrtNotices()
     root.addFilter(notices)  # a logger's filter sees only records logged on it: the root logger's own
     try:
