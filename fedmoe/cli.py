@@ -1,4 +1,5 @@
-"""The ``fedmoe`` command line: ``simulate``, ``aggregator``, ``device``, ``export``, ``provision``, ``upcycle``."""
+"""The ``fedmoe`` command line: ``simulate``, ``aggregator``, ``device``, ``export``, ``predict``, ``status``,
+``provision``, ``data split``, ``upcycle``."""
 
 from __future__ import annotations
 
@@ -162,16 +163,54 @@ def _device(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from cloud.service import AggregatorConfig
     from cloud.export import model_from_store
+    from cloud.service import AggregatorConfig
     from edge_sdk.export import export_onnx
 
     cfg = AggregatorConfig.load(args.config)
     task = args.task or next(iter(cfg.tasks))
-    model = model_from_store(cfg, args.store or cfg.store, task, args.device)
-    out = export_onnx(model, args.out, int8=args.int8)
-    print(f"wrote {out} ({'int8' if args.int8 else 'fp32'}, task {task}, "
-          f"{'device ' + args.device if args.device else 'global MoE'}, {out.stat().st_size / 2**20:.1f} MiB)")
+    stored = model_from_store(cfg, args.store or cfg.store, task, args.device)
+    source = f"device {args.device}'s sub-MoE" if args.device else "global MoE"
+    out = export_onnx(stored.model, args.out, int8=args.int8, labels=stored.labels,
+                      metadata={"task": task, "round": stored.round, "source": source})
+    print(f"wrote {out} ({'int8' if args.int8 else 'fp32'}, task {task}, {source}, "
+          f"{'round ' + str(stored.round) if stored.round is not None else 'initial model: no round in the store'}, "
+          f"{out.stat().st_size / 2**20:.1f} MiB; labels and tokenizer stored with it)\n"
+          f"try: fedmoe predict {out} --text \"...\"")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import json
+
+    from edge_sdk.export import OnnxClassifier
+
+    texts, truth = list(args.text or []), []
+    if args.file:
+        from edge_sdk.data import load_text_file
+
+        try:
+            truth = load_text_file(args.file).items
+        except (OSError, ValueError) as e:
+            raise UsageError(str(e)) from None
+        texts += [str(x) for x, _ in truth]
+    if not texts:
+        raise UsageError("nothing to predict: give --text TEXT (repeatable) or --file FILE")
+    try:
+        model = OnnxClassifier(args.model)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    predicted = model.predict(texts, args.batch_size)
+    for text, (label, probs) in zip(texts, predicted):
+        if args.json:
+            print(json.dumps({"text": text, "label": label, "probabilities": probs}))
+        else:
+            ranked = sorted(probs.items(), key=lambda kv: -kv[1])
+            excerpt = text if len(text) <= 60 else text[:57] + "..."
+            print(f"{label}\t{probs[label]:.3f}\t" + " ".join(f"{y}={p:.3f}" for y, p in ranked) + f"\t{excerpt}")
+    if truth and all(str(y) in model.labels for _, y in truth):  # a labelled file: how many are right
+        right = sum(str(y) == label for (_, y), (label, _) in zip(truth, predicted[len(texts) - len(truth):]))
+        log.info("%s: %d of %d right (accuracy %.3f)", args.file, right, len(truth), right / len(truth))
     return 0
 
 
@@ -185,20 +224,39 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_ids(args: argparse.Namespace) -> list[str]:
+    """``--devices a,b`` then ``--count N`` ids ``{--prefix}0..{N-1}`` (provision, data split: the same ids)."""
+    ids = [d for d in (args.devices or "").split(",") if d]
+    return ids + [f"{args.prefix}{i}" for i in range(args.count or 0)]
+
+
 def _provision(args: argparse.Namespace) -> int:
     from .provision import provision
 
-    ids = [d for d in (args.devices or "").split(",") if d]
-    if args.count:
-        ids += [f"{args.prefix}{i}" for i in range(args.count)]
-    hosts = [h for h in (args.tls_host or "").split(",") if h]
+    ids = _device_ids(args)
+    hosts = [h.strip() for spec in args.tls_host or [] for h in spec.split(",") if h.strip()]
     try:
-        p = provision(args.out, ids, tls_hosts=hosts, port=args.port, broker_user=args.broker_user or None)
+        p = provision(args.out, ids, tls_hosts=hosts, port=args.port, broker_user=args.broker_user or None,
+                      bind=args.bind)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    print(f"{len(p.devices)} devices in {p.out}: devices/<id>.json (device --credentials), aggregator.json "
-          f"(aggregator --credentials), device_keys.json (aggregator --device-keys), passwd, acl, mosquitto.conf"
-          + (", tls/" if p.ca_file else ""))
+    print(f"{len(p.devices)} devices in {p.out} ({len(p.new)} new, {len(p.devices) - len(p.new)} kept): "
+          f"devices/<id>.json (device --credentials), aggregator.json (aggregator --credentials), device_keys.json "
+          f"(aggregator --device-keys), passwd, acl, mosquitto.conf, nats-users.conf" + (", tls/" if p.ca_file else ""))
+    return 0
+
+
+def _data_split(args: argparse.Namespace) -> int:
+    from .device_data import split_devices, summary
+
+    ids = _device_ids(args)
+    try:
+        manifest = split_devices(args.source, ids, args.out, partition=args.partition, seed=args.seed,
+                                 test_fraction=args.test_fraction)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    print(summary(manifest) + f"wrote {len(ids)} device files, "
+          f"{'test.jsonl, ' if manifest['test'] else ''}manifest.json in {args.out}")
     return 0
 
 
@@ -256,9 +314,9 @@ def _aggregator_options() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, status, provision, upcycle,
-    each with ``func`` set to its handler. The options of simulate, aggregator and device
-    are generated from their config schemas (``fedmoe.options``)."""
+    """The ``fedmoe`` argument parser: subcommands simulate, aggregator, device, export, predict, status,
+    provision, data split, upcycle, each with ``func`` set to its handler. The options of simulate,
+    aggregator and device are generated from their config schemas (``fedmoe.options``)."""
     from cloud.config import AggregatorConfig
     from edge_sdk.config import DeviceConfig
 
@@ -300,6 +358,18 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--device", help="export this device's last assigned sub-MoE instead of the global MoE")
     x.set_defaults(func=_export)
 
+    pr = sub.add_parser("predict", help="classify texts with a model from `fedmoe export` (onnxruntime)",
+                        description="Runs MODEL.onnx with the tokenizer, maximum length and label names stored "
+                                    "with it; prints per text: label, its probability, every label's probability, "
+                                    "the text (tab-separated), or one JSON object per line with --json.")
+    pr.add_argument("model", metavar="MODEL.onnx", help="a file written by `fedmoe export` (its MODEL.tokenizer/ "
+                                                        "directory next to it)")
+    pr.add_argument("--text", action="append", help="a text to classify (repeatable)")
+    pr.add_argument("--file", help="a CSV (header text,label) or JSONL file: classify every text in it")
+    pr.add_argument("--json", action="store_true", help="one JSON object per line")
+    pr.add_argument("--batch-size", type=int, default=32)
+    pr.set_defaults(func=_predict)
+
     st = sub.add_parser("status", help="print the device and round tables from an aggregator's store",
                         description="Works while the aggregator runs and after it stopped (reads its store only).")
     st.add_argument("--store", required=True, help="the aggregator's store URL (sqlite:///path or postgresql://...)")
@@ -311,12 +381,42 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--devices", help="comma-separated device ids")
     v.add_argument("--count", type=int, help="also provision PREFIX0..PREFIX{N-1}")
     v.add_argument("--prefix", default="dev")
-    v.add_argument("--tls-host", help="comma-separated broker host names/IPs: write a CA and server certificate")
-    v.add_argument("--port", type=int, default=8883, help="listener port in the generated mosquitto.conf")
+    v.add_argument("--tls-host", action="append", metavar="HOST[,HOST...]",
+                   help="a DNS name or IP address devices and the aggregator reach the broker by; repeat it (or "
+                        "separate by commas) for every one: all go into the server certificate's subjectAltName "
+                        "(localhost/127.0.0.1 only if given). Writes a CA (kept on later runs) and server certificate")
+    v.add_argument("--port", type=int, help="listener port in the generated mosquitto.conf (default: the port of "
+                                            "the existing one, else 8883)")
+    v.add_argument("--bind", metavar="ADDRESS",
+                   help="address the broker listens on, e.g. 10.0.0.5 or 127.0.0.1 (default: the existing "
+                        "mosquitto.conf's, else every interface; '' for every interface)")
     v.add_argument("--broker-user", default="mosquitto",
                    help="system account a broker started as root runs as; provisioning as root makes it the owner "
                         "of the broker's files ('' to leave ownership and the conf's user line alone)")
     v.set_defaults(func=_provision)
+
+    dd = sub.add_parser("data", help="prepare data files for devices").add_subparsers(dest="data_command",
+                                                                                        required=True)
+    ds = dd.add_parser("split", help="cut a labelled data set into per-device files and a held-out test file",
+                       description="Writes OUT/<device id>.jsonl per device (its --data), OUT/test.jsonl (the "
+                                   "aggregator's eval_data) and OUT/manifest.json (counts per device and label, "
+                                   "seed, method). No test text is in a device file. Device ids as `fedmoe "
+                                   "provision` names them (--count/--prefix, --devices).")
+    ds.add_argument("--from", dest="source", required=True, metavar="SOURCE",
+                    help="a CSV (header text,label) or JSONL file (objects with text and label), or a built-in "
+                         "set: builtin:bbc, builtin:tweets (its test split is then exactly the aggregator's "
+                         "eval_data builtin:NAME)")
+    ds.add_argument("--out", required=True, help="output directory")
+    ds.add_argument("--devices", help="comma-separated device ids")
+    ds.add_argument("--count", type=int, help="also PREFIX0..PREFIX{N-1}")
+    ds.add_argument("--prefix", default="dev")
+    ds.add_argument("--partition", default="iid",
+                    help="iid (default), dirichlet:ALPHA (label skew; smaller ALPHA, more skew) or classes:K "
+                         "(K labels per device)")
+    ds.add_argument("--seed", type=int, default=0, help="seed of the partition and of a file's test split")
+    ds.add_argument("--test-fraction", type=float,
+                    help="held-out share of a file (default 0.2; 0: no test split); fixed for builtin:NAME")
+    ds.set_defaults(func=_data_split)
 
     u = sub.add_parser("upcycle", help="sparse-upcycle a dense Llama checkpoint into a Hugging Face Mixtral/Qwen2-MoE",
                        description="Copy each dense FFN into E experts (sparse upcycling, Komatsuzaki et al. 2022) "

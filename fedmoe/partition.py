@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Sequence
 
@@ -26,9 +27,13 @@ def parse_partition(text: str) -> tuple[str, float]:
     if name == "iid" and not arg:
         return "iid", 0.0
     if name in ("dirichlet", "classes") and arg:
-        value = float(arg)
-        if value <= 0 or (name == "classes" and not value.is_integer()):
-            raise ValueError(f"bad partition parameter in {text!r}")
+        try:
+            value = float(arg)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf or (name == "classes" and not value.is_integer()):
+            want = "dirichlet:ALPHA with ALPHA > 0" if name == "dirichlet" else "classes:K with a whole K >= 1"
+            raise ValueError(f"bad partition parameter in {text!r}: want {want}")
         return name, value
     raise ValueError(f"unknown partition {text!r}; use iid, dirichlet:ALPHA or classes:K")
 

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -37,19 +37,30 @@ from protocol.topics import check_id
 log = logging.getLogger(__name__)
 
 AGGREGATOR_USER = "fedmoe-aggregator"
-ACL_TEXT = """\
+ACL_HEAD = """\
 # fedmoe broker ACL (Mosquitto acl_file), written by `fedmoe provision`.
 # Every client (username = device id): publish only into its own up/ subtree
 # (hello, stats, update, ack, status and its Last Will), read only its own down/
 # subtree and the retained expert shards.
 pattern write fl/v1/+/dev/%u/up/#
 pattern read fl/v1/+/dev/%u/down/#
-pattern read fl/v1/+/shards/#
 
 # The aggregator's own account: the whole protocol tree.
 user {aggregator}
 topic readwrite fl/v1/#
+
+# Read-only access to the shards, granted to each provisioned device by name: a
+# `pattern` without %u or %c would apply to every client, and Mosquitto warns about it.
 """
+
+
+def acl_text(aggregator: str, device_users: Iterable[str]) -> str:
+    """The Mosquitto ``acl_file``: ``pattern`` lines confine every client to its own
+    ``fl/v1/+/dev/{username}/up/#`` (write) and ``.../down/#`` (read); the aggregator may
+    use all of ``fl/v1/#``; each device in ``device_users`` may read ``fl/v1/+/shards/#``
+    (a ``user`` block each, so Mosquitto 2 has no pattern without ``%u`` to warn about)."""
+    blocks = [f"user {u}\ntopic read fl/v1/+/shards/#\n" for u in sorted(device_users)]
+    return ACL_HEAD.format(aggregator=aggregator) + "\n".join(blocks)
 
 
 def nats_subject(topic_filter: str) -> str:
@@ -116,17 +127,48 @@ def _write_secret(path: Path, text: str) -> None:
         f.write(text)
 
 
+def subject_alt_name(host: str):
+    """``host`` as a subjectAltName entry of the server certificate: an IP address entry
+    for an IPv4/IPv6 address (a client connecting to ``mqtts://10.0.0.5`` checks that
+    one), else a DNS name entry (``*.example.org`` allowed).
+
+    Raises:
+        ValueError: empty, or not a host name (a URL, a port, spaces).
+    """
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if not host or not all(lb and len(lb) <= 63 and all(c.isalnum() or c in "-_*" for c in lb) for lb in labels):
+        raise ValueError(f"--tls-host {host!r} is neither an IP address nor a DNS name (give the broker's host "
+                         "name or address without scheme or port, e.g. mqtt.example.org or 10.0.0.5)")
+    return x509.DNSName(host)
+
+
 def make_tls(out: Path, hosts: Iterable[str], days: int = 825) -> None:
-    """Write a CA and a server certificate for ``hosts`` (names or IP addresses) to ``out``.
+    """Write a CA and a server certificate for ``hosts`` to ``out``: every host (DNS
+    name or IP address, :func:`subject_alt_name`) is in the certificate's subjectAltName,
+    the first is its common name. Nothing is added: a client on the broker's machine
+    connecting to ``localhost`` or ``127.0.0.1`` needs those names among ``hosts``.
 
     Files: ``ca.crt``, ``ca.key``, ``server.crt``, ``server.key`` (PEM). An existing CA
-    is reused; the server certificate is rewritten.
+    is reused (devices keep trusting it); the server certificate is rewritten.
+
+    Raises:
+        ValueError: no hosts, or a host that is not a name or address.
     """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
+    hosts = list(dict.fromkeys(hosts))
+    if not hosts:
+        raise ValueError("a server certificate needs at least one host name or IP address")
+    sans = [subject_alt_name(h) for h in hosts]
     out.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.timezone.utc)
 
@@ -151,13 +193,6 @@ def make_tls(out: Path, hosts: Iterable[str], days: int = 825) -> None:
         )
         _write_secret(ca_key_path, pem_key(ca_key))
         ca_crt_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    hosts = list(hosts)
-    sans = []
-    for h in hosts:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            sans.append(x509.DNSName(h))
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
@@ -174,9 +209,17 @@ def make_tls(out: Path, hosts: Iterable[str], days: int = 825) -> None:
 
 def mosquitto_conf(out: Path, port: int = 8883, host: str = "", tls: bool = True, persistence: bool = True,
                    broker_user: str | None = None) -> str:
-    """A Mosquitto 2.x config using the provisioned files in ``out`` (absolute paths);
-    ``broker_user``: the account a broker started as root runs as (Mosquitto's ``user``
-    option; ignored by a broker started as anyone else)."""
+    """A Mosquitto 2.x config using the provisioned files in ``out`` (absolute paths).
+
+    Args:
+        out: the deployment directory.
+        port: the listener's TCP port.
+        host: the address the listener binds to (``""``: every interface).
+        tls: serve TLS only, with ``out/tls/server.{crt,key}``.
+        persistence: keep sessions and retained shards in ``out/broker-data``.
+        broker_user: the account a broker started as root runs as (Mosquitto's ``user``
+            option; ignored by a broker started as anyone else).
+    """
     out = out.resolve()
     lines = [
         "# written by `fedmoe provision`; see examples/deploy/mosquitto.conf for the commented version",
@@ -189,6 +232,8 @@ def mosquitto_conf(out: Path, port: int = 8883, host: str = "", tls: bool = True
         "max_inflight_messages 64",
         f"persistence {'true' if persistence else 'false'}",
         f"persistence_location {out / 'broker-data'}/",
+        "# the listener: port and bind address (`fedmoe provision --port N --bind ADDRESS`; without an",
+        "# address Mosquitto listens on every interface)",
         f"listener {port}{' ' + host if host else ''}",
     ]
     if tls:
@@ -234,6 +279,8 @@ class Provisioned:
     out: Path
     devices: dict[str, dict]
     aggregator: dict
+    new: list[str] = field(default_factory=list)
+    """The device ids this call created (the others existed and were kept)."""
 
     def device_file(self, device_id: str) -> Path:
         """``{out}/devices/{device_id}.json``: that device's credentials (not checked to exist)."""
@@ -256,17 +303,34 @@ class Provisioned:
         return p if p.exists() else None
 
 
+def _previous_listener(conf: Path) -> tuple[int, str] | None:
+    """(port, bind address) of the ``listener`` line of a ``mosquitto.conf`` this module
+    wrote earlier, or None (no file, or no such line)."""
+    if not conf.exists():
+        return None
+    for line in conf.read_text().splitlines():
+        words = line.split()
+        if len(words) in (2, 3) and words[0] == "listener" and words[1].isdigit():
+            return int(words[1]), (words[2] if len(words) == 3 else "")
+    return None
+
+
 def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[str] = (),
-              aggregator_user: str = AGGREGATOR_USER, port: int = 8883,
-              broker_user: str | None = DEFAULT_BROKER_USER) -> Provisioned:
+              aggregator_user: str = AGGREGATOR_USER, port: int | None = None,
+              broker_user: str | None = DEFAULT_BROKER_USER, bind: str | None = None) -> Provisioned:
     """Create (or extend) a deployment directory; see the module docstring.
 
     Args:
         out: the directory.
         device_ids: devices to provision (existing ones are kept unchanged).
-        tls_hosts: host names / IPs for the broker's server certificate (none: no TLS files).
+        tls_hosts: every DNS name and IP address clients reach the broker by; all go into
+            the server certificate's subjectAltName (:func:`make_tls`). None: no new TLS
+            files (an existing ``tls/`` is kept).
         aggregator_user: the aggregator's MQTT username.
-        port: listener port written into ``mosquitto.conf``.
+        port: listener port written into ``mosquitto.conf`` (None: the port of the
+            ``mosquitto.conf`` already in ``out``, else 8883).
+        bind: address the listener binds to (``""``: every interface; None: as the
+            existing ``mosquitto.conf`` says, else every interface).
         broker_user: the system account the broker runs as when started as root
             (Mosquitto drops to it, default ``mosquitto``): written into ``mosquitto.conf``
             and, when provisioning as root, made owner of the files the broker reads
@@ -275,13 +339,22 @@ def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[st
 
     Raises:
         ValueError: an invalid device id, a device id equal to the aggregator's username,
-            or (as root) a ``broker_user`` that is not a system account.
+            a TLS host that is not a name or address, a port outside 1..65535, or (as root)
+            a ``broker_user`` that is not a system account.
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    ids = [check_id(d, "device id") for d in device_ids]
+    ids = list(dict.fromkeys(check_id(d, "device id") for d in device_ids))
     if aggregator_user in ids:
         raise ValueError(f"device id {aggregator_user!r} is reserved for the aggregator")
+    previous = _previous_listener(out / "mosquitto.conf") or (8883, "")
+    port = previous[0] if port is None else port
+    bind = previous[1] if bind is None else bind
+    if not 0 < port < 65536:
+        raise ValueError(f"--port {port}: not a TCP port (1..65535)")
+    tls_hosts = list(dict.fromkeys(tls_hosts))
+    for h in tls_hosts:  # before anything is written
+        subject_alt_name(h)
+    out.mkdir(parents=True, exist_ok=True)
     devices: dict[str, dict] = {}
     for f in sorted((out / "devices").glob("*.json")):
         info = json.loads(f.read_text())
@@ -289,15 +362,14 @@ def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[st
     agg_path = out / "aggregator.json"
     aggregator = json.loads(agg_path.read_text()) if agg_path.exists() else {
         "username": aggregator_user, "password": secrets.token_urlsafe(24)}
-    for d in ids:
-        if d in devices:
-            continue
+    new = [d for d in ids if d not in devices]
+    for d in new:
         key = generate_key()
         devices[d] = {"device_id": d, "username": d, "password": secrets.token_urlsafe(24),
                       "signing_key": private_key_b64(key), "public_key": public_key_b64(key)}
-    tls_hosts = list(tls_hosts)
     if tls_hosts:
         make_tls(out / "tls", tls_hosts)
+        log.info("server certificate tls/server.crt for %s", ", ".join(tls_hosts))
     ca = out / "tls" / "ca.crt"
     if ca.exists():
         aggregator["tls_ca"] = str(ca.resolve())
@@ -310,10 +382,11 @@ def provision(out: str | Path, device_ids: Iterable[str], tls_hosts: Iterable[st
     lines += [mosquitto_password_line(i["username"], i["password"]) for i in devices.values()]
     _write_secret(out / "passwd", "\n".join(lines) + "\n")
     _write_secret(out / "nats-users.conf", nats_users_conf(aggregator, devices))
-    (out / "acl").write_text(ACL_TEXT.format(aggregator=aggregator["username"]))
+    (out / "acl").write_text(acl_text(aggregator["username"], (i["username"] for i in devices.values())))
     (out / "device_keys.json").write_text(
         json.dumps({d: i["public_key"] for d, i in sorted(devices.items())}, indent=1))
-    (out / "mosquitto.conf").write_text(mosquitto_conf(out, port, tls=ca.exists(), broker_user=broker_user))
+    (out / "mosquitto.conf").write_text(mosquitto_conf(out, port, bind, tls=ca.exists(), broker_user=broker_user))
     _hand_to_broker(out, broker_user)
-    log.info("provisioned %d devices in %s (%d new)", len(devices), out, len(ids))
-    return Provisioned(out, devices, aggregator)
+    log.info("%d devices in %s: %d new, %d kept; mosquitto.conf listens on port %d of %s (%s)", len(devices), out,
+             len(new), len(devices) - len(new), port, bind or "every interface", "TLS" if ca.exists() else "no TLS")
+    return Provisioned(out, devices, aggregator, new)

@@ -72,8 +72,8 @@ def test_replay_guard_tells_duplicates_from_replays():
 
 def test_provision_is_incremental_and_writes_secrets(tmp_path):
     p1 = provision(tmp_path / "s", ["a", "b"])
-    p2 = provision(tmp_path / "s", ["b", "c"])
-    assert set(p2.devices) == {"a", "b", "c"}
+    p2 = provision(tmp_path / "s", ["b", "c", "c"])
+    assert set(p2.devices) == {"a", "b", "c"} and p1.new == ["a", "b"] and p2.new == ["c"]  # "b" kept, not new
     assert p2.devices["a"] == p1.devices["a"] and p2.devices["b"] == p1.devices["b"]
     cred = load_credentials(p2.device_file("c"))
     load_private_key(cred["signing_key"])
@@ -83,6 +83,11 @@ def test_provision_is_incremental_and_writes_secrets(tmp_path):
     assert all(x.split(":")[1].startswith("$7$101$") for x in lines)
     acl = (tmp_path / "s" / "acl").read_text()
     assert "pattern write fl/v1/+/dev/%u/up/#" in acl and "pattern read fl/v1/+/dev/%u/down/#" in acl
+    for u in ("a", "b", "c"):  # shards readable by name: no pattern without %u (Mosquitto warns about those)
+        assert f"user {u}\ntopic read fl/v1/+/shards/#\n" in acl
+    assert [x for x in acl.splitlines() if x.startswith("pattern") and "%u" not in x] == []
+    nats = (tmp_path / "s" / "nats-users.conf").read_text()
+    assert all(f'user: "{u}"' in nats for u in ("a", "b", "c"))
     with pytest.raises(ValueError):
         provision(tmp_path / "s", ["bad/id"])
     with pytest.raises(ValueError):
@@ -98,6 +103,9 @@ def secure(tmp_path_factory):
     d = tmp_path_factory.mktemp("secure")
     p = provision(d / "secrets", ["dev0", "dev1", "mallory"], tls_hosts=["localhost", "127.0.0.1"])
     broker = MosquittoBroker(str(d / "broker"), mosquitto_conf(p.out)).start()
+    log = (d / "broker" / "mosquitto.log").read_text()
+    assert "Config loaded" in log or "running" in log, log  # the log is where a config warning would be
+    assert "does not contain '%c' or '%u'" not in log and "Warning" not in log, log
     yield p, broker
     broker.stop()
 
@@ -249,17 +257,33 @@ def test_provision_cli_writes_a_deployment(tmp_path):
 
     out = tmp_path / "dep"
     proc = subprocess.run([sys.executable, "-m", "fedmoe", "provision", "--out", str(out), "--count", "3",
-                           "--prefix", "edge-", "--devices", "gw", "--tls-host", "localhost,127.0.0.1"],
+                           "--prefix", "edge-", "--devices", "gw", "--tls-host", "mqtt.example.org",
+                           "--tls-host", "10.0.0.5,fd00::5", "--bind", "127.0.0.1", "--port", "18883"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert "(4 new, 0 kept)" in proc.stdout and "4 new, 0 kept" in proc.stderr
     keys = json.loads((out / "device_keys.json").read_text())
     assert sorted(keys) == ["edge-0", "edge-1", "edge-2", "gw"]
     for f in ("passwd", "acl", "aggregator.json", "mosquitto.conf", "tls/ca.crt", "tls/server.key"):
         assert (out / f).exists(), f
-    assert "certfile" in (out / "mosquitto.conf").read_text()
-    proc = subprocess.run([sys.executable, "-m", "fedmoe", "provision", "--out", str(out), "--devices", "a/b"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "invalid device id" in proc.stderr
+    conf = (out / "mosquitto.conf").read_text()
+    assert "certfile" in conf and "\nlistener 18883 127.0.0.1\n" in conf
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((out / "tls" / "server.crt").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["mqtt.example.org"]  # no localhost unless asked
+    assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.5", "fd00::5"]
+    proc = subprocess.run([sys.executable, "-m", "fedmoe", "provision", "--out", str(out), "--count", "5",
+                           "--prefix", "edge-"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "6 devices" in proc.stdout and "(2 new, 4 kept)" in proc.stdout  # honest counts
+    assert "\nlistener 18883 127.0.0.1\n" in (out / "mosquitto.conf").read_text()  # a re-run keeps the listener
+    for bad, why in ((["--devices", "a/b"], "invalid device id"), (["--tls-host", "mqtts://x:8883"], "DNS name"),
+                     (["--port", "70000"], "not a TCP port")):
+        proc = subprocess.run([sys.executable, "-m", "fedmoe", "provision", "--out", str(out), *bad],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and why in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root: the broker drops to its user")
