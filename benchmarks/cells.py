@@ -1,4 +1,4 @@
-"""The method-comparison tables' shared runner (imported as ``cells`` from beside them):
+"""The method-comparison tables' shared runner (``benchmarks.cells``):
 the command-line options, and a loop over (seed, setting, method) cells that is
 resumable, takes the machine's heavy-run lock per cell, gives each cell a fresh embedded
 broker, survives a failed cell and writes the tables at the end.
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from common import fmt, heavy_lock, slug, write_result
+from benchmarks.common import fmt, heavy_lock, slug, write_result
 
 log = logging.getLogger("cells")
 
@@ -236,7 +236,7 @@ def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], te
     from contextlib import nullcontext
 
     from cloud.service import Aggregator, AggregatorConfig, StrategyConfig, TaskConfig
-    from common import eval_threads
+    from benchmarks.common import eval_threads
     from edge_sdk import EdgeClient
     from edge_sdk.filters import UpdateEncoding
     from fedmoe import report as R
@@ -319,7 +319,7 @@ def load_data(source: str, seed: int, samples: int, eval_samples: int, test_frac
         items, labels, train_idx, test_idx = split_task(source, seed, test_fraction, int(samples / (1 - test_fraction)))
         return [items[i] for i in train_idx], [items[i] for i in test_idx], labels
     if source == "fmnist":
-        from common import install_fashion_mnist
+        from benchmarks.common import install_fashion_mnist
         from fedmoe.datasets import FASHION_MNIST_DIR, fashion_mnist
 
         if not Path(FASHION_MNIST_DIR).exists():

@@ -1,12 +1,31 @@
-"""Helpers shared by the benchmark scripts (imported as ``common`` from beside them)."""
+"""Helpers shared by the benchmark scripts (``benchmarks.common``)."""
 
 from __future__ import annotations
 
 import fcntl
 import json
+import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root (benchmarks write under ``runs/`` and ``results/`` there)."""
+
+
+def module_command(name: str, *args: str) -> list[str]:
+    """The argv that runs ``python -m benchmarks.<name> args`` with this interpreter, for a
+    benchmark that starts another as a fresh process (run it with :func:`module_env`)."""
+    return [sys.executable, "-m", f"benchmarks.{name}", *args]
+
+
+def module_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the repository root first on ``PYTHONPATH`` (so a
+    :func:`module_command` finds ``benchmarks`` and this checkout's packages from any
+    working directory), plus ``extra``."""
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, **extra, "PYTHONPATH": path}
 
 
 def write_result(out: str | Path, stem: str, result: dict[str, Any], markdown: Callable[[dict], str],

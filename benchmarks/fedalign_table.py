@@ -48,9 +48,9 @@ Cells are resumable: each writes ``runs/fedalign_table/<profile>/s<seed>/<settin
 and is skipped when that exists (``--force`` reruns); ``--lock FILE`` holds an exclusive
 flock only while a cell runs. Writes ``results/fedalign_table{,_quick}.{json,md,png}``.
 
-    python benchmarks/fedalign_table.py --quick --lock /tmp/fedmoe-heavy.lock   # < 10 min
-    python benchmarks/fedalign_table.py --lock /tmp/fedmoe-heavy.lock           # ~1 h
-    python benchmarks/fedalign_table.py --collect    # tables from the cells finished so far
+    python -m benchmarks.fedalign_table --quick --lock /tmp/fedmoe-heavy.lock   # < 10 min
+    python -m benchmarks.fedalign_table --lock /tmp/fedmoe-heavy.lock           # ~1 h
+    python -m benchmarks.fedalign_table --collect    # tables from the cells finished so far
 """
 
 from __future__ import annotations
@@ -63,15 +63,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ci_text as _ci
+from benchmarks import cells
+from benchmarks.common import compare_methods, fmt, rounds_to  # noqa: F401 (rounds_to: re-exported)
+from benchmarks.common import diff_text as _diff
+from benchmarks.common import marks as _marks
+from benchmarks.common import verdict as _verdict
 
-from common import ci_text as _ci  # noqa: E402
-import cells  # noqa: E402
-from common import compare_methods, fmt, rounds_to  # noqa: E402,F401
-from common import diff_text as _diff  # noqa: E402
-from common import marks as _marks  # noqa: E402
-from common import verdict as _verdict  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 log = logging.getLogger("fedalign_table")
 

@@ -31,9 +31,9 @@ skipped when that exists (``--force`` reruns). ``--lock FILE`` holds an exclusiv
 only while a cell runs (the machine is shared). Writes ``results/fedmoe_table.json``,
 ``results/fedmoe_table.md`` and ``results/fedmoe_table_<setting>.png``.
 
-    python benchmarks/fedmoe_table.py --quick      # < 10 min: 6 devices, 3 rounds
-    python benchmarks/fedmoe_table.py              # 12 devices, 4 per round, 10 rounds
-    python benchmarks/fedmoe_table.py --collect    # tables from the cells finished so far
+    python -m benchmarks.fedmoe_table --quick      # < 10 min: 6 devices, 3 rounds
+    python -m benchmarks.fedmoe_table              # 12 devices, 4 per round, 10 rounds
+    python -m benchmarks.fedmoe_table --collect    # tables from the cells finished so far
 """
 
 from __future__ import annotations
@@ -48,13 +48,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import fmt as _fmt, heavy_lock, slug
+from moe_model.budget import estimate
+from fedmoe.simulate import SimulationConfig, simulate
+from protocol.messages import ModelSpec
 
-from common import fmt as _fmt, heavy_lock, slug  # noqa: E402
-from moe_model.budget import estimate  # noqa: E402
-from fedmoe.simulate import SimulationConfig, simulate  # noqa: E402
-from protocol.messages import ModelSpec  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 log = logging.getLogger("fedmoe_table")
 

@@ -53,9 +53,9 @@ Cells are resumable (``runs/fusion_table/<profile>/s<seed>/<cell>/report.json``;
 reruns); ``--lock FILE`` holds an exclusive flock while a cell runs. Writes
 ``results/fusion_table{,_quick}.{json,md,png}``.
 
-    python benchmarks/fusion_table.py --quick --lock /tmp/fedmoe-heavy.lock   # < 10 min
-    python benchmarks/fusion_table.py --lock /tmp/fedmoe-heavy.lock
-    python benchmarks/fusion_table.py --collect     # tables from the cells finished so far
+    python -m benchmarks.fusion_table --quick --lock /tmp/fedmoe-heavy.lock   # < 10 min
+    python -m benchmarks.fusion_table --lock /tmp/fedmoe-heavy.lock
+    python -m benchmarks.fusion_table --collect     # tables from the cells finished so far
 """
 
 from __future__ import annotations
@@ -67,12 +67,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import cells
+from benchmarks.common import ci_text, compare_methods, diff_text, fmt
+from benchmarks.common import marks, verdict
 
-import cells  # noqa: E402
-from common import ci_text, compare_methods, diff_text, fmt  # noqa: E402
-from common import marks, verdict  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 log = logging.getLogger("fusion_table")
 

@@ -45,7 +45,7 @@ gets a paired t-test, and "better" is written only where the 95% CI of the paire
 difference excludes 0. Peak memory is not a column: the devices share one process here
 (``benchmarks/memory.py`` measures it per process).
 
-    python benchmarks/harness.py benchmarks/configs/fedmoe_experts.yaml --quick --lock /tmp/fedmoe-heavy.lock
+    python -m benchmarks.harness benchmarks/configs/fedmoe_experts.yaml --quick --lock /tmp/fedmoe-heavy.lock
 """
 
 from __future__ import annotations
@@ -57,12 +57,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import cells
+from protocol.codec import WEIGHT_FORMATS
+from benchmarks.common import ci_text, compare_methods, diff_text, fmt, verdict
 
-import cells  # noqa: E402
-from protocol.codec import WEIGHT_FORMATS  # noqa: E402
-from common import ci_text, compare_methods, diff_text, fmt, verdict  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 REQUIRED = ("name", "model", "grid", "samples", "eval_samples", "budgets", "train", "rounds", "seeds", "methods")
 DEFAULTS: dict[str, Any] = {"description": "", "model_by_data": {}, "weight_format": "int8", "compare": [],

@@ -28,8 +28,8 @@ be 0). Bad inputs are *accepted* if the rogue ever appears among a round's accep
 devices (must be 0). The aggregator's resident memory (VmRSS) is sampled at every
 round end; growth is measured over its last incarnation (after the last restart).
 
-    python benchmarks/reliability.py                  # 50 devices, 20 rounds
-    python benchmarks/reliability.py --quick          # 8 devices, 6 rounds
+    python -m benchmarks.reliability                  # 50 devices, 20 rounds
+    python -m benchmarks.reliability --quick          # 8 devices, 6 rounds
 
 Writes ``results/reliability/reliability.json``, ``reliability.md`` and
 ``reliability.png`` (``--out``).
@@ -53,7 +53,6 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -3,16 +3,11 @@ cells (no federation runs here)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import fedalign_table as T  # noqa: E402
-from common import mean_ci, paired_test  # noqa: E402
+from benchmarks import fedalign_table as T
+from benchmarks.common import mean_ci, paired_test
 
 
 def test_mean_ci_uses_student_t():

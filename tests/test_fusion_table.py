@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import fusion_table as T  # noqa: E402
+from benchmarks import fusion_table as T
 
 
 def _cell(seed, method, curve, setting="tweets 10", fused=None):

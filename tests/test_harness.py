@@ -4,15 +4,12 @@ embedded broker)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import harness as H  # noqa: E402
+from benchmarks import harness as H
 
 CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
 
@@ -106,7 +103,7 @@ def test_reused_rows_stand_in_for_cells_this_checkout_lacks(tmp_path):
     import argparse
     import json
 
-    import cells
+    from benchmarks import cells
 
     table = tmp_path / "t.json"
     row = {"seed": 0, "setting": "a 10", "method": "M", "measured": "2026-01-01 00:00 UTC", "accuracy": 0.5,
