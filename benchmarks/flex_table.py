@@ -5,7 +5,7 @@ capacities 2-6, five partitions, Random / Greedy / FLEX and the usage-aware vari
 
 Kept so that its command still works; every harness option passes through::
 
-    python -m benchmarks.flex_table --quick      # harness.py configs/flex.yaml --quick
+    python -m benchmarks.flex_table --quick      # = python -m benchmarks.harness benchmarks/configs/flex.yaml --quick
     python -m benchmarks.flex_table --lock /tmp/fedmoe-heavy.lock
 
 Writes ``results/evidence/flex{,_quick}.{json,md,png}`` (:mod:`harness`).

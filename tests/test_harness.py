@@ -11,7 +11,8 @@ import yaml
 
 from benchmarks import harness as H
 
-CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "benchmarks" / "configs"
 
 
 def _write(tmp_path, **changes):
@@ -30,7 +31,32 @@ def _write(tmp_path, **changes):
 def test_every_committed_config_loads_in_both_profiles(path):
     for profile in ("full", "quick"):
         cfg = H.load_config(path, profile)
-        assert H.settings_of(cfg) and cfg["methods"]
+        assert H.settings(cfg) and cfg["methods"]
+        assert all(H.methods_for(cfg, s) for s in H.settings(cfg))
+
+
+COMMITTED = sorted([*ROOT.glob("results/*_table*.json"), *ROOT.glob("results/evidence/*.json")])
+COMMITTED = [p for p in COMMITTED if p.stem != "expert_choice"]  # a measurement, not a table
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
+def test_rendering_a_committed_table_again_gives_its_committed_markdown_and_json(tmp_path, path, caplog):
+    """--render from the committed JSON alone: the statistics recomputed from its cells equal
+    the recorded ones, and the markdown and JSON written are the committed ones."""
+    import shutil
+
+    shutil.copy(path, tmp_path / path.name)
+    assert H.main(["--render", str(tmp_path / path.name)]) == 0
+    assert not [r for r in caplog.records if "differ" in r.getMessage()]
+    assert (tmp_path / path.name).read_text() == path.read_text()
+    assert (tmp_path / f"{path.stem}.md").read_text() == path.with_suffix(".md").read_text()
+
+
+def test_a_config_names_an_unknown_table_or_ablation_reference(tmp_path):
+    with pytest.raises(H.ConfigError, match="no module benchmarks.nope"):
+        H.load_config(_write(tmp_path, table="nope"))
+    with pytest.raises(H.ConfigError, match="ablations_against: 'nobody'"):
+        H.load_config(_write(tmp_path, ablations={"X": {"strategy": "composed"}}, ablations_against="nobody"))
 
 
 def test_profiles_override_by_dotted_key_and_the_grid_is_a_product(tmp_path):
@@ -38,7 +64,7 @@ def test_profiles_override_by_dotted_key_and_the_grid_is_a_product(tmp_path):
                                                                                        "Dir(0.1)": "dirichlet:0.1"},
                                                "devices": [4, 8]}), "quick")
     assert cfg["seeds"] == [0] and cfg["rounds"] == 2 and cfg["grid"]["data"] == ["bbc"]     # quick's overrides
-    assert list(H.settings_of(cfg)) == ["bbc IID 4", "bbc IID 8", "bbc Dir(0.1) 4", "bbc Dir(0.1) 8"]
+    assert list(H.settings(cfg)) == ["bbc IID 4", "bbc IID 8", "bbc Dir(0.1) 4", "bbc Dir(0.1) 8"]
     assert H.settings_of(cfg)["bbc Dir(0.1) 8"] == {"data": "bbc", "partition": "dirichlet:0.1", "devices": 8}
 
 
