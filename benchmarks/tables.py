@@ -12,7 +12,7 @@ were none, and the table's own sanity lines) and its tail.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,7 +43,6 @@ class Layout:
     """More sanity lines (after the problems)."""
     tail: Callable[[dict, dict], list[str]] = lambda result, cfg: []
     """Lines after the sanity."""
-    holm: bool = field(default=True)
 
 
 def markdown(result: dict[str, Any], cfg: dict[str, Any], layout: Layout) -> str:
@@ -58,7 +57,7 @@ def markdown(result: dict[str, Any], cfg: dict[str, Any], layout: Layout) -> str
             lines += ["", layout.test_header, "|" + "---|" * width]
             lines += ["| " + " | ".join([f"{t['a']} − {t['b']}", *(f(t, st) for f in layout.test_columns)]) + " |"
                       for t in st["tests"]]
-        if layout.holm and (line := holm_text(st)):
+        if (line := holm_text(st)):
             lines += ["", line]
         lines.append("")
     lines += layout.sections(result, cfg)
