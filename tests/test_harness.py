@@ -181,3 +181,27 @@ def test_a_tiny_grid_runs_end_to_end_and_every_cell_starts_with_empty_shard_cach
     result = json.loads((tmp_path / "res" / "tiny.json").read_text())
     assert len(result["cells"]) == 2 and (tmp_path / "res" / "tiny.png").exists()
     assert "first − second" in (tmp_path / "res" / "tiny.md").read_text()
+
+
+def test_the_fedmoe_table_rows_are_per_task_and_render_in_its_own_markdown():
+    """fedmoe_table's cells are `fedmoe simulate` runs with two tasks: a row per cell holds
+    each task's accuracy, and the table (no statistics over seeds) renders them."""
+    from benchmarks import fedmoe_table as F
+
+    cfg = H.load_config(F.CONFIG, "quick")
+    dev = lambda up, acc: {"bytes_up": up, "bytes_down": 2 * up, "peak_rss_bytes": 2**29, "val_accuracy": acc}  # noqa
+    report = {"config": {"devices": [{"device_id": "d0", "task": "bbc"}, {"device_id": "d1", "task": "tweets"}]},
+              "initial_per_task": {"bbc": {"accuracy": 0.2}, "tweets": {"accuracy": 0.3}}, "wall_seconds": 5.0,
+              "rounds": [{"round": 1, "status": "ok", "per_task": {"bbc": {"accuracy": 0.5}, "tweets": {"accuracy": 0.4}},
+                          "devices": {"d0": dev(10**6, 0.6), "d1": dev(10**6, 0.7)}},
+                         {"round": 2, "status": "timeout", "per_task": {"bbc": {"accuracy": 0.6}},
+                          "devices": {"d0": dev(10**6, 0.8)}}]}
+    row = F.summarise(report)
+    assert row["accuracy"] == {"bbc": 0.6, "tweets": None} and row["local_accuracy"] == {"bbc": 0.8, "tweets": 0.7}
+    assert row["comm_gb"] == pytest.approx(9e-3) and row["devices_trained"] == 2
+    assert row["sanity"]["problems"] == ["round 2: status timeout"]
+    result = {"profile": "quick", "profile_config": H.profile_config(cfg), "budgets_bytes": [2**29] * 2, "date": "d",
+              "machine": "m", "note": "", "cells": [{"seed": 0, "setting": "Standard-Hetero-T", "method": "FedMoE",
+                                                      "measured": "d", **row}], "cells_missing": []}
+    md = H.markdown(result, cfg)
+    assert "| FedMoE | 0.600 | – | 0.800 | 0.700 |" in md and "## Ablation (Standard-Hetero-T)" in md
