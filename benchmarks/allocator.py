@@ -12,8 +12,8 @@ other). Models: all-MiniLM-L6-v2 upcycled (128 experts in 3 layers, classificati
 with ``--model DIR``, a Hugging Face MoE checkpoint (causal LM; e.g. the random-init
 Qwen3-MoE of ``benchmarks/peer.py`` at ``runs/peer/qwen3moe-random``).
 
-    python benchmarks/allocator.py --lock /tmp/fedmoe-heavy.lock
-    python benchmarks/allocator.py --model runs/peer/qwen3moe-random --experts 16 --gradient-checkpointing
+    python -m benchmarks.allocator --lock /tmp/fedmoe-heavy.lock
+    python -m benchmarks.allocator --model runs/peer/qwen3moe-random --experts 16 --gradient-checkpointing
 
 Writes ``results/allocator/allocator.{json,md,png}`` (one section per model; a later run
 adds or replaces its model's section).
@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common import fmt, heavy_lock, mean_ci, module_command, module_env, paired_test
 
-from common import fmt, heavy_lock, mean_ci, paired_test  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MiB = 2**20
 SETTINGS = ("mmap", "default")
@@ -46,11 +42,10 @@ def run_cell(args, allocator: str) -> dict:
     """
     extra = (["--model", args.model] if args.model else []) + ["--seq-len", str(args.seq_len)] \
         + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(Path(__file__).with_name("memory.py")), "--cell", "int8", str(64 * 2**30),
-           "--work", args.work, "--steps", str(args.steps), "--allocator", allocator, "--experts", str(args.experts),
-           *extra]
+    env = module_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                     HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = module_command("memory", "--cell", "int8", str(64 * 2**30), "--work", args.work, "--steps", str(args.steps),
+                         "--allocator", allocator, "--experts", str(args.experts), *extra)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -60,7 +55,7 @@ def run_cell(args, allocator: str) -> dict:
 
 def prepare_shards(args) -> None:
     """int8 shards of every expert in ``args.work`` (``memory.py``'s cache), once."""
-    import memory
+    from benchmarks import memory
 
     memory.MODEL, memory.T, memory.CHECKPOINTING = args.model, args.seq_len, args.gradient_checkpointing
     work = Path(args.work)

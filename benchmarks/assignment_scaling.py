@@ -7,8 +7,8 @@ with D = 0: target tau, delta = 0.1 tau), L layers solved one after the other (o
 program per layer, as the ``flex`` strategy does). Exact solvers get a per-layer time
 limit; a solve that hits it is reported as such (no objective).
 
-    python benchmarks/assignment_scaling.py            # writes results/assignment_scaling.{json,md,png}
-    python benchmarks/assignment_scaling.py --quick    # 20x8 and 1000x64 only
+    python -m benchmarks.assignment_scaling            # writes results/assignment_scaling.{json,md,png}
+    python -m benchmarks.assignment_scaling --quick    # 20x8 and 1000x64 only
 """
 
 from __future__ import annotations

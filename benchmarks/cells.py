@@ -1,11 +1,12 @@
-"""The method-comparison tables' shared runner (imported as ``cells`` from beside them):
+"""The method-comparison tables' shared runner (``benchmarks.cells``):
 the command-line options, and a loop over (seed, setting, method) cells that is
 resumable, takes the machine's heavy-run lock per cell, gives each cell a fresh embedded
 broker, survives a failed cell and writes the tables at the end.
 
-A table script supplies what is its own: the profile, the methods, ``run(seed, setting,
-method, out, url) -> report`` (one federation), ``summarise(report) -> row`` and the
-outputs; ``benchmarks/fedalign_table.py`` and ``benchmarks/fusion_table.py`` use it.
+The harness (:mod:`benchmarks.harness`) supplies what is a table's own: the cells to run,
+``run(seed, setting, method, out, url) -> report`` (one federation) and ``summarise(report)
+-> row``; :func:`federate` is the in-process federation most tables' cells are, and
+:func:`load_data` / :func:`summarise` the data sources and rows they share.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from common import fmt, heavy_lock, slug, write_result
+from benchmarks.common import fmt, heavy_lock, rel, slug, write_result
 
 log = logging.getLogger("cells")
 
@@ -27,7 +28,7 @@ Cell = tuple[int, str, str, dict]
 """(seed, setting, method name, method definition)."""
 
 
-def parser(description: str, quick_help: str, runs: Path, results: Path) -> argparse.ArgumentParser:
+def parser(description: str, quick_help: str, runs: Path, results: Path | None) -> argparse.ArgumentParser:
     """The options every table script takes (``--quick``, ``--settings``, ``--methods``,
     ``--seeds``, ``--no-ablations``, ``--set``, ``--threads``, ``--verbose``, ``--note``,
     ``--force``, ``--lock``, ``--collect``, ``--reuse``, ``--runs``, ``--results``)."""
@@ -49,7 +50,8 @@ def parser(description: str, quick_help: str, runs: Path, results: Path) -> argp
                     help="a table's committed results JSON: its rows stand in for cells with no report under --runs "
                          "(a fresh checkout completes a partial table without rerunning what was measured)")
     ap.add_argument("--runs", default=str(runs))
-    ap.add_argument("--results", default=str(results))
+    ap.add_argument("--results", default=None if results is None else str(results),
+                    help="where the table's JSON, markdown and plot go" + ("" if results else " (default: the config's)"))
     return ap
 
 
@@ -142,14 +144,20 @@ def run_cells(todo: list[Cell], base: Path, args: argparse.Namespace,
                        if args.force or not (cell_dir(base, s2, st2, n2) / "report.json").exists())
             log.info("cell %d/%d done in %.0f s; elapsed %.1f min, %d cells to run, ETA %.1f min (at this pace)", i,
                      len(todo), time.time() - t1, (time.time() - t0) / 60, left, ran_seconds / ran * left / 60)
-        row = {"seed": seed, "setting": setting, "method": name, "dir": str(out),
+        row = {"seed": seed, "setting": setting, "method": name, "dir": rel(out),
                "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime((out / "report.json").stat().st_mtime)),
                **summarise(report)}
         rows.append(row)
         problems = row["sanity"]["problems"]
-        print(f"s{seed} {setting:14s} {name:28s} global {fmt(row['accuracy'])} local {fmt(row['local_accuracy'])} "
-              f"({row['wall_seconds']:.0f} s){' PROBLEMS: ' + '; '.join(problems) if problems else ''}", flush=True)
+        print(f"s{seed} {setting:14s} {name:28s} global {_figure(row['accuracy'])} local "
+              f"{_figure(row['local_accuracy'])} ({row['wall_seconds']:.0f} s)"
+              f"{' PROBLEMS: ' + '; '.join(problems) if problems else ''}", flush=True)
     return rows, missing
+
+
+def _figure(x: Any) -> str:
+    """An accuracy for the progress line: a number, or ``task=number`` per task."""
+    return " ".join(f"{k}={fmt(v)}" for k, v in x.items()) if isinstance(x, dict) else fmt(x)
 
 
 def reusable_rows(path: str | None) -> dict[tuple[int, str, str], dict]:
@@ -165,7 +173,7 @@ def reusable_rows(path: str | None) -> dict[tuple[int, str, str], dict]:
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
         raise ValueError(f"--reuse {path}: not a table result (no 'cells' list)")
-    return {(c["seed"], c["setting"], c["method"]): {**c, "reused_from": str(path)} for c in data["cells"]}
+    return {(c.get("seed", 0), c["setting"], c["method"]): {**c, "reused_from": rel(path)} for c in data["cells"]}
 
 
 def header(args: argparse.Namespace, profile: str, p: dict[str, Any], rows: list[dict], missing: list[str]
@@ -236,7 +244,7 @@ def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], te
     from contextlib import nullcontext
 
     from cloud.service import Aggregator, AggregatorConfig, StrategyConfig, TaskConfig
-    from common import eval_threads
+    from benchmarks.common import eval_threads
     from edge_sdk import EdgeClient
     from edge_sdk.filters import UpdateEncoding
     from fedmoe import report as R
@@ -294,7 +302,7 @@ def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], te
     return report
 
 
-# --------------------------------------------------------------------------- data, rows and plots shared by tables
+# --------------------------------------------------------------------------- data and rows shared by tables
 
 DATA_SOURCES = ("bbc", "tweets", "fmnist")
 
@@ -319,7 +327,7 @@ def load_data(source: str, seed: int, samples: int, eval_samples: int, test_frac
         items, labels, train_idx, test_idx = split_task(source, seed, test_fraction, int(samples / (1 - test_fraction)))
         return [items[i] for i in train_idx], [items[i] for i in test_idx], labels
     if source == "fmnist":
-        from common import install_fashion_mnist
+        from benchmarks.common import install_fashion_mnist
         from fedmoe.datasets import FASHION_MNIST_DIR, fashion_mnist
 
         if not Path(FASHION_MNIST_DIR).exists():
@@ -394,52 +402,3 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         "wall_seconds": report.get("wall_seconds"),
         "sanity": {"rounds": rows, "problems": problems},
     }
-
-
-def plot(result: dict[str, Any], path: Path, methods: list[str]) -> None:
-    """Global accuracy per setting and method (bars, 95% CI) over the mean accuracy per round
-    of each setting (one panel a setting); ``methods`` in legend order."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    stats = result["stats"]
-    settings = list(stats)
-    main = [m for m in methods if any(m in st["methods"] for st in stats.values())]
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    cols = max(2, len(settings))
-    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.5), squeeze=False)
-    ax = plt.subplot2grid((2, cols), (0, 0), colspan=cols, fig=fig)
-    for a in axes[0]:
-        a.set_visible(False)
-    width = 0.8 / max(len(main), 1)
-    for j, m in enumerate(main):
-        xs, ys, err = [], [], [[], []]
-        for i, s in enumerate(settings):
-            g = stats[s]["methods"].get(m, {}).get("global")
-            if g and g["mean"] is not None:
-                xs.append(i + (j - (len(main) - 1) / 2) * width)
-                ys.append(g["mean"])
-                err[0].append(g["mean"] - (g["ci_lo"] if g["ci_lo"] is not None else g["mean"]))
-                err[1].append((g["ci_hi"] if g["ci_hi"] is not None else g["mean"]) - g["mean"])
-        ax.bar(xs, ys, width, yerr=err, capsize=2, label=m, color=colors[j % len(colors)])
-    ax.set_xticks(range(len(settings)), settings)
-    ax.set_ylabel("global test accuracy (95% CI)")
-    ax.legend(fontsize=8, ncol=min(len(main), 6))
-    ax.grid(axis="y", alpha=0.3)
-    for k, s in enumerate(settings[:cols]):
-        a = axes[1][k]
-        for j, m in enumerate(main):
-            st = stats[s]["methods"].get(m)
-            if st:
-                ys = [float("nan") if y is None else y for y in [st["initial"], *st["mean_curve"]]]
-                a.plot(range(len(ys)), ys, "o-", ms=3, label=m, color=colors[j % len(colors)])
-        a.set_title(f"{s}: accuracy per round (mean)", fontsize=9)
-        a.set_xlabel("round")
-        a.grid(alpha=0.3)
-    for a in axes[1][len(settings):]:  # one setting still gets two columns: no empty panel
-        a.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

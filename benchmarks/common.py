@@ -1,12 +1,40 @@
-"""Helpers shared by the benchmark scripts (imported as ``common`` from beside them)."""
+"""Helpers shared by the benchmark scripts (``benchmarks.common``)."""
 
 from __future__ import annotations
 
 import fcntl
 import json
+import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root (benchmarks write under ``runs/`` and ``results/`` there)."""
+
+
+def rel(path: str | Path) -> str:
+    """``path`` relative to the repository root where it lies inside it (results record no
+    machine's absolute paths), else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def module_command(name: str, *args: str) -> list[str]:
+    """The argv that runs ``python -m benchmarks.<name> args`` with this interpreter, for a
+    benchmark that starts another as a fresh process (run it with :func:`module_env`)."""
+    return [sys.executable, "-m", f"benchmarks.{name}", *args]
+
+
+def module_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the repository root first on ``PYTHONPATH`` (so a
+    :func:`module_command` finds ``benchmarks`` and this checkout's packages from any
+    working directory), plus ``extra``."""
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, **extra, "PYTHONPATH": path}
 
 
 def write_result(out: str | Path, stem: str, result: dict[str, Any], markdown: Callable[[dict], str],
@@ -111,6 +139,21 @@ def paired_test(a, b) -> dict:
     return out
 
 
+def holm(ps) -> list:
+    """Holm-Bonferroni adjusted p-values of one family of tests, in the order given (None
+    entries stay None and do not count in the family): sorted ascending, the i-th smallest
+    (0-based) of m becomes ``min(1, max over j <= i of (m − j)·p_(j))``. A test is significant
+    at family-wise level 0.05 where its adjusted p < 0.05. Holm, "A simple sequentially
+    rejective multiple test procedure", Scandinavian Journal of Statistics 6(2), 1979."""
+    idx = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+    out: list = [None] * len(ps)
+    running = 0.0
+    for rank, i in enumerate(idx):
+        running = max(running, min(1.0, (len(idx) - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
 def rounds_to(curve, target: float) -> int | None:
     """First round (1-based) whose accuracy in ``curve`` reaches ``target``; None if none does."""
     for i, a in enumerate(curve, 1):
@@ -137,7 +180,9 @@ def compare_methods(cells, seeds, rounds: int, *, target_methods, target_fractio
     Returns:
         setting -> ``{"target", "methods": {method: {name: mean_ci, name + "_values",
         "rounds_to_target", "rounds_to_target_values", "reached", "mean_curve", "std_curve",
-        "initial", "seeds", *extra}}, "tests": [{"a", "b", name: paired_test, "rounds"}]}``.
+        "initial", "seeds", *extra}}, "tests": [{"a", "b", name: paired_test, "rounds"}]}``;
+        each paired test also gets ``p_holm``: its p adjusted by :func:`holm` over the
+        setting's tests of the same figure.
     """
     out: dict = {}
     for setting in dict.fromkeys(c["setting"] for c in cells):
@@ -174,6 +219,9 @@ def compare_methods(cells, seeds, rounds: int, *, target_methods, target_fractio
                 row["rounds"] = paired_test(methods[a]["rounds_to_target_values"],
                                             methods[b]["rounds_to_target_values"])
                 tests.append(row)
+        for name in [m for m, _ in metrics] + ["rounds"]:  # one family per setting and figure
+            for row, p in zip(tests, holm([row[name]["p"] for row in tests])):
+                row[name]["p_holm"] = p
         out[setting] = {"target": target, "methods": methods, "tests": tests}
     return out
 
@@ -195,6 +243,18 @@ def verdict(t: dict, higher_is_better: bool = True) -> str:
         return "no sig. difference" + (" (zero spread)" if t.get("zero_spread") and t["diff"] else "")
     better = (t["diff"] > 0) == higher_is_better
     return ("**better**" if better else "**worse**") + (" (same in every seed)" if t.get("zero_spread") else "")
+
+
+def holm_text(setting_stats: dict, name: str = "global") -> str | None:
+    """The setting's Holm-Bonferroni line for figure ``name``: which of its paired tests stay
+    significant (adjusted p < 0.05) when corrected for the number of tests; None without a
+    test that has a p-value (e.g. one seed)."""
+    tested = [t for t in setting_stats["tests"] if t[name].get("p_holm") is not None]
+    if not tested:
+        return None
+    kept = [f"{t['a']} − {t['b']} (p_Holm={t[name]['p_holm']:.3f})" for t in tested if t[name]["p_holm"] < 0.05]
+    return (f"Holm-Bonferroni over this setting's {len(tested)} test{'s' * (len(tested) > 1)} of {name} accuracy (family-wise 5%): "
+            + (f"significant: {', '.join(kept)}." if kept else "none significant."))
 
 
 def marks(setting_stats: dict, method: str) -> str:

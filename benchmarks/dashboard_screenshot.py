@@ -2,7 +2,7 @@
 headless Debian Chromium (Playwright, ``executable_path=/usr/bin/chromium``) once
 ``--rounds`` rounds are closed, with the page's own Content-Security-Policy in force.
 
-    .venv/bin/python benchmarks/dashboard_screenshot.py [--rounds 4] [--out results/dashboard]
+    python -m benchmarks.dashboard_screenshot [--rounds 4] [--out results/dashboard]
 
 Writes ``dashboard.png`` and ``state.json`` (what ``/api/state`` served at that moment).
 """
@@ -13,13 +13,11 @@ import argparse
 import json
 import logging
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 log = logging.getLogger("dashboard_screenshot")
 

@@ -24,8 +24,8 @@ the sub-MoE: ``tests/test_expert_choice.py``).
 Seeds 0, 1, 2 (model, router and partition draws); mean and 95% CI over seeds. Writes
 ``results/evidence/expert_choice.{json,md,png}``.
 
-    python benchmarks/expert_choice.py            # 18 min on 2 cores shared with a harness run
-    python benchmarks/expert_choice.py --quick    # 1 seed, 2 noise levels
+    python -m benchmarks.expert_choice            # 18 min on 2 cores shared with a harness run
+    python -m benchmarks.expert_choice --quick    # 1 seed, 2 noise levels
 """
 
 from __future__ import annotations
@@ -44,11 +44,9 @@ from typing import Iterator
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common import ci_text, heavy_lock, mean_ci
 
-from common import ci_text, heavy_lock, mean_ci  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 log = logging.getLogger("expert_choice")
 NOISES = [0.01, 0.1, 1.0]
@@ -133,7 +131,7 @@ def measure(seed: int, noise: float, per_device: int, draws: int) -> dict:
     the top-p experts and with random experts (mean over ``draws``), and the expert distance."""
     import yaml
 
-    import cells
+    from benchmarks import cells
     from fedmoe.partition import partition
     from moe_model.models import all_experts, get_adapter
     from moe_model.shards import decode_shard, encode_shard, split_base

@@ -27,7 +27,7 @@ strategy's switches ``router_alignment``, ``consistency_weighting``, ``adaptive_
 Every cell is a real federation through the production code: the aggregator
 (``cloud.service.Aggregator``, strategy, round engine, store) and one
 ``edge_sdk.EdgeClient`` per device talk MQTT through the embedded broker, but as threads
-of this process (``fedmoe.inprocess.run_inprocess``, as ``benchmarks/cells.py``)
+of this process (``fedmoe.inprocess.run_inprocess``, ``benchmarks.cells.federate``)
 rather than ``fedmoe simulate``'s separate processes: on this 2-core machine that saves
 each cell the start-up of 7 Python processes (torch, the model). Devices plan memory for the model alone
 (``runtime_bytes=0``: the process is shared); every budget holds the full MoE, with a
@@ -44,101 +44,60 @@ of the best method's mean final global accuracy in that setting), and paired t-t
 the differences (pairs = seeds; "better" only where the 95% CI of the paired difference
 excludes 0).
 
+The table is the harness's (:mod:`benchmarks.harness`) on ``benchmarks/configs/fedalign_table.yaml``
+(methods, ablations, pairs, profiles); this module is its cells (``table: fedalign_table``).
 Cells are resumable: each writes ``runs/fedalign_table/<profile>/s<seed>/<setting>--<method>/report.json``
 and is skipped when that exists (``--force`` reruns); ``--lock FILE`` holds an exclusive
 flock only while a cell runs. Writes ``results/fedalign_table{,_quick}.{json,md,png}``.
 
-    python benchmarks/fedalign_table.py --quick --lock /tmp/fedmoe-heavy.lock   # < 10 min
-    python benchmarks/fedalign_table.py --lock /tmp/fedmoe-heavy.lock           # ~1 h
-    python benchmarks/fedalign_table.py --collect    # tables from the cells finished so far
+    python -m benchmarks.fedalign_table --quick --lock /tmp/fedmoe-heavy.lock   # < 10 min
+    python -m benchmarks.fedalign_table --lock /tmp/fedmoe-heavy.lock           # ~1 h
+    python -m benchmarks.fedalign_table --collect    # tables from the cells finished so far
+    # the same: python -m benchmarks.harness benchmarks/configs/fedalign_table.yaml [options]
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import cells, tables
+from benchmarks.common import ROOT, ci_text, diff_text, fmt, marks, verdict
 
-from common import ci_text as _ci  # noqa: E402
-import cells  # noqa: E402
-from common import compare_methods, fmt, rounds_to  # noqa: E402,F401
-from common import diff_text as _diff  # noqa: E402
-from common import marks as _marks  # noqa: E402
-from common import verdict as _verdict  # noqa: E402
-
-log = logging.getLogger("fedalign_table")
-
-TASKS = {"bbc": "BBC News (5 topics)", "tweets": "tweets (3 sentiments)"}
-PARTITIONS = {"IID": "iid", "Dir(0.5)": "dirichlet:0.5", "Dir(0.1)": "dirichlet:0.1"}
-METHODS: dict[str, dict[str, Any]] = {
-    "FedAvg": {"strategy": "composed", "assignment": "full"},
-    "FedProx": {"strategy": "composed", "assignment": "full", "prox_mu": 0.01},
-    "FedMoE": {"strategy": "composed", "assignment": "fedmoe"},
-    "FedAlign-MoE": {"strategy": "fedalign", "assignment": "full"},
-    "FedAlign-MoE on FedMoE": {"strategy": "fedalign", "assignment": "fedmoe"},
-}
-FIXED_THRESHOLD = 0.85
-"""s* of the fixed-threshold ablation. The paper gives no value; in a trial run (bbc Dir(0.1))
-the adaptive s* = μ − ζσ ranged 0.78-0.90 over rounds (mean hidden-state cosine s 0.82-0.92),
-so 0.85 is a fixed value in the middle of that range."""
-ABLATIONS: dict[str, dict[str, Any]] = {
-    "w/o router alignment": {"strategy": "fedalign", "assignment": "full", "params": {"router_alignment": False}},
-    "w/o consistency weighting": {"strategy": "fedalign", "assignment": "full",
-                                  "params": {"consistency_weighting": False}},
-    "w/o adaptive λ": {"strategy": "fedalign", "assignment": "full", "params": {"adaptive_lambda": False}},
-    "w/o semantic aggregation": {"strategy": "fedalign", "assignment": "full",
-                                 "params": {"semantic_aggregation": False}},
-    "w/o direction consensus": {"strategy": "fedalign", "assignment": "full",
-                                "params": {"direction_consensus": False}},
-    f"fixed threshold s*={FIXED_THRESHOLD}": {"strategy": "fedalign", "assignment": "full",
-                                              "params": {"threshold": FIXED_THRESHOLD}},
-}
-ABLATION_SETTING = "bbc Dir(0.1)"
-COMPARISONS = [("FedAlign-MoE", "FedAvg"), ("FedAlign-MoE", "FedProx"), ("FedAlign-MoE", "FedMoE"),
-               ("FedAlign-MoE on FedMoE", "FedMoE"), ("FedProx", "FedAvg"), ("FedMoE", "FedAvg")]
-"""(a, b) pairs tested in every setting: a − b, paired over seeds."""
-TARGET_FRACTION = 0.9
-"""Convergence target: this fraction of the best method's mean final global accuracy in the setting."""
-PROFILES = {
-    "quick": dict(tasks=["bbc"], partitions=["Dir(0.1)"], seeds=[0, 1], devices=4, rounds=4, max_steps=2, batch=8,
-                  lr=3e-3, max_seq_len=24, max_samples_per_task=600, eval_samples=120, probe_steps=2, patience=1,
-                  weight_format="int8", eval_threads=2),
-    "full": dict(tasks=["bbc", "tweets"], partitions=list(PARTITIONS), seeds=[0, 1, 2], devices=5, rounds=6,
-                 max_steps=3, batch=8, lr=3e-3, max_seq_len=24, max_samples_per_task=900, eval_samples=180,
-                 probe_steps=2, patience=1, weight_format="int8", eval_threads=2),
-}
-"""Sized for a 2-core machine (measured with 6 devices: ~45 s a cell, ~7 s a round, i.e. 72 min for the 96 cells;
-5 devices make it ~60 min): ``max_samples_per_task``
-is a seeded subset of each task (80% training, split over the devices; 20% the test split, all evaluated),
-every device trains ``max_steps`` batches a round; ``eval_threads``: torch threads while the cloud evaluates (the
-devices are idle then)."""
+CONFIG = ROOT / "benchmarks" / "configs" / "fedalign_table.yaml"
+REQUIRED = ("name", "tasks", "partitions", "partition_schemes", "seeds", "devices", "rounds", "max_steps", "batch",
+            "lr", "max_samples_per_task", "eval_samples", "methods")
+DEFAULTS: dict[str, Any] = {"max_seq_len": 24, "probe_steps": 2, "patience": 1, "weight_format": "int8",
+                            "eval_threads": 2}
+PROFILE_KEYS = ("tasks", "partitions", "seeds", "devices", "rounds", "max_steps", "batch", "lr", "max_seq_len",
+                "max_samples_per_task", "eval_samples", "probe_steps", "patience", "weight_format", "eval_threads")
+METRICS = (("global", "accuracy"), ("local", "local_accuracy"))
+EXTRA = ("experts_held_mean",)
 DEFENCES = {"robust": {"name": "none"}, "screening": None}
 """The aggregator's poisoning defences, off for every method: the production default wraps
 the aggregation in Multi-Krum (f = 1) and clips outlying updates, which under label skew
 drops or shrinks the most different device's update each round; the paper's methods
 average plainly. The pre-commit guard stays on (it never refused a round here)."""
-ONLY = {"FedAlign-MoE on FedMoE": ("Dir(0.1)",)}
-"""Methods run only under these partitions (the full run's time budget)."""
 BUDGET_SPREAD = 0.25
 """Budgets: the full MoE's plan plus up to this fraction of (plan(E) − plan(2))."""
 NUM_EXPERTS = 8
 
 
-def settings_of(p: dict[str, Any]) -> list[str]:
-    return [f"{t} {part}" for t in p["tasks"] for part in p["partitions"]]
+def check(cfg: dict[str, Any]) -> list[str]:
+    """A config's problems: an unknown task or partition."""
+    return ([f"tasks: unknown {t!r} (bbc, tweets)" for t in cfg["tasks"] if t not in ("bbc", "tweets")]
+            + [f"partitions: {p!r} is not in partition_schemes" for p in cfg["partitions"]
+               if p not in cfg["partition_schemes"]])
 
 
-def methods_for(setting: str, ablations: bool = True) -> dict[str, dict[str, Any]]:
-    part = setting.split(" ", 1)[1]
-    main = {m: v for m, v in METHODS.items() if m not in ONLY or part in ONLY[m]}
-    return {**main, **(ABLATIONS if ablations and setting == ABLATION_SETTING else {})}
+def settings_of(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``"<task> <partition>"`` -> ``{"task", "partition"}`` (the partition's scheme)."""
+    return {f"{t} {p}": {"task": t, "partition": cfg["partition_schemes"][p]} for t in cfg["tasks"]
+            for p in cfg["partitions"]}
 
 
 # --------------------------------------------------------------------------- one federation
@@ -221,25 +180,26 @@ def device_budgets(spec, batch: int, num_labels: int, devices: int, seed: int, t
     return [full + rng.randint(0, int(BUDGET_SPREAD * (full - lo))) for _ in range(devices)]
 
 
-def run_federation(p: dict[str, Any], task: str, scheme: str, method: dict[str, Any], seed: int, out: Path,
-                   url: str) -> dict[str, Any]:
+def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any], seed: int, out: Path,
+             url: str) -> dict[str, Any]:
     """One federation (:func:`cells.federate`, with :class:`GateProbe`); returns its report."""
     from fedmoe.partition import partition
     from fedmoe.simulate import split_task
     from protocol.messages import ModelSpec
 
-    items, labels, train_idx, test_idx = split_task(task, seed, 0.2, p["max_samples_per_task"])
-    parts = partition([labels.index(items[i][1]) for i in train_idx], p["devices"], scheme, seed)
-    spec = ModelSpec(num_experts=NUM_EXPERTS, top_k=2, max_seq_len=p["max_seq_len"], seed=seed)
+    task, scheme = setting["task"], setting["partition"]
+    items, labels, train_idx, test_idx = split_task(task, seed, 0.2, cfg["max_samples_per_task"])
+    parts = partition([labels.index(items[i][1]) for i in train_idx], cfg["devices"], scheme, seed)
+    spec = ModelSpec(num_experts=NUM_EXPERTS, top_k=2, max_seq_len=cfg["max_seq_len"], seed=seed)
     if method["assignment"] == "fedmoe":
-        method = {**method, "assignment_params": {"probe_steps": p["probe_steps"], "patience": p["patience"]}}
+        method = {**method, "assignment_params": {"probe_steps": cfg["probe_steps"], "patience": cfg["patience"]}}
     return cells.federate(
         out, url, spec=spec, task=task, labels=labels, test=[items[i] for i in test_idx],
         device_data=[[items[train_idx[j]] for j in part] for part in parts],
-        budgets=device_budgets(spec, p["batch"], len(labels), p["devices"], seed, task, p["weight_format"]),
-        method=method, train={"max_steps": p["max_steps"], "batch_size": p["batch"], "lr": p["lr"]},
-        rounds=p["rounds"], weight_format=p["weight_format"], eval_samples=p["eval_samples"], seed=seed,
-        defences=DEFENCES, eval_threads_n=p["eval_threads"], probe=GateProbe(), config={"partition": scheme})
+        budgets=device_budgets(spec, cfg["batch"], len(labels), cfg["devices"], seed, task, cfg["weight_format"]),
+        method=method, train={"max_steps": cfg["max_steps"], "batch_size": cfg["batch"], "lr": cfg["lr"]},
+        rounds=cfg["rounds"], weight_format=cfg["weight_format"], eval_samples=cfg["eval_samples"], seed=seed,
+        defences=DEFENCES, eval_threads_n=cfg["eval_threads"], probe=GateProbe(), config={"partition": scheme})
 
 
 # --------------------------------------------------------------------------- per-cell summary and sanity
@@ -316,71 +276,43 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------- statistics over seeds
-
-
-def aggregate(cells: list[dict[str, Any]], seeds: list[int], rounds: int) -> dict[str, Any]:
-    """Per setting: per-method statistics over seeds, the convergence target, paired tests
-    (:func:`common.compare_methods`: the target from :data:`METHODS`, the pairs
-    :data:`COMPARISONS`, plus each ablation against FedAlign-MoE in :data:`ABLATION_SETTING`)."""
-    return compare_methods(
-        cells, seeds, rounds, target_methods=list(METHODS), target_fraction=TARGET_FRACTION,
-        pairs_of=lambda setting: list(COMPARISONS) + ([(a, "FedAlign-MoE") for a in ABLATIONS]
-                                                      if setting == ABLATION_SETTING else []),
-        extra=("experts_held_mean",))
-
-
 # --------------------------------------------------------------------------- output
 
 
-def markdown(result: dict[str, Any]) -> str:
-    p, stats = result["profile_config"], result["stats"]
-    lines = [f"# FedAlign-MoE table ({result['profile']} profile)", "",
-             cells.measured(result), f"Profile: {json.dumps(p)}.",
-             f"Seeds {p['seeds']} (each seed: its own data split, budgets and model/device seeds, the same for every "
-             f"method). {cells.cells_done(result)}",
-             f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", "",
-             "Columns: *global* = the global MoE on the task's held-out test split after the last round; *local* = "
-             "mean over devices of their latest validation accuracy (own sub-model after local training). Each: mean ± "
-             "std over seeds [95% Student-t CI of the mean]. *Rounds to target* = first round whose global accuracy "
-             f"reaches the setting's target ({TARGET_FRACTION:.0%} of the best method's mean final global accuracy; "
-             f"a seed that never reaches it counts as {p['rounds'] + 1}); *reached* = seeds that reached it. "
-             "▲X / ▼X: global accuracy significantly above / below method X (paired t-test over seeds, 95% CI of the "
-             "paired difference excludes 0; no correction for multiple comparisons).", ""]
-    for setting, st in stats.items():
-        lines += [f"## {setting} (target {fmt(st['target'])})", "",
-                  "| Method | global acc | local acc | rounds to target | reached | experts held (of 24) |",
-                  "|---|---|---|---|---|---|"]
-        for m, s in st["methods"].items():
-            lines.append(f"| {m} | {_ci(s['global'])}{_marks(st, m)} | {_ci(s['local'])} | "
-                         f"{_ci(s['rounds_to_target'], '.1f')} | {s['reached']}/{len(s['seeds'])} | "
-                         f"{fmt(s['experts_held_mean'], '.1f')} |")
-        lines += ["", "| Paired difference (a − b) | Δ global [95% CI], p | | Δ local [95% CI], p | "
-                      "| Δ rounds to target [95% CI], p | |", "|---|---|---|---|---|---|---|"]
-        for t in st["tests"]:
-            lines.append(f"| {t['a']} − {t['b']} | {_diff(t['global'])} | {_verdict(t['global'])} | "
-                         f"{_diff(t['local'])} | {_verdict(t['local'])} | {_diff(t['rounds'], '+.1f')} | "
-                         f"{_verdict(t['rounds'], higher_is_better=False)} |")
-        lines.append("")
-    # summary across settings: FedAlign-MoE against each baseline
-    lines += ["## Summary: FedAlign-MoE against the baselines (global accuracy)", "",
-              "| Setting | " + " | ".join(f"{a} − {b}" for a, b in COMPARISONS[:4]) + " |",
-              "|---|" + "---|" * 4]
-    for setting, st in stats.items():
+def _head(result: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    p = result["profile_config"]
+    return [f"# FedAlign-MoE table ({result['profile']} profile)", "",
+            cells.measured(result), f"Profile: {json.dumps(p)}.",
+            f"Seeds {p['seeds']} (each seed: its own data split, budgets and model/device seeds, the same for every "
+            f"method). {cells.cells_done(result)}",
+            f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", "",
+            "Columns: *global* = the global MoE on the task's held-out test split after the last round; *local* = "
+            "mean over devices of their latest validation accuracy (own sub-model after local training). Each: mean ± "
+            "std over seeds [95% Student-t CI of the mean]. *Rounds to target* = first round whose global accuracy "
+            f"reaches the setting's target ({cfg['target_fraction']:.0%} of the best method's mean final global "
+            f"accuracy; a seed that never reaches it counts as {p['rounds'] + 1}); *reached* = seeds that reached it. "
+            "▲X / ▼X: global accuracy significantly above / below method X (paired t-test over seeds, 95% CI of the "
+            "paired difference excludes 0; uncorrected: each setting's Holm-Bonferroni line corrects for the number "
+            "of its tests).", ""]
+
+
+def _summary(result: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """FedAlign-MoE against each baseline (the first four pairs of ``compare``), every setting."""
+    pairs = [tuple(p) for p in cfg["compare"][:4]]
+    lines = ["## Summary: FedAlign-MoE against the baselines (global accuracy)", "",
+             "| Setting | " + " | ".join(f"{a} − {b}" for a, b in pairs) + " |", "|---|" + "---|" * len(pairs)]
+    for setting, st in result["stats"].items():
         diffs = []
-        for a, b in COMPARISONS[:4]:
+        for a, b in pairs:
             t = next((t for t in st["tests"] if t["a"] == a and t["b"] == b), None)
-            diffs.append("–" if t is None else f"{fmt(t['global']['diff'], '+.3f')} ({_verdict(t['global'])})")
+            diffs.append("–" if t is None else f"{fmt(t['global']['diff'], '+.3f')} ({verdict(t['global'])})")
         lines.append(f"| {setting} | " + " | ".join(diffs) + " |")
-    lines.append("")
-    # sanity
-    lines += ["## Per-round sanity", ""]
-    problems = [(c, pr) for c in result["cells"] for pr in c["sanity"]["problems"]]
-    if problems:
-        lines += [f"- s{c['seed']} {c['setting']} / {c['method']}: {pr}" for c, pr in problems]
-    else:
-        lines.append("- Every round of every cell closed `ok`; no device was excluded or failed; every FedAlign run "
-                     "reported a finite regulariser and moved r_g.")
+    return lines + [""]
+
+
+def _sanity(result: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """FedAlign's regulariser, r_g and semantic gate over its cells; FedMoE's experts held."""
+    lines = []
     fa = [c for c in result["cells"] if c["method"] == "FedAlign-MoE"]
     if fa:
         regs = [x for c in fa for r in c["sanity"]["rounds"] for x in (r.get("reg_min"), r.get("reg_max"))
@@ -410,12 +342,17 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"- FedMoE experts held per device (of 24, mean over device-rounds): "
                      f"{fmt(min(c['experts_held_mean'] for c in fm), '.1f')} … "
                      f"{fmt(max(c['experts_held_mean'] for c in fm), '.1f')}.")
-    lines += ["", "Routing health per method (over all its cells; last round): experts that no device routed a "
-                  "token to (of 24; 3 layers × 8), the expert-load CV (eq. 8 of FLEX-MoE, cumulative), and for "
-                  "fedalign the experts per round left unchanged because every ω was 0 (all their update pairs "
-                  "pointed apart) or because nobody used them.", "",
-              "| Method | cells | unused experts, last round (mean, max) | load CV, last round | "
-              "fedalign: experts unchanged per round (mean) | of which all ω = 0 |", "|---|---|---|---|---|---|"]
+    return lines
+
+
+def _routing(result: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """Routing health per method over its cells (last round), and the per-round tables' place."""
+    lines = ["", "Routing health per method (over all its cells; last round): experts that no device routed a "
+                 "token to (of 24; 3 layers × 8), the expert-load CV (eq. 8 of FLEX-MoE, cumulative), and for "
+                 "fedalign the experts per round left unchanged because every ω was 0 (all their update pairs "
+                 "pointed apart) or because nobody used them.", "",
+             "| Method | cells | unused experts, last round (mean, max) | load CV, last round | "
+             "fedalign: experts unchanged per round (mean) | of which all ω = 0 |", "|---|---|---|---|---|---|"]
     for m in dict.fromkeys(c["method"] for c in result["cells"]):
         cs = [c for c in result["cells"] if c["method"] == m]
         last = [c["sanity"]["rounds"][-1] for c in cs if c["sanity"]["rounds"]]
@@ -429,111 +366,38 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{fmt(sum(cv) / len(cv), '.2f') if cv else '–'} | "
                      f"{fmt(sum(unch) / len(unch), '.1f') if unch else '–'} | "
                      f"{fmt(sum(zero) / nrounds, '.1f') if unch and nrounds else '–'} |")
-    lines += ["", "Per-round tables of every cell: `runs/fedalign_table/<profile>/s<seed>/<cell>/rounds.md` "
-                  "(not committed).", ""]
-    return "\n".join(lines)
+    return lines + ["", "Per-round tables of every cell: `runs/fedalign_table/<profile>/s<seed>/<cell>/rounds.md` "
+                        "(not committed).", ""]
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    stats = result["stats"]
-    settings = list(stats)
-    main = [m for m in METHODS if any(m in st["methods"] for st in stats.values())]
-    abl = [m for m in ["FedAlign-MoE", *ABLATIONS] if m in stats.get(ABLATION_SETTING, {}).get("methods", {})]
-    ncurve = len(settings)
-    cols = max(3, min(ncurve, 3))
-    rows_curve = math.ceil(ncurve / cols)
-    fig = plt.figure(figsize=(15, 4.2 + 3.2 * rows_curve + (3.6 if len(abl) > 1 else 0)))
-    gs = fig.add_gridspec(1 + rows_curve + (1 if len(abl) > 1 else 0), cols)
-    ax = fig.add_subplot(gs[0, :])
-    width = 0.8 / max(len(main), 1)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for j, m in enumerate(main):
-        xs, ys, lo, hi = [], [], [], []
-        for i, s in enumerate(settings):
-            g = stats[s]["methods"].get(m, {}).get("global")
-            if g and g["mean"] is not None:
-                xs.append(i + (j - (len(main) - 1) / 2) * width)
-                ys.append(g["mean"])
-                lo.append(g["mean"] - (g["ci_lo"] if g["ci_lo"] is not None else g["mean"]))
-                hi.append((g["ci_hi"] if g["ci_hi"] is not None else g["mean"]) - g["mean"])
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=m, color=colors[j % len(colors)])
-    ax.set_xticks(range(len(settings)), settings)
-    ax.set_ylabel("global test accuracy (95% CI)")
-    finite = [st["methods"][m]["global"]["mean"] for st in stats.values() for m in st["methods"]
-              if st["methods"][m]["global"]["mean"] is not None]
-    if finite:
-        ax.set_ylim(max(0.0, min(finite) - 0.15), min(1.0, max(finite) + 0.08))
-    ax.legend(fontsize=8, ncol=len(main))
-    ax.grid(axis="y", alpha=0.3)
-    for k, s in enumerate(settings):
-        a = fig.add_subplot(gs[1 + k // cols, k % cols])
-        for j, m in enumerate(main):
-            st = stats[s]["methods"].get(m)
-            if not st:
-                continue
-            ys = [st["initial"]] + st["mean_curve"]
-            sd = [0.0] + [x or 0.0 for x in st["std_curve"]]
-            xr = range(len(ys))
-            yv = [float("nan") if y is None else y for y in ys]
-            a.plot(xr, yv, "o-", ms=3, label=m, color=colors[j % len(colors)])
-            a.fill_between(xr, [y - d for y, d in zip(yv, sd)], [y + d for y, d in zip(yv, sd)], alpha=0.12,
-                           color=colors[j % len(colors)])
-        if stats[s]["target"] is not None:
-            a.axhline(stats[s]["target"], ls=":", color="grey", lw=1)
-        a.set_title(f"{s}: global accuracy per round (mean ± std)", fontsize=9)
-        a.set_xlabel("round")
-        a.grid(alpha=0.3)
-    if len(abl) > 1:
-        a = fig.add_subplot(gs[-1, :])
-        st = stats[ABLATION_SETTING]["methods"]
-        for j, (metric, label) in enumerate((("global", "global"), ("local", "local"))):
-            ys = [st[m][metric]["mean"] or 0 for m in abl]
-            err = [[(st[m][metric]["mean"] or 0) - (st[m][metric]["ci_lo"] or st[m][metric]["mean"] or 0) for m in abl],
-                   [(st[m][metric]["ci_hi"] or st[m][metric]["mean"] or 0) - (st[m][metric]["mean"] or 0) for m in abl]]
-            a.bar([i + (j - 0.5) * 0.38 for i in range(len(abl))], ys, 0.38, yerr=err, capsize=2, label=label)
-        a.set_xticks(range(len(abl)), abl, fontsize=8)
-        a.set_title(f"Ablations, {ABLATION_SETTING} (95% CI)", fontsize=9)
-        vals = [st[m][k]["mean"] for m in abl for k in ("global", "local") if st[m][k]["mean"] is not None]
-        if vals:
-            a.set_ylim(max(0.0, min(vals) - 0.15), min(1.0, max(vals) + 0.08))
-        a.legend(fontsize=8)
-        a.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+LAYOUT = tables.Layout(
+    head=_head,
+    columns=[("Method", lambda m, s, st: m), ("global acc", lambda m, s, st: f"{ci_text(s['global'])}{marks(st, m)}"),
+             ("local acc", lambda m, s, st: ci_text(s["local"])),
+             ("rounds to target", lambda m, s, st: ci_text(s["rounds_to_target"], ".1f")),
+             ("reached", lambda m, s, st: f"{s['reached']}/{len(s['seeds'])}"),
+             ("experts held (of 24)", lambda m, s, st: fmt(s["experts_held_mean"], ".1f"))],
+    test_header="| Paired difference (a − b) | Δ global [95% CI], p | | Δ local [95% CI], p | "
+                "| Δ rounds to target [95% CI], p | |",
+    test_columns=[lambda t, st: f"{diff_text(t['global'])} | {verdict(t['global'])}",
+                  lambda t, st: f"{diff_text(t['local'])} | {verdict(t['local'])}",
+                  lambda t, st: f"{diff_text(t['rounds'], '+.1f')} | {verdict(t['rounds'], higher_is_better=False)}"],
+    all_ok="- Every round of every cell closed `ok`; no device was excluded or failed; every FedAlign run reported a "
+           "finite regulariser and moved r_g.",
+    sections=_summary, sanity=_sanity, tail=_routing)
 
 
-# --------------------------------------------------------------------------- driver
+def plot(result: dict[str, Any], path: Path, cfg: dict[str, Any]) -> None:
+    """:func:`tables.plot_with_ablations`: the methods, and the ablations against FedAlign-MoE."""
+    tables.plot_with_ablations(result, path, list(cfg["methods"]), [cfg["ablations_against"], *cfg["ablations"]],
+                               cfg["ablation_setting"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = cells.parser(__doc__.split("\n\n")[0], "bbc Dir(0.1) only, 2 seeds, 4 devices, 4 rounds of 2 steps, every "
-                      "method and ablation (< 10 min)", ROOT / "runs" / "fedalign_table", ROOT / "results")
-    args = ap.parse_args(argv)
-    profile, p = cells.profile_of(args, PROFILES, ap.error)
-    settings = args.settings.split(",") if args.settings else settings_of(p)
-    wanted = set(args.methods.split(",")) if args.methods else None
-    base = Path(args.runs) / profile
-    todo = [(seed, setting, name, method) for seed in p["seeds"] for setting in settings
-            for name, method in methods_for(setting, not args.no_ablations).items()
-            if not wanted or name in wanted]
+    """The harness on :data:`CONFIG` with ``argv`` (harness options)."""
+    from benchmarks import harness
 
-    def run(seed: int, setting: str, method: dict[str, Any], out: Path, url: str) -> dict[str, Any]:
-        task, part = setting.split(" ", 1)
-        return run_federation(p, task, PARTITIONS[part], method, seed, out, url)
-
-    rows, missing = cells.run_cells(todo, base, args, run, summarise)
-    result = {**cells.header(args, profile, p, rows, missing), "tasks": TASKS, "partitions": PARTITIONS,
-              "methods": METHODS, "ablations": ABLATIONS, "ablation_setting": ABLATION_SETTING,
-              "target_fraction": TARGET_FRACTION, "stats": aggregate(rows, p["seeds"], p["rounds"]), "cells": rows}
-    print(cells.write(args.results, "fedalign_table" + ("" if profile == "full" else "_quick"), result, markdown,
-                      plot))
-    return 0 if not missing or args.collect else 1
+    return harness.main([*(sys.argv[1:] if argv is None else argv), str(CONFIG)])
 
 
 if __name__ == "__main__":

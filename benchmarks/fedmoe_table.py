@@ -26,56 +26,52 @@ half the devices hold the full MoE with a margin for their baselines' growth, ha
 The full-MoE baselines cannot use the latter (``full`` leaves them out); FedMoE probes
 the former and estimates p for the latter.
 
-Cells are resumable: each writes ``runs/fedmoe_table/<profile>/<cell>/report.json`` and is
-skipped when that exists (``--force`` reruns). ``--lock FILE`` holds an exclusive flock
-only while a cell runs (the machine is shared). Writes ``results/fedmoe_table.json``,
+The table is the harness's (:mod:`benchmarks.harness`) on ``benchmarks/configs/fedmoe_table.yaml``
+(settings, methods, ablations, profiles); this module is its cells (``table: fedmoe_table``)
+and, as its rows are per task and per process with one seed (no statistics over seeds),
+its own markdown and plots. Cells are resumable: each writes
+``runs/fedmoe_table/<profile>/s<seed>/<cell>/report.json`` and is skipped when that exists
+(``--force`` reruns). ``--lock FILE`` holds an exclusive flock only while a cell runs (the
+machine is shared). ``--reuse results/fedmoe_table.json`` takes the committed rows for cells
+with no report (what ``--keep-previous`` did). Writes ``results/fedmoe_table.json``,
 ``results/fedmoe_table.md`` and ``results/fedmoe_table_<setting>.png``.
 
-    python benchmarks/fedmoe_table.py --quick      # < 10 min: 6 devices, 3 rounds
-    python benchmarks/fedmoe_table.py              # 12 devices, 4 per round, 10 rounds
-    python benchmarks/fedmoe_table.py --collect    # tables from the cells finished so far
+    python -m benchmarks.fedmoe_table --quick      # < 10 min: 6 devices, 3 rounds
+    python -m benchmarks.fedmoe_table              # 12 devices, 4 per round, 10 rounds
+    python -m benchmarks.fedmoe_table --collect    # tables from the cells finished so far
+    # the same: python -m benchmarks.harness benchmarks/configs/fedmoe_table.yaml [options]
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import logging
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, fmt as _fmt
 
-from common import fmt as _fmt, heavy_lock, slug  # noqa: E402
-from moe_model.budget import estimate  # noqa: E402
-from fedmoe.simulate import SimulationConfig, simulate  # noqa: E402
-from protocol.messages import ModelSpec  # noqa: E402
+CONFIG = ROOT / "benchmarks" / "configs" / "fedmoe_table.yaml"
+REQUIRED = ("name", "settings", "tasks", "seeds", "devices", "clients_per_round", "rounds", "max_steps",
+            "max_seq_len", "max_samples_per_task", "probe_steps", "patience", "methods")
+PROFILE_KEYS = ("devices", "clients_per_round", "rounds", "max_steps", "max_seq_len", "max_samples_per_task",
+                "probe_steps", "patience")
+STATS = False
 
-log = logging.getLogger("fedmoe_table")
 
-SETTINGS = {"Standard-Hetero-T": "iid", "Standard-Hetero-TD": "dirichlet:0.5"}
-METHODS: dict[str, dict[str, Any]] = {
-    "FedMoE": {"assignment": "fedmoe", "aggregation": "fedmoe"},
-    "randomMoE": {"assignment": "randommoe", "aggregation": "modular"},
-    "FedProx (full MoE)": {"assignment": "full", "aggregation": "modular", "prox_mu": 0.01},
-    "FedAvg (full MoE)": {"assignment": "full", "aggregation": "modular"},
-}
-ABLATIONS: dict[str, dict[str, Any]] = {
-    "FedMoE w/o stage 1": {"assignment": "fedmoe", "aggregation": "fedmoe", "params": {"stage1": False}},
-    "FedMoE w/o stage 2": {"assignment": "fedmoe", "aggregation": "fedmoe", "params": {"stage2": False}},
-}
-PROFILES = {
-    "quick": dict(devices=6, clients_per_round=2, rounds=3, max_steps=4, max_seq_len=32, max_samples_per_task=600,
-                  probe_steps=3, patience=1),
-    "full": dict(devices=12, clients_per_round=4, rounds=10, max_steps=8, max_seq_len=64, max_samples_per_task=1500,
-                 probe_steps=4, patience=1),
-}
-TASKS = ["bbc", "tweets"]
+def check(cfg: dict[str, Any]) -> list[str]:
+    """A config's problems: a method without ``assignment`` or ``aggregation``."""
+    return [f"method {m!r} needs assignment and aggregation" for m, v in {**cfg["methods"], **cfg["ablations"]}.items()
+            if not {"assignment", "aggregation"} <= set(v)]
+
+
+def settings_of(cfg: dict[str, Any]) -> dict[str, str]:
+    """Setting name -> its partition scheme within a task."""
+    return dict(cfg["settings"])
+
+
 @functools.lru_cache(maxsize=1)
 def runtime_baseline() -> int:
     """Device process memory before the model, measured here, plus the devices' default
@@ -95,38 +91,54 @@ and a device whose budget held the full MoE only at start-up dropped out of the 
 baselines after a few rounds. Kept so reruns stay comparable with that table."""
 
 
-def device_budgets(profile: str, seed: int, batch: int = 8) -> list[int]:
+def device_budgets(cfg: dict[str, Any], seed: int, batch: int = 8) -> list[int]:
     """Per-device budgets (bytes), over :func:`runtime_baseline` (which includes the
     devices' headroom). Within each task, devices alternate between one that cannot hold
     the full MoE (drawn between the memory plans of 2 and E-1 experts per layer) and one
     that holds it with :data:`GROWTH_MARGIN_BYTES` to spare (drawn from full +
     margin to full + margin + (full - plan(2))), so half the devices of each task can
     train the full MoE (the full-MoE baselines and FedMoE's stage-one probes use them)."""
-    p = PROFILES[profile]
-    spec = ModelSpec(max_seq_len=p["max_seq_len"], num_experts=8)
+    from moe_model.budget import estimate
+    from protocol.messages import ModelSpec
+
+    spec = ModelSpec(max_seq_len=cfg["max_seq_len"], num_experts=8)
     plan = lambda k: estimate(spec, k, batch, 5, runtime_baseline()).total  # noqa: E731
     lo, below_full, full = plan(2), plan(spec.num_experts - 1), plan(spec.num_experts)
     rng = random.Random(seed)
     return [rng.randint(lo, below_full) if i % 2 == 0 else
             rng.randint(full + GROWTH_MARGIN_BYTES, full + GROWTH_MARGIN_BYTES + full - lo)
-            for i in range(p["devices"])]
+            for i in range(cfg["devices"])]
 
 
-def cell_config(profile: str, setting: str, method: dict[str, Any], out: Path, seed: int) -> SimulationConfig:
-    p = PROFILES[profile]
+def cell_config(cfg: dict[str, Any], partition: str, method: dict[str, Any], out: Path, seed: int, broker: str):
+    """The ``fedmoe simulate`` configuration of one cell over the MQTT broker at ``broker``."""
+    from fedmoe.simulate import SimulationConfig
+
     params = dict(method.get("params", {}))
     if method["assignment"] in ("fedmoe", "randommoe"):
-        params = {"probe_steps": p["probe_steps"], "patience": p["patience"], **params}
+        params = {"probe_steps": cfg["probe_steps"], "patience": cfg["patience"], **params}
         if method["assignment"] == "randommoe":
             params.pop("patience")
     return SimulationConfig(
-        out=str(out), devices=p["devices"], rounds=p["rounds"], tasks=TASKS, partition=SETTINGS[setting],
+        out=str(out), devices=cfg["devices"], rounds=cfg["rounds"], tasks=cfg["tasks"], partition=partition,
         assignment=method["assignment"], assignment_params=params, aggregation=method["aggregation"],
-        budgets=[str(b) for b in device_budgets(profile, seed)], seed=seed, max_seq_len=p["max_seq_len"],
-        max_steps=p["max_steps"],
-        prox_mu=method.get("prox_mu", 0.0), clients_per_round=p["clients_per_round"],
-        max_samples_per_task=p["max_samples_per_task"], quorum=0.5,
+        budgets=[str(b) for b in device_budgets(cfg, seed)], seed=seed, max_seq_len=cfg["max_seq_len"],
+        max_steps=cfg["max_steps"], prox_mu=method.get("prox_mu", 0.0), clients_per_round=cfg["clients_per_round"],
+        max_samples_per_task=cfg["max_samples_per_task"], quorum=0.5, broker=broker,
     )
+
+
+def run_cell(cfg: dict[str, Any], partition: str, method: dict[str, Any], seed: int, out: Path,
+             url: str) -> dict[str, Any]:
+    """One ``fedmoe simulate`` run (aggregator and device processes) over the broker at
+    ``url``; its report, with the client-expert map's counts (:func:`_expert_counts`) added
+    (also to ``out/report.json``)."""
+    from fedmoe.simulate import simulate
+
+    report = simulate(cell_config(cfg, partition, method, out, seed, url))
+    report["experts"] = _expert_counts(out)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return report
 
 
 def _expert_counts(out: Path) -> dict[str, Any] | None:
@@ -153,8 +165,9 @@ def _expert_counts(out: Path) -> dict[str, Any] | None:
             "kept": events.count("kept"), "probed": len(state.get("probes", {}))}
 
 
-def summarise(report: dict[str, Any], out: Path) -> dict[str, Any]:
-    """The table row of one run."""
+def summarise(report: dict[str, Any]) -> dict[str, Any]:
+    """The table row of one run (per task: ``accuracy``, ``local_accuracy``, ...)."""
+    tasks = list(dict.fromkeys(d["task"] for d in report["config"]["devices"]))
     rounds = report["rounds"]
     last = rounds[-1] if rounds else {}
     devices = {d["device_id"]: d for d in report["config"]["devices"]}
@@ -173,16 +186,16 @@ def summarise(report: dict[str, Any], out: Path) -> dict[str, Any]:
             if v.get("val_accuracy") is not None:
                 latest[d] = v["val_accuracy"]
     per_task_local = {}
-    for task in TASKS:
+    for task in tasks:
         accs = [a for d, a in latest.items() if devices[d]["task"] == task]
         per_task_local[task] = sum(accs) / len(accs) if accs else None
     trained = sorted({d for r in rounds for d in r["devices"]})
     return {
-        "accuracy": {t: (last.get("per_task", {}).get(t) or {}).get("accuracy") for t in TASKS},
-        "initial_accuracy": {t: (report.get("initial_per_task") or {}).get(t, {}).get("accuracy") for t in TASKS},
+        "accuracy": {t: (last.get("per_task", {}).get(t) or {}).get("accuracy") for t in tasks},
+        "initial_accuracy": {t: (report.get("initial_per_task") or {}).get(t, {}).get("accuracy") for t in tasks},
         "local_accuracy": per_task_local,
         "accuracy_per_round": {t: [(r.get("per_task", {}).get(t) or {}).get("accuracy") for r in rounds]
-                               for t in TASKS},
+                               for t in tasks},
         "comm_gb": comm / 1e9,
         "comm_mb_per_device_round": comm / 1e6 / device_rounds if device_rounds else None,
         "peak_memory_gb": max(peaks.values()) / 2**30 if peaks else None,
@@ -190,40 +203,20 @@ def summarise(report: dict[str, Any], out: Path) -> dict[str, Any]:
         "peak_memory_no_probe_gb": max(peaks2.values()) / 2**30 if peaks2 else None,
         "devices_trained": len(trained), "devices_total": len(devices),
         "rounds_ok": sum(r["status"] == "ok" for r in rounds), "rounds": len(rounds),
-        "experts": _expert_counts(out),
+        "experts": report.get("experts"),
         "wall_seconds": report.get("wall_seconds"),
+        "sanity": {"problems": [f"round {r['round']}: status {r['status']}" for r in rounds if r["status"] != "ok"]},
     }
 
 
-def cell_dir(base: Path, setting: str, name: str) -> Path:
-    """Where one cell's simulation writes its report."""
-    return base / slug(f"{setting}--{name}")
+def result_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The settings, tasks and the devices' budgets (bytes) of the first seed."""
+    return {"settings": cfg["settings"], "tasks": cfg["tasks"], "budgets_bytes": device_budgets(cfg, cfg["seeds"][0])}
 
 
-def run_cell(profile: str, setting: str, name: str, method: dict[str, Any], base: Path, seed: int, force: bool,
-             lock: str | None, collect: bool = False) -> dict[str, Any] | None:
-    out = cell_dir(base, setting, name)
-    if (out / "report.json").exists() and not force:
-        log.info("%s / %s: reusing %s", setting, name, out / "report.json")
-        report = json.loads((out / "report.json").read_text())
-    elif collect:
-        return None
-    else:
-        cfg = cell_config(profile, setting, method, out, seed)
-        log.info("%s / %s: running (%s)", setting, name, out)
-        with heavy_lock(lock):
-            t0 = time.time()
-            try:
-                report = simulate(cfg)
-            except Exception as e:  # one failed cell must not lose the others
-                log.error("%s / %s failed: %s", setting, name, e)
-                return None
-            log.info("%s / %s: %.0f s", setting, name, time.time() - t0)
-    measured = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime((out / "report.json").stat().st_mtime))
-    return {"setting": setting, "method": name, "dir": str(out), "measured": measured, **summarise(report, out)}
-
-
-def markdown(result: dict[str, Any]) -> str:
+def markdown(result: dict[str, Any], cfg: dict[str, Any]) -> str:
+    """The table: per setting one row a method (per-task accuracy, bytes, peak memory), and
+    the ablation's expert counts."""
     lines = [f"# FedMoE table ({result['profile']} profile)", "",
              f"Measured {result['date']} on {result['machine']}. {result['note']}",
              f"Profile: {json.dumps(result['profile_config'])}; budgets (MiB, per device, tasks in turn): "
@@ -234,8 +227,8 @@ def markdown(result: dict[str, Any]) -> str:
                   + "; ".join(f"{c['setting']} / {c['method']}: {c['measured']}" for c in result["cells"]) + ".", ""]
     if result.get("cells_missing"):
         lines += [f"Not run (no finished report): {', '.join(result['cells_missing'])}.", ""]
-    for setting in SETTINGS:
-        rows = [c for c in result["cells"] if c["setting"] == setting and c["method"] in METHODS]
+    for setting in cfg["settings"]:
+        rows = [c for c in result["cells"] if c["setting"] == setting and c["method"] in cfg["methods"]]
         if not rows:
             continue
         lines += [f"## {setting}", "",
@@ -249,10 +242,10 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{_fmt(c['mean_device_peak_gb'])} | "
                          f"{c['devices_trained']}/{c['devices_total']} |")
         lines.append("")
-    abl = [c for c in result["cells"] if c["setting"] == "Standard-Hetero-T" and (c["method"] in ABLATIONS
-                                                                                 or c["method"] == "FedMoE")]
+    abl = [c for c in result["cells"] if c["setting"] == cfg["ablation_setting"]
+           and (c["method"] in cfg["ablations"] or c["method"] == cfg["ablations_against"])]
     if abl:
-        lines += ["## Ablation (Standard-Hetero-T)", "",
+        lines += [f"## Ablation ({cfg['ablation_setting']})", "",
                   "| Method | bbc acc (global) | tweets acc (global) | bbc acc (local) | tweets acc (local) "
                   "| Experts avg (init → end) | Min/Max (end) | Recommended / reverted |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -274,19 +267,23 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], out_dir: Path, suffix: str = "") -> list[str]:
+def plot(result: dict[str, Any], path: Path, cfg: dict[str, Any]) -> list[str]:
+    """Global accuracy per round, one PNG a setting (a panel a task), beside ``path``:
+    ``fedmoe_table_<setting>{,_quick}.png``; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    suffix = "" if result["profile"] == "full" else "_quick"
+    tasks = result.get("tasks") or cfg["tasks"]
     paths = []
-    for setting in SETTINGS:
+    for setting in cfg["settings"]:
         cells = [c for c in result["cells"] if c["setting"] == setting]
         if not cells:
             continue
-        fig, axes = plt.subplots(1, len(TASKS), figsize=(11, 4), sharey=True)
-        for ax, task in zip(axes, TASKS):
+        fig, axes = plt.subplots(1, len(tasks), figsize=(11, 4), sharey=True)
+        for ax, task in zip(axes, tasks):
             for c in cells:
                 ys = [c["initial_accuracy"][task]] + c["accuracy_per_round"][task]
                 ax.plot(range(len(ys)), [float("nan") if y is None else y for y in ys], "o-", label=c["method"])
@@ -296,84 +293,18 @@ def plot(result: dict[str, Any], out_dir: Path, suffix: str = "") -> list[str]:
         axes[0].set_ylabel("global test accuracy")
         axes[-1].legend(fontsize=7)
         fig.tight_layout()
-        path = out_dir / f"fedmoe_table_{setting}{suffix}.png"
-        fig.savefig(path, dpi=110)
+        out = path.with_name(f"fedmoe_table_{setting}{suffix}.png")
+        fig.savefig(out, dpi=110)
         plt.close(fig)
-        paths.append(str(path))
+        paths.append(str(out))
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="6 devices, 3 rounds (< 10 min)")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated settings")
-    ap.add_argument("--methods", help="comma-separated methods/ablations (default: all)")
-    ap.add_argument("--no-ablations", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--note", default="", help="a line for the table's header (e.g. what else ran on the machine)")
-    ap.add_argument("--force", action="store_true", help="rerun cells that already have a report")
-    ap.add_argument("--lock", help="flock this file while a cell runs")
-    ap.add_argument("--collect", action="store_true", help="only tabulate cells that already finished")
-    ap.add_argument("--keep-previous", action="store_true",
-                    help="cells with no report under --runs are taken from the committed results JSON of the same "
-                         "profile (marked with their measurement date) instead of being run")
-    ap.add_argument("--runs", default=str(ROOT / "runs" / "fedmoe_table"))
-    ap.add_argument("--results", default=str(ROOT / "results"))
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    for name in ("amqtt", "transitions", "fedmoe.simulate"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    profile = "quick" if args.quick else "full"
-    base = Path(args.runs) / profile
-    wanted = set(args.methods.split(",")) if args.methods else None
-    suffix = "" if profile == "full" else "_quick"
-    previous: dict[tuple[str, str], dict[str, Any]] = {}
-    if args.keep_previous and (Path(args.results) / f"fedmoe_table{suffix}.json").exists():
-        old = json.loads((Path(args.results) / f"fedmoe_table{suffix}.json").read_text())
-        for c in old["cells"]:
-            previous[(c["setting"], c["method"])] = {**c, "measured": c.get("measured", old["date"])}
-    t0 = time.time()
-    cells, missing = [], []
-    for setting in args.settings.split(","):
-        todo = dict(METHODS)
-        if setting == "Standard-Hetero-T" and not args.no_ablations:
-            todo.update(ABLATIONS)
-        for name, method in todo.items():
-            if wanted and name not in wanted:
-                continue
-            if (setting, name) in previous and not (cell_dir(base, setting, name) / "report.json").exists():
-                cells.append(previous[(setting, name)])
-                log.info("%s / %s: kept from the previous results (%s)", setting, name,
-                         previous[(setting, name)]["measured"])
-                continue
-            c = run_cell(profile, setting, name, method, base, args.seed, args.force, args.lock, args.collect)
-            if c is None:
-                missing.append(f"{setting} / {name}")
-            else:
-                cells.append(c)
-                print(f"{setting:20s} {name:22s} bbc {_fmt(c['accuracy']['bbc'])} tweets "
-                      f"{_fmt(c['accuracy']['tweets'])} local {_fmt(c['local_accuracy']['bbc'])}/"
-                      f"{_fmt(c['local_accuracy']['tweets'])} comm {c['comm_gb']:.3f} GB "
-                      f"peak {_fmt(c['peak_memory_gb'])} GB", flush=True)
-    import platform
-    import os
+    """The harness on :data:`CONFIG` with ``argv`` (harness options)."""
+    from benchmarks import harness
 
-    result = {
-        "profile": profile, "profile_config": PROFILES[profile], "settings": SETTINGS, "tasks": TASKS,
-        "budgets_bytes": device_budgets(profile, args.seed),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
-        "note": args.note,
-        "cells": cells, "cells_missing": missing, "wall_seconds_this_invocation": time.time() - t0,
-    }
-    res = Path(args.results)
-    res.mkdir(parents=True, exist_ok=True)
-    (res / f"fedmoe_table{suffix}.json").write_text(json.dumps(result, indent=1))
-    (res / f"fedmoe_table{suffix}.md").write_text(markdown(result))
-    plot(result, res, suffix)  # the quick profile must not overwrite the full profile's plots
-    print(markdown(result))
-    return 0
+    return harness.main([*(sys.argv[1:] if argv is None else argv), str(CONFIG)])
 
 
 if __name__ == "__main__":

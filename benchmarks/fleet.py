@@ -19,12 +19,12 @@ updates, no model). It measures:
   ``report`` event twice for a device and round, none missing, no reject);
 - aggregator and broker peak RSS, and their CPU seconds per accepted update.
 
-    python benchmarks/fleet.py            # Mosquitto: 1,000 / 10,000 devices, 1,000 updates per round, 1/2/4 workers;
+    python -m benchmarks.fleet            # Mosquitto: 1,000 / 10,000 devices, 1,000 updates per round, 1/2/4 workers;
                                           # the NATS cluster: 300 / 1,000 devices, 1/2/4 workers at 1,000, and 300
                                           # devices with a QoS 1 downlink (as before protocol 1.9)
-    python benchmarks/fleet.py --quick    # 300 devices, 100 updates of 1 MiB per round: Mosquitto (one process,
+    python -m benchmarks.fleet --quick    # 300 devices, 100 updates of 1 MiB per round: Mosquitto (one process,
                                           # 1-2 workers), the cluster (one process, 1-2 workers)
-    python benchmarks/fleet.py --sizes "" --cluster-sizes 100,300    # the NATS cluster only
+    python -m benchmarks.fleet --sizes "" --cluster-sizes 100,300    # the NATS cluster only
 
 Writes ``results/fleet/fleet{,_quick}.{json,md,png}``. At the largest Mosquitto size it
 also runs a coordinator with 1, 2 and 4 ``--role worker`` processes (``--worker-counts``;
@@ -49,11 +49,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.common import fmt, heavy_lock, module_command, module_env, write_result
 
-from common import fmt, heavy_lock, write_result  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("fleet")
 MIB = 2**20
@@ -325,8 +323,8 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, work
         (work / "spec.json").write_text(json.dumps(spec))
         for i in range(nprocs):
             logs.append(open(work / f"devices-{i}.log", "w"))
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fleet_devices.py"),
-                                           "--spec", str(work / "spec.json"), "--index", str(i)], stderr=logs[-1]))
+            procs.append(subprocess.Popen(module_command("fleet_devices", "--spec", str(work / "spec.json"), "--index", str(i)),
+                                          env=module_env(), stderr=logs[-1]))
         mon.watch("devices", [p.pid for p in procs])
         deadline = time.time() + args.timeout
         last = 0.0

@@ -8,7 +8,7 @@ time, an update of exactly that state's names and shapes (the state plus noise, 
 safetensors, chunked, every chunk Ed25519-signed) followed by signed ``stats`` that name
 it. Over MQTT 3.1.1 the signature travels in the ``FMP1`` envelope (PROTOCOL.md §8.1).
 
-    python benchmarks/fleet_devices.py --spec spec.json --index 0
+    python -m benchmarks.fleet_devices --spec spec.json --index 0
 
 ``spec.json`` (written by ``fleet.py``) names the broker nodes, the federation, this
 process's device ids and private keys. The process writes ``{out}/devices-{index}.json``
@@ -26,7 +26,6 @@ import logging
 import random
 import secrets
 import signal
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -38,15 +37,13 @@ from paho.mqtt.properties import Properties
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from protocol import envelope  # noqa: E402
-from protocol.chunking import DEFAULT_CHUNK_BYTES, ChunkError, Reassembler, split_blob  # noqa: E402
-from protocol.messages import (PROTOCOL_MINOR, Ack, Assignment, BlobRef, Command, Hello, LayerStats,  # noqa: E402
+from protocol import envelope
+from protocol.chunking import DEFAULT_CHUNK_BYTES, ChunkError, Reassembler, split_blob
+from protocol.messages import (PROTOCOL_MINOR, Ack, Assignment, BlobRef, Command, Hello, LayerStats,
                                MessageError, Stats, Status, encode, parse_message)
-from protocol.signing import Signer, load_private_key  # noqa: E402
-from protocol.topics import Topics  # noqa: E402
+from protocol.signing import Signer, load_private_key
+from protocol.topics import Topics
+
 
 log = logging.getLogger("fleet.devices")
 SAMPLES = 100

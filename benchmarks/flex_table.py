@@ -5,8 +5,8 @@ capacities 2-6, five partitions, Random / Greedy / FLEX and the usage-aware vari
 
 Kept so that its command still works; every harness option passes through::
 
-    python benchmarks/flex_table.py --quick      # harness.py configs/flex.yaml --quick
-    python benchmarks/flex_table.py --lock /tmp/fedmoe-heavy.lock
+    python -m benchmarks.flex_table --quick      # = python -m benchmarks.harness benchmarks/configs/flex.yaml --quick
+    python -m benchmarks.flex_table --lock /tmp/fedmoe-heavy.lock
 
 Writes ``results/evidence/flex{,_quick}.{json,md,png}`` (:mod:`harness`).
 """
@@ -16,9 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import harness  # noqa: E402
+from benchmarks import harness
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "flex.yaml"
 

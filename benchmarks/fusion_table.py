@@ -49,96 +49,66 @@ Fed-MoE's α, gate entropy and relevance W). Over seeds: mean ± std, the 95% St
 rounds to 90% of the best method's final accuracy, paired t-tests (pairs = seeds; "better"
 only where the 95% CI of the paired difference excludes 0).
 
+The table is the harness's (:mod:`benchmarks.harness`) on ``benchmarks/configs/fusion_table.yaml``
+(methods, ablations, pairs, profiles); this module is its cells (``table: fusion_table``).
 Cells are resumable (``runs/fusion_table/<profile>/s<seed>/<cell>/report.json``; ``--force``
 reruns); ``--lock FILE`` holds an exclusive flock while a cell runs. Writes
 ``results/fusion_table{,_quick}.{json,md,png}``.
 
-    python benchmarks/fusion_table.py --quick --lock /tmp/fedmoe-heavy.lock   # < 10 min
-    python benchmarks/fusion_table.py --lock /tmp/fedmoe-heavy.lock
-    python benchmarks/fusion_table.py --collect     # tables from the cells finished so far
+    python -m benchmarks.fusion_table --quick --lock /tmp/fedmoe-heavy.lock   # < 10 min
+    python -m benchmarks.fusion_table --lock /tmp/fedmoe-heavy.lock
+    python -m benchmarks.fusion_table --collect     # tables from the cells finished so far
+    # the same: python -m benchmarks.harness benchmarks/configs/fusion_table.yaml [options]
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import cells, tables
+from benchmarks.common import ROOT, ci_text, diff_text, fmt, marks, verdict
 
-import cells  # noqa: E402
-from common import ci_text, compare_methods, diff_text, fmt  # noqa: E402
-from common import marks, verdict  # noqa: E402
-
-log = logging.getLogger("fusion_table")
-
-DATASETS = {"tweets": "tweets (3 sentiments), MiniLM-MoE", "fmnist": "Fashion-MNIST (10 classes), conv-moe"}
-K_DEFAULT = 3
-METHODS: dict[str, dict[str, Any]] = {
-    "FedAvg": {"strategy": "composed", "assignment": "fixed", "assignment_params": {"experts": [0]}},
-    "FedProx": {"strategy": "composed", "assignment": "fixed", "assignment_params": {"experts": [0]},
-                "prox_mu": 0.01},
-    "Avg-MoE": {"strategy": "composed", "assignment": "fixed", "assignment_params": {"experts": [0, 1]}},
-    "Cent-MoE": {"strategy": "composed", "assignment": "fixed",
-                 "assignment_params": {"experts": list(range(K_DEFAULT + 1))}, "central": True,
-                 "local_epochs": 100.0},
-    "Fed-MoE": {"strategy": "fusion", "params": {"routed_experts": K_DEFAULT}},
-    "Fed-MoE hybrid": {"strategy": "fusion_hybrid", "assignment": "full", "params": {"compact_below": 3}},
-}
-ABLATIONS: dict[str, dict[str, Any]] = {
-    "Fed-MoE K=1": {"strategy": "fusion", "params": {"routed_experts": 1}},
-    "Fed-MoE K=5": {"strategy": "fusion", "params": {"routed_experts": 5}},
-    "Fed-MoE |D^r|=1%": {"strategy": "fusion", "params": {"routed_experts": K_DEFAULT, "reserve_fraction": 0.01}},
-    "Fed-MoE |D^r|=5%": {"strategy": "fusion", "params": {"routed_experts": K_DEFAULT, "reserve_fraction": 0.05}},
-}
-ABLATION_SETTING = "fmnist 10"
-RESERVE = 0.02
-COMPARISONS = [("Fed-MoE", "FedAvg"), ("Fed-MoE", "FedProx"), ("Fed-MoE", "Avg-MoE"), ("Fed-MoE", "Cent-MoE"),
-               ("Fed-MoE hybrid", "Fed-MoE"), ("Fed-MoE hybrid", "FedAvg"), ("FedProx", "FedAvg")]
-TARGET_FRACTION = 0.9
+CONFIG = ROOT / "benchmarks" / "configs" / "fusion_table.yaml"
+REQUIRED = ("name", "datasets", "clients", "seeds", "rounds", "samples", "eval_samples", "train", "methods")
+DEFAULTS: dict[str, Any] = {"max_seq_len": 24, "eval_threads": 2}
+PROFILE_KEYS = ("datasets", "clients", "seeds", "rounds", "max_seq_len", "samples", "eval_samples", "eval_threads",
+                "train")
+METRICS = (("global", "accuracy"), ("local", "local_accuracy"))
+EXTRA = ("experts_held_mean", "fused_accuracy", "devices_trained", "reserved")
 NUM_EXPERTS = 8
-TRAIN = {"tweets": {"batch": 8, "max_steps": 2, "lr": 3e-3}, "fmnist": {"batch": 32, "max_steps": 15, "lr": 2e-3}}
-"""Local training per round, per data set: the MiniLM settings of ``benchmarks/fedalign_table.py``;
-for the small CNN, FLEX's table's batch and learning rate (``benchmarks/configs/flex.yaml``)."""
-PROFILES = {
-    "quick": dict(datasets=["fmnist", "tweets"], clients=[10], seeds=[0], rounds=3, max_seq_len=24,
-                  samples={"tweets": 1500, "fmnist": 1500}, eval_samples=200, eval_threads=2, train=TRAIN),
-    "full": dict(datasets=["fmnist", "tweets"], clients=[10, 50], seeds=[0, 1, 2], rounds=4, max_seq_len=24,
-                 samples={"tweets": 3000, "fmnist": 3000}, eval_samples=200, eval_threads=2, train=TRAIN),
-}
-"""Sized for a 2-core machine: ``samples`` is a seeded subset of each data set's training
-data (tweets: 80% of it, the rest the test split; Fashion-MNIST: from its training set, the
-test split from its test set, ``eval_samples`` of it evaluated); every client trains
-:data:`TRAIN`'s ``max_steps`` batches a round."""
+RESERVE = 0.02
+"""The share of each training split that is the cloud's D^r (a method's ``reserve_fraction`` overrides it)."""
 DEFENCES = {"robust": {"name": "none"}, "screening": None}
 """The poisoning defences off for every method, as the paper's methods average plainly
 (the same choice as ``benchmarks/fedalign_table.py``)."""
 
 
-def settings_of(p: dict[str, Any]) -> list[str]:
-    return [f"{d} {c}" for c in p["clients"] for d in p["datasets"]]
+def check(cfg: dict[str, Any]) -> list[str]:
+    """A config's problems: an unknown data set (tweets, fmnist)."""
+    return [f"datasets: unknown {d!r} (tweets, fmnist)" for d in cfg["datasets"] if d not in ("tweets", "fmnist")]
 
 
-def methods_for(setting: str, ablations: bool = True) -> dict[str, dict[str, Any]]:
-    return {**METHODS, **(ABLATIONS if ablations and setting == ABLATION_SETTING else {})}
+def settings_of(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``"<data set> <clients>"`` -> ``{"data", "clients"}``, the clients axis outermost."""
+    return {f"{d} {c}": {"data": d, "clients": c} for c in cfg["clients"] for d in cfg["datasets"]}
 
 
 # --------------------------------------------------------------------------- data and budgets
 
 
-def dataset(name: str, seed: int, p: dict[str, Any]) -> tuple[list, list, list[str], Any]:
+def dataset(name: str, seed: int, cfg: dict[str, Any]) -> tuple[list, list, list[str], Any]:
     """(training items, test items, labels, model spec) of a data set (:func:`cells.load_data`)."""
     from protocol.messages import ModelSpec
 
-    train, test, labels = cells.load_data(name, seed, p["samples"][name], p["eval_samples"])
+    train, test, labels = cells.load_data(name, seed, cfg["samples"][name], cfg["eval_samples"])
     if name == "fmnist":
         spec = ModelSpec(family="conv-moe", base=None, tokenizer=None, num_experts=NUM_EXPERTS, top_k=2, seed=seed)
     else:
-        spec = ModelSpec(num_experts=NUM_EXPERTS, top_k=2, max_seq_len=p["max_seq_len"], seed=seed)
+        spec = ModelSpec(num_experts=NUM_EXPERTS, top_k=2, max_seq_len=cfg["max_seq_len"], seed=seed)
     return train, test, labels, spec
 
 
@@ -157,13 +127,14 @@ def budgets_for(spec, batch: int, num_labels: int, clients: int, seed: int, weig
 # --------------------------------------------------------------------------- one federation
 
 
-def run_federation(p: dict[str, Any], name: str, clients: int, method: dict[str, Any], seed: int, out: Path,
-                   url: str) -> dict[str, Any]:
+def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any], seed: int, out: Path,
+             url: str) -> dict[str, Any]:
     """One federation (:func:`cells.federate`); returns its report."""
     from fedmoe.partition import partition, reserve
 
-    train, test, labels, spec = dataset(name, seed, p)
-    tr = p["train"][name]
+    name, clients = setting["data"], setting["clients"]
+    train, test, labels, spec = dataset(name, seed, cfg)
+    tr = cfg["train"][name]
     kept, reserved_idx = reserve(range(len(train)), method.get("params", {}).get("reserve_fraction", RESERVE), seed)
     reserved = [train[i] for i in reserved_idx]
     fmt_ = "fp32" if spec.family == "conv-moe" else "int8"
@@ -177,61 +148,35 @@ def run_federation(p: dict[str, Any], name: str, clients: int, method: dict[str,
     return cells.federate(
         out, url, spec=spec, task=name, labels=labels, test=test, device_data=device_data, budgets=budgets,
         method={k: v for k, v in method.items() if k != "central"},
-        train={"max_steps": tr["max_steps"], "batch_size": tr["batch"], "lr": tr["lr"]}, rounds=p["rounds"],
-        weight_format=fmt_, eval_samples=p["eval_samples"], seed=seed, defences=DEFENCES, reserved=reserved,
-        eval_threads_n=p["eval_threads"], round_timeout_s=900.0,
+        train={"max_steps": tr["max_steps"], "batch_size": tr["batch"], "lr": tr["lr"]}, rounds=cfg["rounds"],
+        weight_format=fmt_, eval_samples=cfg["eval_samples"], seed=seed, defences=DEFENCES, reserved=reserved,
+        eval_threads_n=cfg["eval_threads"], round_timeout_s=900.0,
         config={"dataset": name, "partition": "dirichlet:1.0"})
-
-
-# --------------------------------------------------------------------------- per-cell summary
-
-
-def aggregate(cells: list[dict[str, Any]], seeds: list[int], rounds: int) -> dict[str, Any]:
-    """Per setting: statistics over seeds and the paired tests of :data:`COMPARISONS` (plus each
-    ablation against Fed-MoE in :data:`ABLATION_SETTING`)."""
-    return compare_methods(
-        cells, seeds, rounds, target_methods=list(METHODS), target_fraction=TARGET_FRACTION,
-        pairs_of=lambda s: COMPARISONS + ([(a, "Fed-MoE") for a in ABLATIONS] if s == ABLATION_SETTING else []),
-        extra=("experts_held_mean", "fused_accuracy", "devices_trained", "reserved"))
 
 
 # --------------------------------------------------------------------------- output
 
 
-def markdown(result: dict[str, Any]) -> str:
-    p, stats = result["profile_config"], result["stats"]
-    lines = [f"# Fed-MoE fusion table ({result['profile']} profile)", "",
-             cells.measured(result), f"Profile: {json.dumps(p)}.",
-             f"Seeds {p['seeds']} (each seed: its own data subset, split, D^r, budgets and model/device seeds, the "
-             f"same for every method). {cells.cells_done(result)}",
-             f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", "",
-             "Settings: `<data set> <clients>`, Dirichlet(1.0) label skew. *global* = the method's model on the "
-             "held-out test split after the last round (FedAvg/FedProx: the compact model; Avg-MoE: the 2-expert "
-             "MoE; Cent-MoE: its 1+K-expert MoE; Fed-MoE: the server MoE, top-1; hybrid: the global MoE, with the "
-             "fused server MoE under *fused*); *local* = mean over clients of their latest validation accuracy (own "
-             "model after local training). Mean ± std over seeds [95% Student-t CI]. *Rounds to target*: first "
-             f"round reaching {TARGET_FRACTION:.0%} of the best method's mean final accuracy (not reached: "
-             f"{p['rounds'] + 1}). ▲X / ▼X: significantly above / below X (paired t-test over seeds; no correction "
-             "for multiple comparisons).", ""]
-    for setting, st in stats.items():
-        lines += [f"## {setting} (target {fmt(st['target'])})", "",
-                  "| Method | global acc | local acc | rounds to target | fused (hybrid) | experts held | "
-                  "clients trained | \\|D^r\\| |", "|---|---|---|---|---|---|---|---|"]
-        for m, s in st["methods"].items():
-            lines.append(f"| {m} | {ci_text(s['global'])}{marks(st, m)} | {ci_text(s['local'])} | "
-                         f"{ci_text(s['rounds_to_target'], '.1f')} | {fmt(s['fused_accuracy'])} | "
-                         f"{fmt(s['experts_held_mean'], '.1f')} | {fmt(s['devices_trained'], '.0f')} | "
-                         f"{fmt(s['reserved'], '.0f')} |")
-        lines += ["", "| Paired difference (a − b) | Δ global [95% CI], p | | Δ local [95% CI], p | |",
-                  "|---|---|---|---|---|"]
-        for t in st["tests"]:
-            lines.append(f"| {t['a']} − {t['b']} | {diff_text(t['global'])} | {verdict(t['global'])} | "
-                         f"{diff_text(t['local'])} | {verdict(t['local'])} |")
-        lines.append("")
-    lines += ["## Per-round sanity", ""]
-    problems = [(c, pr) for c in result["cells"] for pr in c["sanity"]["problems"]]
-    lines += [f"- s{c['seed']} {c['setting']} / {c['method']}: {pr}" for c, pr in problems] or [
-        "- Every round of every cell closed `ok`; no client was excluded or failed."]
+def _head(result: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    p = result["profile_config"]
+    return [f"# Fed-MoE fusion table ({result['profile']} profile)", "",
+            cells.measured(result), f"Profile: {json.dumps(p)}.",
+            f"Seeds {p['seeds']} (each seed: its own data subset, split, D^r, budgets and model/device seeds, the "
+            f"same for every method). {cells.cells_done(result)}",
+            f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", "",
+            "Settings: `<data set> <clients>`, Dirichlet(1.0) label skew. *global* = the method's model on the "
+            "held-out test split after the last round (FedAvg/FedProx: the compact model; Avg-MoE: the 2-expert "
+            "MoE; Cent-MoE: its 1+K-expert MoE; Fed-MoE: the server MoE, top-1; hybrid: the global MoE, with the "
+            "fused server MoE under *fused*); *local* = mean over clients of their latest validation accuracy (own "
+            "model after local training). Mean ± std over seeds [95% Student-t CI]. *Rounds to target*: first "
+            f"round reaching {cfg['target_fraction']:.0%} of the best method's mean final accuracy (not reached: "
+            f"{p['rounds'] + 1}). ▲X / ▼X: significantly above / below X (paired t-test over seeds, uncorrected; "
+            "each setting's Holm-Bonferroni line corrects for the number of its tests).", ""]
+
+
+def _sanity(result: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """Fed-MoE's α, gate entropy and client kinds per round."""
+    lines = []
     for m in ("Fed-MoE", "Fed-MoE hybrid"):
         rs = [r for c in result["cells"] if c["method"] == m for r in c["sanity"]["rounds"]]
         alphas = [r["alpha"] for r in rs if r.get("alpha") is not None]
@@ -242,40 +187,37 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{sorted({r['compact_clients'] for r in rs if r.get('compact_clients') is not None})}"
                          + (f", sub-MoE clients per round {sorted({r['sub_moe_clients'] for r in rs})}"
                             if any(r.get("sub_moe_clients") is not None for r in rs) else "") + ".")
-    lines += ["", "Per-round tables of every cell: `runs/fusion_table/<profile>/s<seed>/<cell>/rounds.md` "
-                  "(not committed).", ""]
-    return "\n".join(lines)
+    return lines
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    cells.plot(result, path, list(METHODS))
+LAYOUT = tables.Layout(
+    head=_head,
+    columns=[("Method", lambda m, s, st: m), ("global acc", lambda m, s, st: f"{ci_text(s['global'])}{marks(st, m)}"),
+             ("local acc", lambda m, s, st: ci_text(s["local"])),
+             ("rounds to target", lambda m, s, st: ci_text(s["rounds_to_target"], ".1f")),
+             ("fused (hybrid)", lambda m, s, st: fmt(s["fused_accuracy"])),
+             ("experts held", lambda m, s, st: fmt(s["experts_held_mean"], ".1f")),
+             ("clients trained", lambda m, s, st: fmt(s["devices_trained"], ".0f")),
+             ("\\|D^r\\|", lambda m, s, st: fmt(s["reserved"], ".0f"))],
+    test_header="| Paired difference (a − b) | Δ global [95% CI], p | | Δ local [95% CI], p | |",
+    test_columns=[lambda t, st: f"{diff_text(t['global'])} | {verdict(t['global'])}",
+                  lambda t, st: f"{diff_text(t['local'])} | {verdict(t['local'])}"],
+    all_ok="- Every round of every cell closed `ok`; no client was excluded or failed.",
+    sanity=_sanity,
+    tail=lambda result, cfg: ["", "Per-round tables of every cell: `runs/fusion_table/<profile>/s<seed>/<cell>/"
+                                  "rounds.md` (not committed).", ""])
 
 
-# --------------------------------------------------------------------------- driver
+def plot(result: dict[str, Any], path: Path, cfg: dict[str, Any]) -> None:
+    """:func:`tables.plot` with the config's methods (not its ablations)."""
+    tables.plot(result, path, list(cfg["methods"]))
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = cells.parser(__doc__.split("\n\n")[0], "10 clients, 1 seed, 3 rounds, no ablations (< 10 min)",
-                      ROOT / "runs" / "fusion_table", ROOT / "results")
-    args = ap.parse_args(argv)
-    profile, p = cells.profile_of(args, PROFILES, ap.error)
-    settings = args.settings.split(",") if args.settings else settings_of(p)
-    wanted = set(args.methods.split(",")) if args.methods else None
-    base = Path(args.runs) / profile
-    todo = [(seed, setting, name, method) for setting in settings for seed in p["seeds"]  # a setting at a time
-            for name, method in methods_for(setting, not args.no_ablations and not args.quick).items()
-            if not wanted or name in wanted]
+    """The harness on :data:`CONFIG` with ``argv`` (harness options)."""
+    from benchmarks import harness
 
-    def run(seed: int, setting: str, method: dict[str, Any], out: Path, url: str) -> dict[str, Any]:
-        data, clients = setting.split(" ")
-        return run_federation(p, data, int(clients), method, seed, out, url)
-
-    rows, missing = cells.run_cells(todo, base, args, run, cells.summarise)
-    result = {**cells.header(args, profile, p, rows, missing), "datasets": DATASETS, "methods": METHODS,
-              "ablations": ABLATIONS, "ablation_setting": ABLATION_SETTING, "target_fraction": TARGET_FRACTION,
-              "stats": aggregate(rows, p["seeds"], p["rounds"]), "cells": rows}
-    print(cells.write(args.results, "fusion_table" + ("" if profile == "full" else "_quick"), result, markdown, plot))
-    return 0 if not missing or args.collect else 1
+    return harness.main([*(sys.argv[1:] if argv is None else argv), str(CONFIG)])
 
 
 if __name__ == "__main__":

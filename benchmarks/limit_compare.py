@@ -5,7 +5,7 @@ Each run's devices were processes inside a memory cgroup whose hard limit was th
 experts held in every round, the peak footprint and RSS against the budget, the memory plan's
 prediction, the cgroup's peak charge and its OOM kills, and writes a side-by-side table.
 
-    python benchmarks/limit_compare.py BEFORE/report.json AFTER/report.json \\
+    python -m benchmarks.limit_compare BEFORE/report.json AFTER/report.json \\
         --names "RSS budgets (68dd129)" "footprint budgets" --out results/memory/cgroup
 
 Writes ``limit.json``, ``limit.md`` and ``limit.png`` (experts held per device and run).

@@ -13,8 +13,8 @@ budgets matter), T = 64, batch 8, LoRA rank 8, BBC News; or, with ``--model DIR`
 Hugging Face MoE checkpoint (``family = "hf-moe"``, e.g. SmolLM2 upcycled by ``fedmoe
 upcycle``) trained as a causal LM on BBC News texts, every MoE layer holding k experts.
 
-    python benchmarks/memory.py [--steps 3] [--out results/memory]
-    python benchmarks/memory.py --model runs/smollm2-moe --budgets 1,1.5,2,3 --out results/llm/memory
+    python -m benchmarks.memory [--steps 3] [--out results/memory]
+    python -m benchmarks.memory --model runs/smollm2-moe --budgets 1,1.5,2,3 --out results/llm/memory
 
 Writes ``memory.json``, ``memory.md`` and ``memory.png``; checks measured <= budget in
 every cell and |predicted - measured| / measured.
@@ -26,12 +26,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import module_command, module_env
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 BUDGETS_GIB = (0.5, 1, 2, 4)
 FORMATS = ("fp32", "int8", "nf4")
 E, T, BATCH, LABELS = int(os.environ.get("FEDMOE_BENCH_EXPERTS", 128)), 64, 8, 5
@@ -208,13 +208,13 @@ def main() -> None:
         print("preparing shards (every expert of every MoE layer x 3 formats) ...", flush=True)
         (work / "index.json").write_text(json.dumps(prepare(work / "cache")))
     rows = []
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env = module_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                     HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     grid = ([("int8", 0, int(k)) for k in args.experts_grid.split(",")] if args.experts_grid else
             [(fmt, int(gib * 2**30), None) for gib in budgets for fmt in FORMATS])
     for i, (fmt, budget, k) in enumerate(grid):
-        proc = subprocess.run([sys.executable, __file__, "--cell", fmt, str(budget), "--work", str(work),
-                               "--steps", str(args.steps), *extra, *(["--experts", str(k)] if k else [])],
+        proc = subprocess.run(module_command("memory", "--cell", fmt, str(budget), "--work", str(work),
+                                             "--steps", str(args.steps), *extra, *(["--experts", str(k)] if k else [])),
                               capture_output=True, text=True, env=env)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

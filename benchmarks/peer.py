@@ -27,8 +27,8 @@ against the budgets too. The peer's global adapter is evaluated here after every
 the same held-out texts with the same perplexity definition.
 
     make install bench-env                                                     # .venv and .venv-bench
-    .venv-bench/bin/python benchmarks/peer.py --lock /tmp/fedmoe-heavy.lock   # ~80 min on 2 cores
-    .venv-bench/bin/python benchmarks/peer.py --quick                          # 1 seed, 2 rounds
+    .venv-bench/bin/python -m benchmarks.peer --lock /tmp/fedmoe-heavy.lock   # ~80 min on 2 cores
+    .venv-bench/bin/python -m benchmarks.peer --quick                          # 1 seed, 2 rounds
 
 Runs in ``.venv-bench`` (``make bench-env``: the ``bench`` extra, ``flwr``); our devices
 run from ``--fedmoe`` (default ``.venv/bin/fedmoe``: an environment without ``flwr``, whose
@@ -43,18 +43,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common import fmt, heavy_lock, mean_ci, module_command, module_env, paired_test, write_result
+from benchmarks.peer_client import VARIANTS
 
-from common import fmt, heavy_lock, mean_ci, paired_test, write_result  # noqa: E402
-from peer_client import VARIANTS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("peer")
 MiB, GiB = 2**20, 2**30
@@ -157,10 +153,10 @@ def client_job(args, ckpt: Path, variant: str, data: str, seed: int, work: Path,
            "adapter_in": str(adapter_in) if adapter_in else None,
            "adapter_out": str(work / f"{tag}.npz"), "result": str(work / f"{tag}.json")}
     (work / f"{tag}.job.json").write_text(json.dumps(job))
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.peer_threads), TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = module_env(OMP_NUM_THREADS=str(args.peer_threads), TOKENIZERS_PARALLELISM="false",
+                     HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     t0 = time.time()
-    subprocess.run([sys.executable, str(Path(__file__).with_name("peer_client.py")), str(work / f"{tag}.job.json")],
+    subprocess.run(module_command("peer_client", str(work / f"{tag}.job.json")),
                    check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     res = json.loads((work / f"{tag}.json").read_text())
     res.update(adapter=job["adapter_out"], wall_seconds=time.time() - t0)
@@ -205,7 +201,7 @@ def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, o
     from flwr.server.strategy import FedAvg
 
     from edge_sdk.data import load_text_file
-    from peer_client import build, load_state, perplexity, trainable_state
+    from benchmarks.peer_client import build, load_state, perplexity, trainable_state
 
     out.mkdir(parents=True, exist_ok=True)
     devices = ours["devices"]

@@ -19,7 +19,7 @@ routers trained whole through ``modules_to_save``), same rank and alpha, AdamW a
 learning rate, the same number of steps and batch size, the same tokenisation
 (right-padded, truncated to T, loss on real tokens).
 
-    python benchmarks/peer_client.py JOB.json    # reads the job, writes its result JSON
+    python -m benchmarks.peer_client JOB.json    # reads the job, writes its result JSON
 
 The job names the checkpoint, variant, data file (JSONL ``{"text", "label"}``), training
 settings, the global adapter (``.npz``, absent in round 1) and where to write the updated
@@ -36,8 +36,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("fp32", "nf4", "nf4+gc", "nf4+bf16+gc")
 """Peer variants, weakest memory saving first (see the module docstring)."""

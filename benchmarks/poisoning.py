@@ -39,9 +39,9 @@ clean run (``none``) of each defence is its reference. Reported: final accuracy 
 defence (significant when its CI excludes 0), the global-state L2 norm per round, what
 screening clipped/rejected. Cells are resumable (``runs/poisoning/<profile>/<cell>.json``).
 
-    python benchmarks/poisoning.py --quick     # < 10 min: 1 seed, default vs bounds only, 1 attacker
-    python benchmarks/poisoning.py             # 3 seeds, every defence, 1 and 2 attackers
-    python benchmarks/poisoning.py --collect   # tables from the cells finished so far
+    python -m benchmarks.poisoning --quick     # < 10 min: 1 seed, default vs bounds only, 1 attacker
+    python -m benchmarks.poisoning             # 3 seeds, every defence, 1 and 2 attackers
+    python -m benchmarks.poisoning --collect   # tables from the cells finished so far
 
 Writes ``results/poisoning/poisoning[_quick].{json,md,png}``.
 """
@@ -54,7 +54,6 @@ import logging
 import math
 import random
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -62,15 +61,14 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from cloud.robust.guard import l2_norm
+from benchmarks.common import heavy_lock
+from edge_sdk import EdgeClient
+from edge_sdk.filters import ClaimSamples, Filter, UpdateContext
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from cloud.robust.guard import l2_norm  # noqa: E402
-from common import heavy_lock  # noqa: E402
-from edge_sdk import EdgeClient  # noqa: E402
-from edge_sdk.filters import ClaimSamples, Filter, UpdateContext  # noqa: E402
 
 log = logging.getLogger("poisoning")
 

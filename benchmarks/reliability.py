@@ -28,8 +28,8 @@ be 0). Bad inputs are *accepted* if the rogue ever appears among a round's accep
 devices (must be 0). The aggregator's resident memory (VmRSS) is sampled at every
 round end; growth is measured over its last incarnation (after the last restart).
 
-    python benchmarks/reliability.py                  # 50 devices, 20 rounds
-    python benchmarks/reliability.py --quick          # 8 devices, 6 rounds
+    python -m benchmarks.reliability                  # 50 devices, 20 rounds
+    python -m benchmarks.reliability --quick          # 8 devices, 6 rounds
 
 Writes ``results/reliability/reliability.json``, ``reliability.md`` and
 ``reliability.png`` (``--out``).
@@ -53,7 +53,6 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -76,6 +75,7 @@ from protocol.messages import (  # noqa: E402
 from protocol.signing import Signer, generate_key, load_private_key  # noqa: E402
 from protocol.topics import Topics  # noqa: E402
 from protocol.transport import PublishError, TlsConfig, Transport  # noqa: E402
+from benchmarks.common import rel  # noqa: E402
 
 log = logging.getLogger("reliability")
 TINY = {"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -481,7 +481,7 @@ class Bench:
         mem = [b for inc, _, b in self.rss if inc == last]
         logs = "".join(p.read_text() for p in sorted(self.work.glob("aggregator-*.log")))
         out = {
-            "config": {k: v for k, v in vars(self.args).items()},
+            "config": {k: rel(v) if k in ("workdir", "out") else v for k, v in vars(self.args).items()},
             "wall_seconds": round(wall, 1),
             "rounds_completed": len(records),
             "rounds_ok": sum(r["status"] == "ok" for r in records),
@@ -514,7 +514,7 @@ class Bench:
             "aggregator_rss_growth": (mem[-1] / mem[0] - 1) if len(mem) > 1 else None,
             "accuracy": [{"round": r["round"], "accuracy": r["accuracy"], "devices": len(r["devices"]),
                           "selected": len(r["selected"]), "seconds": r["seconds"]} for r in records],
-            "workdir": str(self.work),
+            "workdir": rel(self.work),
         }
         return out
 

@@ -17,8 +17,8 @@ round 2 to the last round, its expert count never falls while its budget is unch
 the aggregator's RSS grows by at most 0.05 MiB per round (least-squares slope after a
 10-round warm-up).
 
-    python benchmarks/soak.py            # 20 device rounds + 200 aggregator rounds
-    python benchmarks/soak.py --quick    # 6 + 40 rounds (< 5 min)
+    python -m benchmarks.soak            # 20 device rounds + 200 aggregator rounds
+    python -m benchmarks.soak --quick    # 6 + 40 rounds (< 5 min)
 
 Writes ``results/soak/soak{,_quick}.{json,md,png}``.
 """
@@ -28,15 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.common import heavy_lock
 
-from common import heavy_lock  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MIB = 2**20
 DEVICE_GOAL_MIB = 2.0

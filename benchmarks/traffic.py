@@ -29,8 +29,8 @@ subscriber ``Transport``), (b) as one raw paho QoS 1 publish to a raw paho subsc
 (the ceiling; brokers limit packet sizes, so production cannot do this). Time from
 the first publish to the complete blob at the receiver, median of ``--repeats``.
 
-    python benchmarks/traffic.py            # 4 devices, 3 rounds (~15 min on 2 cores)
-    python benchmarks/traffic.py --quick    # tiny model, 2 devices, 2 rounds (~2 min)
+    python -m benchmarks.traffic            # 4 devices, 3 rounds (~15 min on 2 cores)
+    python -m benchmarks.traffic --quick    # tiny model, 2 devices, 2 rounds (~2 min)
 
 Writes ``results/traffic/traffic.{json,md,png}`` (``--out``).
 """
@@ -43,14 +43,12 @@ import logging
 import os
 import platform
 import statistics
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 log = logging.getLogger("traffic")
 MiB = 2**20
 

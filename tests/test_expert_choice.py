@@ -3,18 +3,13 @@ holds just them (the measurement relies on it), and the mask is undone on exit."
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import expert_choice as X  # noqa: E402
-from moe_model.shards import shards_for  # noqa: E402
-from moe_model.submoe import SubMoE  # noqa: E402
-from tests.conftest import tiny_spec  # noqa: E402
-from tests.test_models import TEXTS, shards  # noqa: E402
+from benchmarks import expert_choice as X
+from moe_model.shards import shards_for
+from moe_model.submoe import SubMoE
+from tests.conftest import tiny_spec
+from tests.test_models import TEXTS, shards
 
 
 def test_held_only_equals_the_sub_moe_that_holds_those_experts():

@@ -1,18 +1,17 @@
-"""benchmarks/fedalign_table.py and the statistics in benchmarks/common.py, on synthetic
+"""The FedAlign-MoE table (benchmarks/configs/fedalign_table.yaml on the harness, its cells in
+benchmarks/fedalign_table.py) and the statistics in benchmarks/common.py, on synthetic
 cells (no federation runs here)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from benchmarks import fedalign_table as T
+from benchmarks import harness as H
+from benchmarks.common import holm, mean_ci, paired_test, rounds_to
 
-import fedalign_table as T  # noqa: E402
-from common import mean_ci, paired_test  # noqa: E402
+CFG = H.load_config(T.CONFIG)
 
 
 def test_mean_ci_uses_student_t():
@@ -36,8 +35,8 @@ def test_paired_test_significance_and_zero_spread():
 
 
 def test_rounds_to_target():
-    assert T.rounds_to([0.2, 0.5, 0.8, 0.9], 0.75) == 3
-    assert T.rounds_to([0.2, None, 0.5], 0.75) is None
+    assert rounds_to([0.2, 0.5, 0.8, 0.9], 0.75) == 3
+    assert rounds_to([0.2, None, 0.5], 0.75) is None
 
 
 def _cell(seed, method, curve, local=0.8, setting="bbc Dir(0.1)"):
@@ -52,7 +51,8 @@ def test_aggregate_target_tests_and_markdown():
         cells.append(_cell(s, "FedAvg", [0.3, 0.5, 0.69 + 0.01 * s]))
         cells.append(_cell(s, "FedAlign-MoE", [0.4, 0.7, 0.75 + 0.01 * s]))   # +0.06 in every seed
         cells.append(_cell(s, "FedProx", [0.3, 0.5, [0.6, 0.85, 0.7][s]]))
-    stats = T.aggregate(cells, [0, 1, 2], rounds=3)
+    cfg = {**CFG, "seeds": [0, 1, 2], "rounds": 3}
+    stats = H.aggregate(cfg, cells)
     st = stats["bbc Dir(0.1)"]
     assert st["target"] == pytest.approx(0.9 * 0.76)
     fa = st["methods"]["FedAlign-MoE"]
@@ -66,7 +66,7 @@ def test_aggregate_target_tests_and_markdown():
     result = {"profile": "full", "profile_config": {"seeds": [0, 1, 2], "rounds": 3}, "stats": stats, "cells": cells,
               "date": "d", "machine": "m", "note": "", "cells_missing": [], "cells_wall_seconds": 60.0,
               "wall_seconds_this_invocation": 60.0}
-    md = T.markdown(result)
+    md = H.markdown(result, cfg)
     assert "▲FedAvg" in md and "**better**" in md and "no sig. difference" in md
 
 
@@ -85,13 +85,39 @@ def test_the_gate_probe_observes_without_changing_the_weights():
 
 
 def test_methods_and_ablations_per_setting():
-    assert "w/o router alignment" in T.methods_for(T.ABLATION_SETTING)
-    assert "w/o router alignment" not in T.methods_for("tweets IID")
-    assert "FedAlign-MoE on FedMoE" in T.methods_for("tweets Dir(0.1)")
-    assert "FedAlign-MoE on FedMoE" not in T.methods_for("bbc IID")
-    assert T.methods_for("bbc IID")["FedAlign-MoE"]["assignment"] == T.METHODS["FedAvg"]["assignment"] == "full"
+    assert "w/o router alignment" in H.methods_for(CFG, CFG["ablation_setting"])
+    assert "w/o router alignment" not in H.methods_for(CFG, "tweets IID")
+    assert "w/o router alignment" not in H.methods_for(CFG, CFG["ablation_setting"], ablations=False)
+    assert "FedAlign-MoE on FedMoE" in H.methods_for(CFG, "tweets Dir(0.1)")
+    assert "FedAlign-MoE on FedMoE" not in H.methods_for(CFG, "bbc IID")
+    assert H.methods_for(CFG, "bbc IID")["FedAlign-MoE"]["assignment"] == CFG["methods"]["FedAvg"]["assignment"] == "full"
 
 
 def test_differences_equal_up_to_rounding_count_as_zero_spread():
     t = paired_test([0.5 + 1 / 48, 0.25 + 1 / 48], [0.5, 0.25])   # the same +1/48 in both seeds, up to rounding
     assert t["zero_spread"] and t["p"] is None and not t["significant"]   # two pairs: not enough
+
+
+def test_holm_adjusts_in_order_and_keeps_the_family_monotone():
+    assert holm([0.01, 0.04, None, 0.03, 0.5]) == pytest.approx([0.04, 0.09, None, 0.09, 0.5])  # 4x, 3x, max(2x, prev)
+    assert holm([0.6, 0.6]) == [1.0, 1.0] and holm([]) == [] and holm([None]) == [None]
+
+
+def test_the_markdown_says_which_differences_survive_holm():
+    cells = []
+    for s in range(3):
+        cells.append(_cell(s, "FedAvg", [0.3, 0.5, 0.69 + 0.01 * s]))
+        cells.append(_cell(s, "FedAlign-MoE", [0.4, 0.7, 0.75 + 0.012 * s]))   # about +0.06 in every seed
+        cells.append(_cell(s, "FedProx", [0.3, 0.5, 0.7 + 0.011 * s]))         # about +0.01
+    cfg = {**CFG, "seeds": [0, 1, 2], "rounds": 3}
+    st = H.aggregate(cfg, cells)["bbc Dir(0.1)"]
+    ps = {(t["a"], t["b"]): t["global"] for t in st["tests"]}
+    tested = [t for t in ps.values() if t["p"] is not None]
+    assert len(tested) == 3 and all(t["p_holm"] >= t["p"] for t in tested)
+    smallest = min(tested, key=lambda t: t["p"])
+    assert smallest["p_holm"] == pytest.approx(min(1.0, 3 * smallest["p"]))      # the first of three: 3 p
+    fa = ps[("FedAlign-MoE", "FedAvg")]
+    result = {"profile": "full", "profile_config": cfg, "stats": {"bbc Dir(0.1)": st}, "cells": cells, "date": "d",
+              "machine": "m", "note": "", "cells_missing": [], "cells_wall_seconds": 60.0}
+    line = next(x for x in H.markdown(result, cfg).splitlines() if x.startswith("Holm-Bonferroni"))
+    assert "3 tests" in line and ("FedAlign-MoE − FedAvg" in line) == (fa["p_holm"] < 0.05)

@@ -11,15 +11,12 @@ import pytest
 
 from fedmoe.broker import MosquittoBroker
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
 pytest.importorskip("aiomqtt")
 pytestmark = pytest.mark.skipif(not MosquittoBroker.available(), reason="no mosquitto binary")
 
 
 def test_fleet_updates_are_accepted_exactly_once(tmp_path):
-    import fleet
+    from benchmarks import fleet
 
     args = Namespace(rounds=2, round_timeout=120.0, procs=2, train_s=0.5, connect_rate=200.0, timeout=240.0,
                      fedmoe=str(Path(sys.executable).parent / "fedmoe"))

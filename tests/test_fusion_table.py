@@ -1,15 +1,14 @@
-"""benchmarks/fusion_table.py on synthetic cells and its budgets (no federation runs here)."""
+"""The Fed-MoE fusion table (benchmarks/configs/fusion_table.yaml on the harness, its cells in
+benchmarks/fusion_table.py) on synthetic cells, and its budgets (no federation runs here)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from benchmarks import fusion_table as T
+from benchmarks import harness as H
 
-import fusion_table as T  # noqa: E402
+CFG = H.load_config(T.CONFIG)
 
 
 def _cell(seed, method, curve, setting="tweets 10", fused=None):
@@ -26,7 +25,8 @@ def test_tables_mark_only_significant_differences():
         cells.append(_cell(s, "Fed-MoE", [0.5, 0.56 + 0.01 * s]))               # +0.06 in every seed
         cells.append(_cell(s, "Avg-MoE", [0.4, [0.45, 0.70, 0.55][s]]))           # noisy
         cells.append(_cell(s, "Fed-MoE hybrid", [0.5, 0.55], fused=0.5))
-    stats = T.aggregate(cells, [0, 1, 2], rounds=2)
+    cfg = {**CFG, "seeds": [0, 1, 2], "rounds": 2}
+    stats = H.aggregate(cfg, cells)
     st = stats["tweets 10"]
     tests = {(t["a"], t["b"]): t for t in st["tests"]}
     assert tests[("Fed-MoE", "FedAvg")]["global"]["significant"]
@@ -36,7 +36,7 @@ def test_tables_mark_only_significant_differences():
     result = {"profile": "quick", "profile_config": {"seeds": [0, 1, 2], "rounds": 2}, "stats": stats, "cells": cells,
               "date": "d", "machine": "m", "note": "", "cells_missing": ["s0 tweets 50 / FedAvg"],
               "cells_wall_seconds": 12.0}
-    md = T.markdown(result)
+    md = H.markdown(result, cfg)
     assert "▲FedAvg" in md.split("| Fed-MoE |")[1].split("\n")[0]
     assert "missing: s0 tweets 50 / FedAvg" in md and "**better**" in md
 
@@ -53,5 +53,7 @@ def test_budgets_put_every_other_client_below_three_experts():
 
 
 def test_ablations_run_in_one_setting_only():
-    assert set(T.methods_for(T.ABLATION_SETTING)) == set(T.METHODS) | set(T.ABLATIONS)
-    assert set(T.methods_for("tweets 50")) == set(T.METHODS)
+    assert set(H.methods_for(CFG, "fmnist 10")) == set(CFG["methods"]) | set(CFG["ablations"])
+    assert set(H.methods_for(CFG, "tweets 50")) == set(CFG["methods"])
+    assert not H.load_config(T.CONFIG, "quick")["ablations"]                    # the quick profile runs none
+    assert list(T.settings_of(CFG)) == ["fmnist 10", "tweets 10", "fmnist 50", "tweets 50"]

@@ -4,17 +4,15 @@ embedded broker)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from benchmarks import harness as H
 
-import harness as H  # noqa: E402
-
-CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "benchmarks" / "configs"
 
 
 def _write(tmp_path, **changes):
@@ -33,7 +31,32 @@ def _write(tmp_path, **changes):
 def test_every_committed_config_loads_in_both_profiles(path):
     for profile in ("full", "quick"):
         cfg = H.load_config(path, profile)
-        assert H.settings_of(cfg) and cfg["methods"]
+        assert H.settings(cfg) and cfg["methods"]
+        assert all(H.methods_for(cfg, s) for s in H.settings(cfg))
+
+
+COMMITTED = sorted([*ROOT.glob("results/*_table*.json"), *ROOT.glob("results/evidence/*.json")])
+COMMITTED = [p for p in COMMITTED if p.stem != "expert_choice"]  # a measurement, not a table
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
+def test_rendering_a_committed_table_again_gives_its_committed_markdown_and_json(tmp_path, path, caplog):
+    """--render from the committed JSON alone: the statistics recomputed from its cells equal
+    the recorded ones, and the markdown and JSON written are the committed ones."""
+    import shutil
+
+    shutil.copy(path, tmp_path / path.name)
+    assert H.main(["--render", str(tmp_path / path.name)]) == 0
+    assert not [r for r in caplog.records if "differ" in r.getMessage()]
+    assert (tmp_path / path.name).read_text() == path.read_text()
+    assert (tmp_path / f"{path.stem}.md").read_text() == path.with_suffix(".md").read_text()
+
+
+def test_a_config_names_an_unknown_table_or_ablation_reference(tmp_path):
+    with pytest.raises(H.ConfigError, match="no module benchmarks.nope"):
+        H.load_config(_write(tmp_path, table="nope"))
+    with pytest.raises(H.ConfigError, match="ablations_against: 'nobody'"):
+        H.load_config(_write(tmp_path, ablations={"X": {"strategy": "composed"}}, ablations_against="nobody"))
 
 
 def test_profiles_override_by_dotted_key_and_the_grid_is_a_product(tmp_path):
@@ -41,7 +64,7 @@ def test_profiles_override_by_dotted_key_and_the_grid_is_a_product(tmp_path):
                                                                                        "Dir(0.1)": "dirichlet:0.1"},
                                                "devices": [4, 8]}), "quick")
     assert cfg["seeds"] == [0] and cfg["rounds"] == 2 and cfg["grid"]["data"] == ["bbc"]     # quick's overrides
-    assert list(H.settings_of(cfg)) == ["bbc IID 4", "bbc IID 8", "bbc Dir(0.1) 4", "bbc Dir(0.1) 8"]
+    assert list(H.settings(cfg)) == ["bbc IID 4", "bbc IID 8", "bbc Dir(0.1) 4", "bbc Dir(0.1) 8"]
     assert H.settings_of(cfg)["bbc Dir(0.1) 8"] == {"data": "bbc", "partition": "dirichlet:0.1", "devices": 8}
 
 
@@ -106,7 +129,7 @@ def test_reused_rows_stand_in_for_cells_this_checkout_lacks(tmp_path):
     import argparse
     import json
 
-    import cells
+    from benchmarks import cells
 
     table = tmp_path / "t.json"
     row = {"seed": 0, "setting": "a 10", "method": "M", "measured": "2026-01-01 00:00 UTC", "accuracy": 0.5,
@@ -158,3 +181,27 @@ def test_a_tiny_grid_runs_end_to_end_and_every_cell_starts_with_empty_shard_cach
     result = json.loads((tmp_path / "res" / "tiny.json").read_text())
     assert len(result["cells"]) == 2 and (tmp_path / "res" / "tiny.png").exists()
     assert "first − second" in (tmp_path / "res" / "tiny.md").read_text()
+
+
+def test_the_fedmoe_table_rows_are_per_task_and_render_in_its_own_markdown():
+    """fedmoe_table's cells are `fedmoe simulate` runs with two tasks: a row per cell holds
+    each task's accuracy, and the table (no statistics over seeds) renders them."""
+    from benchmarks import fedmoe_table as F
+
+    cfg = H.load_config(F.CONFIG, "quick")
+    dev = lambda up, acc: {"bytes_up": up, "bytes_down": 2 * up, "peak_rss_bytes": 2**29, "val_accuracy": acc}  # noqa
+    report = {"config": {"devices": [{"device_id": "d0", "task": "bbc"}, {"device_id": "d1", "task": "tweets"}]},
+              "initial_per_task": {"bbc": {"accuracy": 0.2}, "tweets": {"accuracy": 0.3}}, "wall_seconds": 5.0,
+              "rounds": [{"round": 1, "status": "ok", "per_task": {"bbc": {"accuracy": 0.5}, "tweets": {"accuracy": 0.4}},
+                          "devices": {"d0": dev(10**6, 0.6), "d1": dev(10**6, 0.7)}},
+                         {"round": 2, "status": "timeout", "per_task": {"bbc": {"accuracy": 0.6}},
+                          "devices": {"d0": dev(10**6, 0.8)}}]}
+    row = F.summarise(report)
+    assert row["accuracy"] == {"bbc": 0.6, "tweets": None} and row["local_accuracy"] == {"bbc": 0.8, "tweets": 0.7}
+    assert row["comm_gb"] == pytest.approx(9e-3) and row["devices_trained"] == 2
+    assert row["sanity"]["problems"] == ["round 2: status timeout"]
+    result = {"profile": "quick", "profile_config": H.profile_config(cfg), "budgets_bytes": [2**29] * 2, "date": "d",
+              "machine": "m", "note": "", "cells": [{"seed": 0, "setting": "Standard-Hetero-T", "method": "FedMoE",
+                                                      "measured": "d", **row}], "cells_missing": []}
+    md = H.markdown(result, cfg)
+    assert "| FedMoE | 0.600 | – | 0.800 | 0.700 |" in md and "## Ablation (Standard-Hetero-T)" in md

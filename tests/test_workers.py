@@ -21,9 +21,6 @@ from fedmoe.broker import MosquittoBroker
 
 from conftest import PG_URL, _pg_available
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
 
 def _result(d: str, n: int, state: dict):
     from cloud.strategy import ClientResult
@@ -146,7 +143,7 @@ def test_worker_sigkill_mid_round_then_restart_applies_each_update_once(tmp_path
     import shutil
     import time
 
-    import fleet
+    from benchmarks import fleet
 
     if broker == "nats-cluster" and not (shutil.which("nats-server") or shutil.which("/usr/sbin/nats-server")):
         pytest.skip("no nats-server binary (Debian package nats-server)")
@@ -175,7 +172,7 @@ def test_coordinator_sigkill_mid_round_standby_takes_over_and_applies_each_updat
     workers go on folding; the standby coordinator takes the store's leader lock, resumes the
     round from the store and closes it from the workers' sums."""
     pytest.importorskip("aiomqtt")
-    import fleet
+    from benchmarks import fleet
 
     state = {"killed": False}
 
@@ -199,7 +196,7 @@ def pg_store():
     """A throw-away PostgreSQL schema's store URL."""
     if not _pg_available():
         pytest.skip("no PostgreSQL server at 127.0.0.1:5432")
-    import fleet
+    from benchmarks import fleet
 
     url = fleet.fresh_schema(PG_URL)
     yield url
