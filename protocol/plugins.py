@@ -89,8 +89,10 @@ class Registry:
 
     def get(self, name: str) -> type:
         """The class registered as ``name``: already registered, else in the kind's
-        package, else the entry point of that name in :attr:`group` (its class is
-        registered under the entry point's name if it did not register itself).
+        package, else the entry point of that name in :attr:`group`. An entry point is
+        ``module:Class`` (the class is registered under the entry point's name, and takes
+        it as its ``name`` if it has none of its own) or ``module`` (importing it
+        registers the classes it defines).
 
         Raises:
             UnknownNameError: no such name (suggests near misses, lists the known ones).
@@ -112,9 +114,6 @@ class Registry:
         self._load_builtins()
         return sorted(set(self._classes) | {ep.name for ep in entry_points(group=self.group)})
 
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self.names()
-
     def _load_builtins(self) -> None:
         if self._builtins_loaded:
             return
@@ -130,6 +129,8 @@ class Registry:
         if self.base is not None and not issubclass(obj, self.base):
             raise TypeError(f"entry point {ep.name!r} of group {self.group!r} ({ep.value}) is not a "
                             f"{self.base.__name__}, it is {_qualname(obj)}")
+        if not obj.__dict__.get("name"):
+            obj.name = ep.name  # a class without a name of its own takes its entry point's
         if self._classes.get(ep.name) is not obj:
             self.add(obj, ep.name)
         log.debug("%s %r loaded from entry point %s", self.kind, ep.name, ep.value)
