@@ -50,8 +50,11 @@ class Registry:
         kind: what the classes are, in words (``"assignment strategy"``), for messages.
         group: the entry-point group third-party packages register under
             (``"fedmoe.assignment"``).
-        package: the package whose modules hold the built-in classes; each of its
-            modules is imported the first time a name is not registered yet.
+        package: the package whose modules hold the built-in classes, each in a module
+            named for it (``-`` written ``_``). A name not registered yet is looked for in
+            its module first, then in every module of the package (an alias, a module
+            holding several), so a look-up imports only what it needs (a device process
+            keeps the cloud's and other families' dependencies out).
 
     Names and aliases share one namespace per registry; two kinds may use the same name
     (the ``fedmoe`` assignment strategy and the ``fedmoe`` alias of the ``modular``
@@ -89,16 +92,18 @@ class Registry:
 
     def get(self, name: str) -> type:
         """The class registered as ``name``: already registered, else in the kind's
-        package, else the entry point of that name in :attr:`group`. An entry point is
-        ``module:Class`` (the class is registered under the entry point's name, and takes
-        it as its ``name`` if it has none of its own) or ``module`` (importing it
-        registers the classes it defines).
+        package (its module named ``name``, then every module), else the entry point of
+        that name in :attr:`group`. An entry point is ``module:Class`` (the class is
+        registered under the entry point's name, and takes it as its ``name`` if it has
+        none of its own) or ``module`` (importing it registers the classes it defines).
 
         Raises:
             UnknownNameError: no such name (suggests near misses, lists the known ones).
             TypeError: the entry point of that name is not a subclass of :attr:`base`.
             Exception: whatever importing the package's modules or the entry point raises.
         """
+        if name not in self._classes:
+            self._import_module_named(name)
         if name not in self._classes:
             self._load_builtins()
         if name not in self._classes:
@@ -113,6 +118,16 @@ class Registry:
         registered so far and the third-party entry points (listed, not imported)."""
         self._load_builtins()
         return sorted(set(self._classes) | {ep.name for ep in entry_points(group=self.group)})
+
+    def _import_module_named(self, name: str) -> None:
+        module = name.replace("-", "_")
+        if not module.isidentifier():
+            return
+        try:
+            importlib.import_module(f"{self.package}.{module}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{self.package}.{module}":
+                raise  # the module exists and lacks a dependency
 
     def _load_builtins(self) -> None:
         if self._builtins_loaded:

@@ -168,3 +168,18 @@ def test_a_model_family_registers_by_name_not_family():
     with pytest.raises(TypeError, match="registers by `name = 'x'`"):
         class Old(ModelAdapter):
             family = "x"
+
+
+def test_a_look_up_imports_only_the_module_named_for_it():
+    """A device building one family must not import the others (nor their dependencies):
+    the registry tries the module named for the family before scanning the package."""
+    import subprocess
+
+    code = ("import sys; from moe_model.models import get_adapter; get_adapter('conv-moe'); "
+            "print(sorted(m for m in sys.modules if m.startswith('moe_model.models.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.strip().splitlines()[-1]
+    assert "moe_model.models.conv_moe" in loaded
+    assert "hf_moe" not in loaded and "upcycle_hf" not in loaded and "bert_upcycled" not in loaded, loaded
