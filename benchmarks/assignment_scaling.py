@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cloud.assignment.flex_lp import LoadBounds, solve_exact
+from cloud.assignment.flex import LoadBounds, solve_exact
 from cloud.assignment.lp_fast import solve_fast
 
 

@@ -8,8 +8,8 @@ assignment strategy maps devices (their stats, budgets) to per-layer expert sets
 aggregation strategy maps the global adapter state and the accepted updates to the next
 global state. Failures and dropouts are inputs, never exceptions. A new paper is a new
 module in ``cloud/strategies/``, ``cloud/assignment/`` or ``cloud/aggregation/`` (or a
-third-party package's entry point, :meth:`Registered.lookup`), never a branch inside the
-engine.
+third-party package's entry point; :mod:`protocol.plugins`, docs/extending.md), never a
+branch inside the engine.
 
 An assignment is an :class:`~protocol.experts.Experts` (MoE layer index -> sorted global
 expert ids, re-exported here); strategies may return plain ``dict[int, list[int]]`` of
@@ -150,8 +150,8 @@ class Setup:
 
 
 class Registered(plugins.Registered):
-    """Base of strategy families (:class:`protocol.plugins.Registered`), with state kept
-    between rounds."""
+    """Base of the cloud's kinds of strategy (:class:`protocol.plugins.Registered`: a
+    subclass with a ``name`` registers itself), with state kept between rounds."""
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state to persist between rounds (default: none)."""

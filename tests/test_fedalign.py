@@ -15,7 +15,7 @@ from cloud.strategies import get_strategy
 from cloud.strategies.fedalign import FedAlign, client_weights, global_routing
 from cloud.strategy import ClientResult, Setup
 from edge_sdk.objectives import terms_for
-from edge_sdk.objectives.fedalign import RG_TENSOR, adaptive_weights, alignment_loss
+from edge_sdk.objectives.fedalign_align import RG_TENSOR, adaptive_weights, alignment_loss
 from protocol.messages import BlobRef, LayerStats, Objective, Stats, TrainConfig
 from tests.conftest import tiny_spec
 from tests.federation import Federation

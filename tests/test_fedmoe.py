@@ -10,7 +10,7 @@ import torch
 from cloud.aggregation import get_aggregation
 from cloud.assignment import get_assignment
 from cloud.assignment.recommendation import cosine, estimate_hat, recommend, top_similar
-from cloud.assignment.submodel_search import estimate_p, headroom_limit, normalise, search_threshold, smallest_sets
+from cloud.assignment.fedmoe import estimate_p, headroom_limit, normalise, search_threshold, smallest_sets
 from cloud.strategy import ClientResult, DeviceView
 from protocol import keys
 

@@ -11,7 +11,7 @@ import torch
 from cloud.aggregation import get_aggregation
 from cloud.assignment import get_assignment
 from cloud.assignment.fitness import Fitness, top_k_rows
-from cloud.assignment.flex_lp import Bounds, LoadBounds, solve_exact, solve_layer
+from cloud.assignment.flex import Bounds, LoadBounds, solve_exact, solve_layer
 from cloud.assignment.lp_fast import lagrangian_bound, solve_fast, solve_lp
 from cloud.metrics import coefficient_of_variation, max_min_gap
 from cloud.strategy import ClientResult, DeviceView
@@ -134,12 +134,12 @@ def test_infeasible_bounds_widen_then_fall_back_to_greedy(max_widen, status):
 
 
 def test_solver_failure_falls_back_to_greedy_and_bad_solver_fails_at_configuration(monkeypatch):
-    import cloud.assignment.flex_lp as flex_lp
+    import cloud.assignment.flex as flex_module
 
     def broken(*a, **kw):
         raise RuntimeError("solver crashed")
 
-    monkeypatch.setattr(flex_lp, "solve_exact", broken)
+    monkeypatch.setattr(flex_module, "solve_exact", broken)
     q, sizes, k = np.array([[0.3, 0.6], [0.8, 0.1]]), np.array([100.0, 50.0]), np.array([1, 1])
     x, info = solve_layer(q, sizes, k, LoadBounds(2).bounds(sizes, k), "highs")
     assert info["status"] == "greedy_fallback" and info["solver_error"] == "RuntimeError: solver crashed"
@@ -160,7 +160,7 @@ def _flex_with_preferences(**params):
 
 
 def test_solver_exception_greedy_mode_logs_once_per_round_and_records_it(monkeypatch, caplog):
-    import cloud.assignment.flex_lp as flex_lp
+    import cloud.assignment.flex as flex_module
 
     calls = []
 
@@ -168,9 +168,9 @@ def test_solver_exception_greedy_mode_logs_once_per_round_and_records_it(monkeyp
         calls.append(a)
         raise RuntimeError("solver crashed")
 
-    monkeypatch.setattr(flex_lp, "solve_exact", broken)
+    monkeypatch.setattr(flex_module, "solve_exact", broken)
     s, devs = _flex_with_preferences()  # default on_solver_error: greedy
-    with caplog.at_level("DEBUG", logger="cloud.assignment.flex_lp"):
+    with caplog.at_level("DEBUG", logger="cloud.assignment.flex"):
         plan = s.configure(1, devs)
     assert len(calls) == 2  # one attempt per layer, no widening after an exception
     assert plan.assignments == {"a": {1: [0, 2], 3: [0, 2]}, "b": {1: [1, 3], 3: [1, 3]}}  # greedy top-k of Q
@@ -183,9 +183,9 @@ def test_solver_exception_greedy_mode_logs_once_per_round_and_records_it(monkeyp
 
 
 def test_solver_exception_fail_mode_propagates_and_keeps_state(monkeypatch, caplog):
-    import cloud.assignment.flex_lp as flex_lp
+    import cloud.assignment.flex as flex_module
 
-    real = flex_lp.solve_exact
+    real = flex_module.solve_exact
     s, devs = _flex_with_preferences(on_solver_error="fail")
     first = s.configure(1, devs)
     assert first.info["status"] == "optimal" and "solver_error" not in first.info
@@ -199,8 +199,8 @@ def test_solver_exception_fail_mode_propagates_and_keeps_state(monkeypatch, capl
             raise RuntimeError("solver crashed")
         return real(*a, **kw)
 
-    monkeypatch.setattr(flex_lp, "solve_exact", broken_on_second_layer)
-    with caplog.at_level("WARNING", logger="cloud.assignment.flex_lp"), pytest.raises(RuntimeError, match="crashed"):
+    monkeypatch.setattr(flex_module, "solve_exact", broken_on_second_layer)
+    with caplog.at_level("WARNING", logger="cloud.assignment.flex"), pytest.raises(RuntimeError, match="crashed"):
         s.configure(2, devs)
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # the caller reports it, not the strategy
     assert {layer: lb.state_dict() for layer, lb in s.loads.items()} == before  # bounds state restored
@@ -208,7 +208,7 @@ def test_solver_exception_fail_mode_propagates_and_keeps_state(monkeypatch, capl
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(flex_lp, "solve_exact", interrupted)
+    monkeypatch.setattr(flex_module, "solve_exact", interrupted)
     greedy, devs = _flex_with_preferences()  # even in greedy mode a KeyboardInterrupt is never swallowed
     with pytest.raises(KeyboardInterrupt):
         greedy.configure(1, devs)
@@ -308,7 +308,7 @@ def test_flex_usage_drives_the_deficit_by_reported_usage_hand_computed():
 def test_infeasible_layers_log_one_warning_per_round(caplog):
     # one device of 100 samples holding 1 of 4 experts: every layer needs widening
     s = get_assignment("flex")([0, 1, 2], 4, solver="cbc")
-    with caplog.at_level("DEBUG", logger="cloud.assignment.flex_lp"):
+    with caplog.at_level("DEBUG", logger="cloud.assignment.flex"):
         plan = s.configure(1, [DeviceView("a", "t", 100, 1, 1)])
     assert plan.info["status"] in ("widened", "greedy_fallback")
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]

@@ -5,7 +5,7 @@ import torch
 from transformers import BertModel
 
 from moe_model.models import all_experts, get_adapter
-from moe_model.models.bert import resolve_path
+from moe_model.models.bert_upcycled import resolve_path
 from moe_model.shards import BACKBONE, decode_shard, encode_shard, join_shards, shards_for, split_base
 from moe_model.submoe import SubMoE
 from protocol import keys

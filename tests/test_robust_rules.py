@@ -1,4 +1,4 @@
-"""Robust aggregation rules (cloud/robust/rules.py) on small hand-made adapter states."""
+"""Robust aggregation rules (cloud/robust/rules/) on small hand-made adapter states."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from cloud.aggregation.base import AggregationStrategy
 from cloud.aggregation.modular import Modular
-from cloud.robust.rules import RULES, RobustAggregation, median, trimmed_mean
+from cloud.robust.rules import RobustAggregation, median, trimmed_mean
 from cloud.strategy import ClientResult
 
 SHAPES = {
@@ -25,6 +25,9 @@ SHAPES = {
 UNIT_01 = ("expert.0.1.fc1.lora_B", "router.0.1")
 UNIT_02 = ("expert.0.2.fc1.lora_B", "router.0.2")
 UNIT_03 = ("expert.0.3.fc1.lora_B", "router.0.3")
+
+RULES = ("median", "trimmed_mean", "multi_krum")
+"""The built-in rules."""
 
 
 def global_state(dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -203,6 +206,6 @@ def test_invalid_rule_or_params_raise(rule, params, match):
 def test_label_not_registered_and_state_delegated():
     agg = RobustAggregation(Modular(), "trimmed_mean", trim=0.2)
     assert agg.label == "modular+trimmed_mean"
-    assert RobustAggregation not in AggregationStrategy._registry.values()
+    assert all(AggregationStrategy.lookup(n) is not RobustAggregation for n in AggregationStrategy.registry.names())
     assert agg.state_dict() == {"inner": {}}
     agg.load_state_dict(agg.state_dict())

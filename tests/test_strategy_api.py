@@ -184,8 +184,10 @@ def _train(**kw):
 
 def test_lookup_names_the_known_strategies():
     assert get_strategy("composed") is Composed and get_strategy("toy") is toy_strategy.ToyStrategy
-    with pytest.raises(KeyError, match="unknown strategies strategy 'nope'.*composed"):
+    with pytest.raises(KeyError, match="unknown strategy 'nope'; known: .*composed.*toy"):
         get_strategy("nope")
+    with pytest.raises(KeyError, match=r"unknown strategy 'fusion_hybird' \(did you mean 'fusion_hybrid'"):
+        get_strategy("fusion_hybird")
 
 
 # --------------------------------------------------------------------------- layering

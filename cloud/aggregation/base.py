@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from protocol.plugins import Registry
+
 from ..strategy import ClientResult, Failure, Registered
 
 
@@ -104,8 +106,7 @@ class AggregationStrategy(Registered):
         **params: strategy-specific settings from the config.
     """
 
-    _registry: ClassVar[dict[str, type]] = {}
-    _package: ClassVar[str] = "cloud.aggregation"
+    registry: ClassVar[Registry] = Registry("aggregation strategy", "fedmoe.aggregation", "cloud.aggregation")
     decomposes: ClassVar[bool] = False
     """Whether :meth:`fold` / :meth:`finish` implement this rule (a weighted mean)."""
 
@@ -138,5 +139,10 @@ class AggregationStrategy(Registered):
 
 
 def get_aggregation(name: str) -> type[AggregationStrategy]:
-    """The aggregation strategy class registered as ``name``. Raises KeyError."""
+    """The aggregation strategy class registered as ``name``.
+
+    Raises:
+        protocol.plugins.UnknownNameError: unknown name (a KeyError and a ValueError;
+            suggests near misses, lists the known ones).
+    """
     return AggregationStrategy.lookup(name)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Any, ClassVar
 
+from protocol.plugins import Registry
+
 from ..strategy import ClientResult, DeviceView, Failure, Plan, Registered
 
 
@@ -18,8 +20,7 @@ class AssignmentStrategy(Registered):
         **params: strategy-specific settings from the config.
     """
 
-    _registry: ClassVar[dict[str, type]] = {}
-    _package: ClassVar[str] = "cloud.assignment"
+    registry: ClassVar[Registry] = Registry("assignment strategy", "fedmoe.assignment", "cloud.assignment")
 
     def __init__(self, layers: list[int], num_experts: int, seed: int = 0, **params: Any):
         if params:
@@ -42,5 +43,10 @@ class AssignmentStrategy(Registered):
 
 
 def get_assignment(name: str) -> type[AssignmentStrategy]:
-    """The assignment strategy class registered as ``name``. Raises KeyError."""
+    """The assignment strategy class registered as ``name``.
+
+    Raises:
+        protocol.plugins.UnknownNameError: unknown name (a KeyError and a ValueError;
+            suggests near misses, lists the known ones).
+    """
     return AssignmentStrategy.lookup(name)

@@ -1,7 +1,7 @@
 """``flex_usage``: FLEX-MoE's assignment with the load deficit driven by observed usage
 (Zhang et al. 2025, "FLEX-MoE: Federated Mixture-of-Experts with Load-balanced Expert Assignment", arXiv:2512.23070 eq. 14-19; issue 15).
 
-:class:`~.flex_lp.Flex` computes the deviation of eq. 14 from the data volume it
+:class:`~.flex.Flex` computes the deviation of eq. 14 from the data volume it
 *assigned* to each expert, ``W_e = sum_{c holds e} |D_c|``. Its load-balance measure
 (eq. 8) counts the tokens each expert was *routed*. Where the routers prefer a few of the
 experts a device holds, a perfectly balanced assignment still leaves the usage unbalanced,
@@ -26,17 +26,17 @@ from typing import Any
 import numpy as np
 
 from ..strategy import ClientResult, Failure
-from .flex_lp import Flex
+from .flex import Flex
 
 
 class FlexUsage(Flex):
     """FLEX-MoE with the usage-driven deficit (module docstring).
 
-    Params: those of :class:`~.flex_lp.Flex`, plus ``usage_weight`` w in [0, 1] (default
+    Params: those of :class:`~.flex.Flex`, plus ``usage_weight`` w in [0, 1] (default
     1: usage only; 0 is plain ``flex``).
 
     Raises:
-        ValueError: ``usage_weight`` outside [0, 1], or what :class:`~.flex_lp.Flex` raises.
+        ValueError: ``usage_weight`` outside [0, 1], or what :class:`~.flex.Flex` raises.
     """
 
     name = "flex_usage"

@@ -3,7 +3,7 @@ baseline with sub-models of the *same sizes* (Mei et al. 2024, "FedMoE: Personal
 docs/methods/fedmoe.md last line).
 
 Every device goes through FedMoE's stage one (probe or estimate, then the θ search of
-eq. 3, :mod:`.submodel_search`), so each layer gets the same number of experts FedMoE
+eq. 3, :mod:`.fedmoe`), so each layer gets the same number of experts FedMoE
 would give it; the experts themselves are then drawn uniformly at random (seeded per
 device and layer) and kept. No expert recommendation. This isolates *which* experts
 FedMoE picks from *how many*. (``random_kept`` is the other random baseline: as many
@@ -17,7 +17,7 @@ import random
 from typing import Any
 
 from ..strategy import DeviceView, Experts, Plan
-from .submodel_search import FedMoE
+from .fedmoe import FedMoE
 
 
 class RandomSameSize(FedMoE):

@@ -1,5 +1,5 @@
 """FedMoE expert recommendation (Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304, Algorithm 1 lines 10-30,
-eq. 4-6; docs/methods/fedmoe.md step 5). Pure functions; :class:`.submodel_search.FedMoE`
+eq. 4-6; docs/methods/fedmoe.md step 5). Pure functions; :class:`.fedmoe.FedMoE`
 decides when to call them (after ``patience`` rounds without a better validation score)
 and makes the change exploratory (reverted and frozen if the next score does not improve).
 

@@ -6,7 +6,7 @@ and protects.
 
     defences:
       screening: {clip_factor: 2.0, reject_factor: 20.0, sample_cap_factor: 3.0}
-      robust: {name: multi_krum}         # none | median | trimmed_mean | multi_krum
+      robust: {name: multi_krum}         # none, or a robust rule: median | trimmed_mean | multi_krum | ...
       min_holders: 1                      # expert updates with fewer holders are damped
       guard: {max_step_factor: 10.0, max_relative_step: 10.0}
       dp: null                            # {noise_multiplier: 1.0, clip_norm: 0.5, delta: 1.0e-5}
@@ -18,7 +18,7 @@ guard always runs).
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -53,10 +53,23 @@ class RobustConfig(BaseModel):
     alone lost 27 points to one sign-flipping device of 10; README "Poisoned updates")."""
 
     model_config = ConfigDict(extra="forbid")
-    name: Literal["none", "median", "trimmed_mean", "multi_krum"] = "multi_krum"
+    name: str = "multi_krum"
+    """``none``, or a registered :class:`cloud.robust.rules.RobustRule` name (built in:
+    ``median``, ``trimmed_mean``, ``multi_krum``; third-party rules under the
+    entry-point group ``fedmoe.robust_rules``)."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """``trimmed_mean``: ``trim`` (share cut at each end, default 0.1); ``multi_krum``:
-    ``f`` (assumed malicious holders, default 1), ``m`` (selected, default n - f)."""
+    """The rule's parameters, checked by the rule: ``trimmed_mean``: ``trim`` (share cut
+    at each end, default 0.1); ``multi_krum``: ``f`` (assumed malicious holders, default
+    1), ``m`` (selected, default n - f)."""
+
+    @model_validator(mode="after")
+    def _known_rule(self) -> "RobustConfig":
+        if self.name == "none":
+            return self
+        from .rules import get_robust_rule  # imports torch: only when a rule is configured
+
+        get_robust_rule(self.name)(**self.params)  # ValueError: unknown name, unknown or invalid params
+        return self
 
 
 class GuardConfig(BaseModel):

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from moe_model.objectives import perplexity
 from protocol.messages import MAX_SAMPLES, Ack, Objective, Stats
+from protocol.plugins import Registry
 
 from ..aggregation.base import AggregationStrategy, RoundSums
 from ..strategy import Aggregated, ClientResult, DeviceView, Experts, Failure, Plan, Registered, Setup
@@ -84,8 +85,7 @@ class Strategy(Registered):
             aggregation composes with every method that aggregates through a part.
     """
 
-    _registry: ClassVar[dict[str, type]] = {}
-    _package: ClassVar[str] = "cloud.strategies"
+    registry: ClassVar[Registry] = Registry("strategy", "fedmoe.strategies", "cloud.strategies")
     aggregation: AggregationStrategy | None = None
 
     EVALUATION_TERM: ClassVar[str] = "evaluate_received"
@@ -321,5 +321,10 @@ class Strategy(Registered):
 
 
 def get_strategy(name: str) -> type[Strategy]:
-    """The strategy class registered as ``name``. Raises KeyError (lists the known ones)."""
+    """The strategy class registered as ``name``.
+
+    Raises:
+        protocol.plugins.UnknownNameError: unknown name (a KeyError and a ValueError;
+            suggests near misses, lists the known ones).
+    """
     return Strategy.lookup(name)

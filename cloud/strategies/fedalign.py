@@ -9,7 +9,7 @@ Per round, for every MoE layer l (E experts; C devices that trained):
   :data:`RG_TENSOR` (uniform 1/E before round 1) and updates it by :func:`global_routing`:
   O_c = r_c·r_g (eq. 4), w_c = O_c·M_c (eq. 6), r_g[e] = Σ_c w_c r_c / Σ_c w_c (eq. 7).
   Each round every device gets r_g as an extra tensor and the objective term
-  ``fedalign_align`` (eq. 8-11, :mod:`edge_sdk.objectives.fedalign`, with μ, τ_O, T_O).
+  ``fedalign_align`` (eq. 8-11, :mod:`edge_sdk.objectives.fedalign_align`, with μ, τ_O, T_O).
 - **Semantic-aware expert aggregation** (Sec. III-D, eq. 12-18). Devices report h_c[e]
   (eq. 12, ``LayerStats.hidden_mean``; the plan asks for it with ``collect_hidden``); each
   expert's tensors become θ[e] + Σ_c ω_c Δθ_c / Σ_c ω_c with the weights of
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from edge_sdk.objectives.fedalign import RG_TENSOR, SUM_TOLERANCE, AlignTerm
+from edge_sdk.objectives.fedalign_align import RG_TENSOR, SUM_TOLERANCE, AlignTerm
 from protocol import keys
 from protocol.experts import layers_from_json, layers_to_json
 from protocol.messages import Objective, Stats

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from protocol.messages import Objective, TrainConfig
-from protocol.plugins import Registered
+from protocol.plugins import Registered, Registry
 
 
 @dataclass
@@ -56,8 +56,7 @@ class ObjectiveTerm(Registered):
             from ``ctx.tensors`` (the device then refuses the round with the reason).
     """
 
-    _registry: ClassVar[dict[str, type]] = {}
-    _package: ClassVar[str] = "edge_sdk.objectives"
+    registry: ClassVar[Registry] = Registry("objective term", "fedmoe.objectives", "edge_sdk.objectives")
     adds_loss: ClassVar[bool] = True
     """False for terms that only act before/after training (no per-step value)."""
 
@@ -106,16 +105,12 @@ def check_objectives(objectives: Sequence[Objective]) -> None:
     """Fail fast, before a round is accepted, on objectives this device cannot run.
 
     Raises:
-        ValueError: an unknown term name (the message lists the known ones) or a term
-            named twice.
+        ValueError: an unknown term name (:class:`protocol.plugins.UnknownNameError`: it
+            suggests near misses and lists the known ones) or a term named twice.
     """
     names = [o.name for o in objectives]
     for n in names:
-        try:
-            ObjectiveTerm.lookup(n)
-        except KeyError:
-            raise ValueError(f"unknown objective term {n!r}; this device knows "
-                             f"{sorted(ObjectiveTerm._registry)}") from None
+        ObjectiveTerm.lookup(n)
     if len(set(names)) != len(names):
         raise ValueError(f"objective terms named twice: {names}")
 

@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from protocol.messages import ModelSpec
+from protocol.plugins import Registered, Registry
 
 from .moe import MoELayer, moe_blocks
-
-_ADAPTERS: dict[str, type["ModelAdapter"]] = {}
 
 
 class MoEModel(nn.Module):
@@ -73,10 +72,16 @@ class MoEModel(nn.Module):
         return moe_blocks(self)
 
 
-class ModelAdapter(ABC):
-    """Family-specific knowledge; one subclass per family, registered by ``family``."""
+class ModelAdapter(Registered, ABC):
+    """Family-specific knowledge; one subclass per family, registered by ``name`` (the
+    ``ModelSpec.family`` value that selects it; :class:`protocol.plugins.Registered`,
+    third-party families under the entry-point group ``fedmoe.model_families``).
 
-    family: ClassVar[str]
+    Raises:
+        TypeError: (at class definition) a subclass sets ``family`` instead of ``name``.
+    """
+
+    registry: ClassVar[Registry] = Registry("model family", "fedmoe.model_families", "moe_model.models")
     full_finetune: ClassVar[bool] = False
     """True: every parameter trains and is the adapter state (tiny models); False: LoRA."""
     attention_targets: ClassVar[tuple[str, ...]] = ()
@@ -98,9 +103,9 @@ class ModelAdapter(ABC):
     held expert at 768 experts (``results/memory``)."""
 
     def __init_subclass__(cls, **kw: Any) -> None:
+        if "family" in cls.__dict__:
+            raise TypeError(f"{cls.__qualname__}: a model family registers by `name = {cls.family!r}`, not `family`")
         super().__init_subclass__(**kw)
-        if getattr(cls, "family", None):
-            _ADAPTERS[cls.family] = cls
 
     @abstractmethod
     def moe_layers(self, spec: ModelSpec) -> list[int]:
@@ -149,12 +154,13 @@ class ModelAdapter(ABC):
 
 
 def get_adapter(family: str) -> ModelAdapter:
-    """The registered adapter for ``family``. Raises KeyError listing known families."""
-    from . import bert, conv, hf_moe  # noqa: F401  (registers the built-in families)
+    """An adapter of the model family registered as ``family`` (``ModelSpec.family``).
 
-    if family not in _ADAPTERS:
-        raise KeyError(f"unknown model family {family!r}; known: {sorted(_ADAPTERS)}")
-    return _ADAPTERS[family]()
+    Raises:
+        protocol.plugins.UnknownNameError: unknown family (a KeyError and a ValueError;
+            suggests near misses, lists the known ones).
+    """
+    return ModelAdapter.lookup(family)()
 
 
 def trains_all_weights(spec: ModelSpec) -> bool:

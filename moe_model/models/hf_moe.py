@@ -306,7 +306,7 @@ class HFMoEAdapter(ModelAdapter):
     ``spec.moe_layers``, when given, must list exactly the checkpoint's MoE layers.
     """
 
-    family = "hf-moe"
+    name = "hf-moe"
     attention_targets = ("q_proj", "v_proj")
     quantized_backbone = True
     """Attention linears, embedding table and (tied or not) output layer held in the shard
@@ -650,5 +650,5 @@ def checkpoint_model(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {base!r}: MoE layers with different expert counts {sorted(counts)}")
     num_experts = counts.pop()
     top_k = int(getattr(_config(base, "{}"), "num_experts_per_tok", 2) or 2)
-    return {"family": HFMoEAdapter.family, "base": base, "tokenizer": None, "num_experts": num_experts,
+    return {"family": HFMoEAdapter.name, "base": base, "tokenizer": None, "num_experts": num_experts,
             "top_k": min(top_k, num_experts)}

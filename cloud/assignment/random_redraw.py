@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .random_moe import RandomMoE
+from .random_kept import RandomMoE
 
 
 class RandomAssignment(RandomMoE):

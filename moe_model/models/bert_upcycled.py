@@ -88,9 +88,9 @@ class BertMoEClassifier(MoEModel):
 
 
 class BertUpcycledAdapter(ModelAdapter):
-    """``family = "bert-upcycled"``: any BERT checkpoint (or a config) upcycled to an MoE."""
+    """``name = "bert-upcycled"``: any BERT checkpoint (or a config) upcycled to an MoE."""
 
-    family = "bert-upcycled"
+    name = "bert-upcycled"
     attention_targets = ("query", "value")
     tokenizer_bytes = 12 * 1024**2
     quantized_backbone = True

@@ -68,9 +68,9 @@ class ConvMoEClassifier(MoEModel):
 
 
 class ConvMoEAdapter(ModelAdapter):
-    """``family = "conv-moe"`` (images as ``(H, W)`` or ``(C, H, W)`` uint8/float arrays)."""
+    """``name = "conv-moe"`` (images as ``(H, W)`` or ``(C, H, W)`` uint8/float arrays)."""
 
-    family = "conv-moe"
+    name = "conv-moe"
     full_finetune = True
 
     def moe_layers(self, spec: ModelSpec) -> list[int]:
