@@ -59,6 +59,7 @@ from .rounds import RoundEngine, RoundSettings
 from .store import Store, StoreError, redact_url
 from .workers import FLUSH_S, REFRESH_S, WORKER_STALE_S, Coordinator, Ingest, sums_mode
 from .strategies import get_strategy
+from .strategies.base import Strategy
 from .strategy import Setup
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,8 @@ class Aggregator:
         setup = Setup(self.model.layers, config.model.num_experts, config.seed, config.train, tasks,
                       (config.assignment.name, config.assignment.params),
                       (config.aggregation.name, config.aggregation.params), reserved)
-        strategy = get_strategy(config.strategy.name)(setup, **config.strategy.params)
+        defences = Defences(config.defences)
+        strategy = build_strategy(config, setup, defences)
         settings = RoundSettings(config.clients_per_round, config.quorum, config.round_timeout_s, config.train,
                                  config.max_update_bytes, config.eval_batch_size, config.seed,
                                  max_samples_per_device=config.max_samples_per_device,
@@ -150,7 +152,7 @@ class Aggregator:
                                  assignment_resend_s=config.assignment_resend_s if config.assignment_resend_s
                                  is not None else CLUSTER_RESEND_S if len(self.transport.nodes) > 1 else 0.0)
         self.engine = RoundEngine(self.model, self.registry, self.store, strategy, self, self.topics, settings,
-                                  self.eval_data, self._reject, self._progress, defences=Defences(config.defences))
+                                  self.eval_data, self._reject, self._progress, defences=defences)
         self.engine.ensure_shards = self._ensure_shards
         self._published_formats: set[str] = set()
         self._written_formats: set[str] = set()
@@ -724,6 +726,28 @@ def refers_to(kind: str, payload: bytes) -> tuple[int | None, str | None]:
             return round_, None
     except (ValueError, UnicodeDecodeError, RecursionError, struct.error):
         return None, None
+
+
+def build_strategy(config: AggregatorConfig, setup: Setup, defences: Defences) -> Strategy:
+    """The configured federated method (``config.strategy``) for ``setup``, its aggregation
+    part wrapped by ``defences`` (:meth:`cloud.robust.defences.Defences.wrap`: the robust
+    rule, or DP-FedAvg in its place); the round engine takes it as given. A method that
+    aggregates by itself keeps screening and the guard, not the robust rule (logged).
+
+    Raises:
+        ValueError: DP-FedAvg is configured but the strategy has no aggregation part to
+            replace (its privacy guarantee would silently not hold).
+    """
+    strategy = get_strategy(config.strategy.name)(setup, **config.strategy.params)
+    if strategy.aggregation is not None:
+        strategy.aggregation = defences.wrap(strategy.aggregation)
+    elif defences.config.dp is not None:
+        raise ValueError(f"defences.dp needs a strategy with an aggregation part; {strategy.name!r} aggregates "
+                         f"by itself")
+    elif defences.config.robust.name != "none":
+        log.warning("strategy %r aggregates by itself: the robust rule %r does not apply (screening and the "
+                    "guard do)", strategy.name, defences.config.robust.name)
+    return strategy
 
 
 def _reason_key(reason: str, known: bool) -> str:
