@@ -42,7 +42,7 @@ from .sim_config import (  # noqa: F401  (_model_dict: re-exported)
 from .sim_data import builtin_test_set, prepare_data, split_task
 from .sim_options import ALIASES, OPTIONS
 from .sim_progress import watch
-from .supervisor import Processes
+from .supervisor import Processes, stop_on_signals
 
 # torch (moe_model, edge_sdk.client) and protocol.transport are imported where used, so
 # that a SimulationConfig is checked within a second.
@@ -61,13 +61,20 @@ __all__ = [  # what the modules of a simulation export, importable from here as 
 
 def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     """Run the simulation described by ``cfg`` and return the report (also written to
-    ``{out}/report.json``).
+    ``{out}/report.json``). SIGINT, SIGTERM and SIGHUP stop every process it started
+    (:mod:`fedmoe.supervisor`) and raise KeyboardInterrupt or SystemExit.
 
     Raises:
         SimulationConfigError: a setting that cannot work (:meth:`SimulationConfig.validate`,
             unknown strategies, :func:`check_budgets`), found before any process starts.
         RuntimeError: the aggregator process failed (its log tail is in the message).
     """
+    with stop_on_signals():
+        return _simulate(cfg)
+
+
+def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
+    """:func:`simulate`'s work (its signal handlers set)."""
     from protocol.transport import Transport
 
     from . import report as R
@@ -128,6 +135,9 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
         rc = procs.procs["aggregator"].wait()
         if rc != 0:
             raise RuntimeError(f"aggregator exited with {rc}:\n{procs.tail('aggregator')}")
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C or a signal: end every process now, not after a grace period
+        procs.stop(timeout=0.0)
+        raise
     finally:
         procs.stop()
         watcher.close()

@@ -1,15 +1,23 @@
 """Process supervision for ``fedmoe simulate``: the aggregator and device processes it
 starts (``python -m fedmoe ...``), each logging to its own file, and all of them stopped
-when the command ends."""
+when the command ends, however it ends. A signal ends it like Ctrl-C does: SIGINT raises
+KeyboardInterrupt and, while :func:`stop_on_signals` is open, SIGTERM and SIGHUP raise
+SystemExit, so the command's ``finally`` blocks stop every process it started."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that :func:`stop_on_signals` turns into ``SystemExit(128 + signal)``."""
 
 
 class Processes:
@@ -47,3 +55,24 @@ class Processes:
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While open, SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread
+    (as SIGINT raises KeyboardInterrupt), so that cleanup code runs instead of the process
+    dying with its children left running; the previous handlers come back on exit. Outside
+    the main thread (where Python cannot set handlers) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, _exit) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
