@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 
 
 class Intake(EngineState):
-    """The round engine's receiving side (a part of :class:`cloud.rounds.RoundEngine`; a
-    reassignment uses :meth:`_view` of eligibility, :meth:`_invalid_entries` of the plan
-    checks and :meth:`_send_assignment` of dispatch)."""
+    """The round engine's receiving side (a part of :class:`cloud.rounds.RoundEngine`; it
+    uses :meth:`_view` of eligibility, :meth:`_invalid_entries` and :meth:`_train_for` of
+    the plan checks, and :meth:`_send_assignment` and :meth:`_sent_state` of dispatch)."""
 
     filters: list[InboundFilter]
 

@@ -102,10 +102,13 @@ class OpenRound:
     :meth:`cloud.robust.defences.Defences.round_sample_cap`)."""
 
     def reported(self, device_id: str) -> bool:
+        """Whether ``device_id``'s update and the statistics that name it were both accepted."""
         up, st = self.updates.get(device_id), self.stats.get(device_id)
         return up is not None and st is not None and st.update.sha256 == up[0]
 
     def finished(self, device_id: str) -> bool:
+        """Whether the round waits for nothing more from ``device_id``: it reported, refused
+        its assignment, or could not be sent one."""
         ack = self.acks.get(device_id)
         return self.reported(device_id) or (ack is not None and not ack.accepted) or device_id in self.unsent
 
