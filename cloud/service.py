@@ -32,7 +32,6 @@ import re
 import struct
 import threading
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from moe_model.budget import tune_allocator
@@ -56,9 +55,11 @@ from .observability import AggregatorMetrics, parse_address
 from .registry import Registry
 from .robust.defences import Defences
 from .rounds import RoundEngine, RoundSettings
+from .shard_publisher import ShardPublisher
 from .store import Store, StoreError, redact_url
 from .workers import FLUSH_S, REFRESH_S, WORKER_STALE_S, Coordinator, Ingest, sums_mode
 from .strategies import get_strategy
+from .strategies.base import Strategy
 from .strategy import Setup
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,8 @@ class Aggregator:
         setup = Setup(self.model.layers, config.model.num_experts, config.seed, config.train, tasks,
                       (config.assignment.name, config.assignment.params),
                       (config.aggregation.name, config.aggregation.params), reserved)
-        strategy = get_strategy(config.strategy.name)(setup, **config.strategy.params)
+        defences = Defences(config.defences)
+        strategy = build_strategy(config, setup, defences)
         settings = RoundSettings(config.clients_per_round, config.quorum, config.round_timeout_s, config.train,
                                  config.max_update_bytes, config.eval_batch_size, config.seed,
                                  max_samples_per_device=config.max_samples_per_device,
@@ -150,10 +152,10 @@ class Aggregator:
                                  assignment_resend_s=config.assignment_resend_s if config.assignment_resend_s
                                  is not None else CLUSTER_RESEND_S if len(self.transport.nodes) > 1 else 0.0)
         self.engine = RoundEngine(self.model, self.registry, self.store, strategy, self, self.topics, settings,
-                                  self.eval_data, self._reject, self._progress, defences=Defences(config.defences))
-        self.engine.ensure_shards = self._ensure_shards
-        self._published_formats: set[str] = set()
-        self._written_formats: set[str] = set()
+                                  self.eval_data, self._reject, self._progress, defences=defences)
+        self.shards = ShardPublisher(self.model, self.topics, self.transport, config.shard_dir, config.shard_url)
+        """The base model's shards for devices (:mod:`cloud.shard_publisher`)."""
+        self.engine.ensure_shards = self.shards.ensure
         self.ingest: Ingest | None = None
         """A worker's upload handling (``role: worker``; :mod:`cloud.workers`)."""
         if self.role == "coordinator":
@@ -331,10 +333,7 @@ class Aggregator:
         self.ready.set()
         if self.ingest is not None:
             return self._run_worker()
-        if self.cfg.shard_url is None:
-            self._publish_shards()
-        else:
-            self._write_shard_files(self.model.weight_format)
+        self.shards.start()
         try:
             resumed = self.engine.current is not None
             if resumed:
@@ -390,7 +389,7 @@ class Aggregator:
         stopped, the store closed."""
         self._reject_log.flush(force=True)
         if self.cfg.clear_retained_on_exit and self.ingest is None:
-            self._clear_retained()
+            self.shards.clear_retained()
         self.transport.close(end_session=self.engine.completed >= self.cfg.rounds)
         if self.metrics is not None:
             self.metrics.stop()
@@ -482,68 +481,6 @@ class Aggregator:
             if time.time() > deadline:
                 raise TimeoutError(f"only {n}/{self.cfg.min_devices} devices joined in {self.cfg.start_timeout_s} s")
             self._pump(0.5)
-
-    def _shard_items(self, formats=None):
-        for fmt in formats if formats is not None else sorted(self._published_formats):
-            for sid, data in self.model.encoded[fmt].items():
-                prefix = self.topics.shard_prefix(self.model.version, sid, fmt)
-                yield sid, prefix, data, fmt
-
-    def _publish_shards(self, fmt: str | None = None) -> None:
-        """Publish the base shards of ``fmt`` (default: the primary format) as retained messages."""
-        fmt = fmt or self.model.weight_format
-        t0 = time.perf_counter()
-        total = 0
-        for sid, prefix, data, _ in self._shard_items([fmt]):
-            self.transport.publish_blob(lambda i, p=prefix: f"{p}/{i}", data, "shard", self.model.version,
-                                        transfer_id=f"shard-{self.model.sha[fmt][sid][:32]}", retain=True)
-            total += len(data)
-        self._published_formats.add(fmt)
-        log.info("published %d %s base shards (%.1f MiB, retained) in %.1f s", len(self.model.encoded[fmt]), fmt,
-                 total / 2**20, time.perf_counter() - t0)
-
-    def _ensure_shards(self, fmt: str, by_url: bool = False) -> None:
-        """Make ``fmt``'s shards available the first time they are needed: as files in
-        ``shard_dir`` for devices that fetch them by URL (``by_url``), else as retained
-        messages (the primary format's, in the form most devices take, when :meth:`run`
-        starts)."""
-        if by_url and fmt not in self._written_formats:
-            self._write_shard_files(fmt)
-        elif not by_url and fmt not in self._published_formats:
-            if fmt == self.model.weight_format and self.cfg.shard_url is None:
-                return  # published by run() when it starts
-            self._publish_shards(fmt)
-
-    def _write_shard_files(self, fmt: str) -> None:
-        """Write ``fmt``'s shards to ``shard_dir`` as ``{sha256}.safetensors``
-        (``moe_model.shards.ShardCache.put``: atomically, hash checked; a file already there
-        is content-addressed, so it is kept), for a web server to serve at ``shard_url``.
-        Raises OSError when the directory cannot be written."""
-        from moe_model.shards import ShardCache
-
-        files = ShardCache(Path(self.cfg.shard_dir))  # the same {sha256}.safetensors layout a device caches
-        t0, written = time.perf_counter(), 0
-        for sid, data in self.model.encoded[fmt].items():
-            sha = self.model.sha[fmt][sid]
-            if not files.has(sha):
-                files.put(sha, data)
-                written += len(data)
-        self._written_formats.add(fmt)
-        log.info("wrote %s base shards to %s (%.1f MiB new) in %.1f s; devices fetch them from %s", fmt,
-                 files.directory, written / 2**20, time.perf_counter() - t0, self.cfg.shard_url)
-
-    def _clear_retained(self) -> None:
-        """Delete our retained shard messages (an empty retained payload clears a topic)."""
-        from protocol.chunking import chunk_data_bytes
-
-        step = chunk_data_bytes(self.transport.chunk_payload_bytes)
-        items = []
-        for _, prefix, data, _ in self._shard_items():
-            items += [(f"{prefix}/{i}", b"", True) for i in range(max(1, -(-len(data) // step)))]
-        try:
-            self.transport.publish_many(items)
-        except Exception as e:
-            log.warning("could not clear retained shards: %s", e)
 
     @property
     def duplicates(self) -> int:
@@ -724,6 +661,28 @@ def refers_to(kind: str, payload: bytes) -> tuple[int | None, str | None]:
             return round_, None
     except (ValueError, UnicodeDecodeError, RecursionError, struct.error):
         return None, None
+
+
+def build_strategy(config: AggregatorConfig, setup: Setup, defences: Defences) -> Strategy:
+    """The configured federated method (``config.strategy``) for ``setup``, its aggregation
+    part wrapped by ``defences`` (:meth:`cloud.robust.defences.Defences.wrap`: the robust
+    rule, or DP-FedAvg in its place); the round engine takes it as given. A method that
+    aggregates by itself keeps screening and the guard, not the robust rule (logged).
+
+    Raises:
+        ValueError: DP-FedAvg is configured but the strategy has no aggregation part to
+            replace (its privacy guarantee would silently not hold).
+    """
+    strategy = get_strategy(config.strategy.name)(setup, **config.strategy.params)
+    if strategy.aggregation is not None:
+        strategy.aggregation = defences.wrap(strategy.aggregation)
+    elif defences.config.dp is not None:
+        raise ValueError(f"defences.dp needs a strategy with an aggregation part; {strategy.name!r} aggregates "
+                         f"by itself")
+    elif defences.config.robust.name != "none":
+        log.warning("strategy %r aggregates by itself: the robust rule %r does not apply (screening and the "
+                    "guard do)", strategy.name, defences.config.robust.name)
+    return strategy
 
 
 def _reason_key(reason: str, known: bool) -> str:

@@ -1,8 +1,11 @@
 """``fedmoe simulate`` end to end in separate processes, as a user runs it."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +54,54 @@ def test_cli_rejects_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedmoe", "device", "--broker", "mqtt://127.0.0.1:1", "--device-id",
                            "d1", "--budget", "1GiB", "--data", str(bad)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "text and label" in proc.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The ids of the processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_simulate_stops_every_process_it_started(tmp_path, sig):
+    """A signal to the ``fedmoe simulate`` process alone (not its process group) ends the
+    aggregator and device processes it started, at once (fedmoe.supervisor)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fedmoe", "simulate", "--tiny", "--out", str(out), "--devices", "2",
+                             "--rounds", "100", "--budgets", "700MiB"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "logs" / "dev-01.log").exists():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no device process started within 300 s"
+            time.sleep(0.5)
+        time.sleep(2)
+        children = _children(proc.pid)
+        assert len(children) >= 3, children  # the aggregator and two devices
+        proc.send_signal(sig)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    deadline = time.monotonic() + 30
+    while [p for p in children if _running(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in children if _running(p)], "processes left running after the signal"

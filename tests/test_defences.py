@@ -1,5 +1,5 @@
 """Defences against poisoned updates: screening, the pre-commit guard, and a failing
-close that fails only its round (cloud/robust, cloud/rounds.py)."""
+close that fails only its round (cloud/robust, cloud/rounds/)."""
 
 from __future__ import annotations
 

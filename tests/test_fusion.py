@@ -153,18 +153,18 @@ def test_simulate_admits_a_device_that_fits_the_compact_model_only_with_a_smalle
 
 
 def test_small_devices_get_a_budget_below_one_expert_at_the_batch_size_but_above_it_at_half(monkeypatch):
-    import fedmoe.simulate as S
+    import fedmoe.sim_budgets as S
     from moe_model.budget import estimate
 
     monkeypatch.setattr(S, "device_baseline_bytes", lambda data=None: 400 * 2**20)
     cfg = SimulationConfig(devices=3, small_devices=1, budgets=["2GiB"], strategy="fusion_hybrid")
-    budgets = S._device_budgets(cfg)
+    budgets = S.device_budgets(cfg)
     plan = {b: estimate(cfg.model, 1, b, 5, 400 * 2**20, cfg.weight_format).total for b in (8, 4)}
     assert budgets[:2] == [2 * 2**30] * 2 and plan[4] < budgets[2] < plan[8]
     with pytest.raises(S.SimulationConfigError, match="more than --devices"):
-        S._device_budgets(SimulationConfig(devices=2, small_devices=3, budgets=["2GiB"]))
+        S.device_budgets(SimulationConfig(devices=2, small_devices=3, budgets=["2GiB"]))
     with pytest.raises(S.SimulationConfigError, match="batch size of at least 2"):
-        S._device_budgets(SimulationConfig(devices=2, small_devices=1, budgets=["2GiB"], batch_size=1))
+        S.device_budgets(SimulationConfig(devices=2, small_devices=1, budgets=["2GiB"], batch_size=1))
 
 
 # --------------------------------------------------------------------------- the strategy on a tiny model

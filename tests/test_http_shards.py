@@ -151,9 +151,9 @@ def test_a_federation_fetches_shards_over_http(mosquitto_url, server, tmp_path, 
     assert names  # written at start for the devices that fetch by URL
     if mode == "minor5":
         assert rec["status"] == "ok" and not server.requests
-        assert fed.aggregator._published_formats == {"int8"}
+        assert fed.aggregator.shards.published == {"int8"}
         return
-    assert fed.aggregator._published_formats == set()  # no shard bytes held by the broker
+    assert fed.aggregator.shards.published == set()  # no shard bytes held by the broker
     assert {n for n, _ in server.requests} <= names
     assert all(r and r.startswith("bytes=") for _, r in server.requests)
     if mode == "http":

@@ -1,0 +1,132 @@
+"""The round engine's shared state: the transport it publishes through (:class:`Wire`),
+its settings (:class:`RoundSettings`), the round in flight (:class:`OpenRound`) and what
+every part of the engine reads and writes (:class:`EngineState`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import torch
+
+from protocol.messages import Ack, BlobRef, Objective, Stats, TrainConfig
+
+from ..strategy import Experts
+
+if TYPE_CHECKING:
+    from protocol.topics import Topics
+
+    from ..global_model import GlobalModel
+    from ..registry import Registry
+    from ..robust.defences import Defences
+    from ..store import Store
+    from ..strategies.base import Strategy
+    from ..workers import Coordinator
+
+
+class Wire(Protocol):
+    """What the engine needs from the transport."""
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        """Publish a control message (QoS 1). Raises on a transport failure."""
+
+    def publish_blob(self, topic: str, data: bytes, kind: str, round: int,
+                     transfer_id: str | None = None) -> BlobRef:
+        """Publish ``data`` (bytes) as a chunked blob of ``kind`` for ``round`` on ``topic``;
+        returns the reference a control message carries."""
+
+    @property
+    def chunk_payload_bytes(self) -> int:
+        """Largest MQTT payload of one chunk, in bytes (the broker's packet limit)."""
+
+
+@dataclass
+class RoundSettings:
+    """Round-engine settings (a slice of the aggregator config)."""
+
+    clients_per_round: float = 1.0
+    """<= 1: fraction of eligible devices; > 1: a count."""
+    quorum: float = 0.5
+    """Fraction of the selected devices whose updates must be accepted to aggregate."""
+    round_timeout_s: float = 600.0
+    train: TrainConfig = field(default_factory=TrainConfig)
+    max_update_bytes: int = 256 * 1024**2
+    eval_batch_size: int = 32
+    seed: int = 0
+    max_samples_per_device: int = 1_000_000
+    """Largest ``num_samples`` a device's statistics may claim (its aggregation weight)."""
+    state_precision: str = "fp32"
+    """Precision of the adapter state sent to devices (``FederationSettings.state_precision``)."""
+    state_compression: bool = False
+    """Compress the adapter state for devices of minor 8 or later (``AggregatorConfig.state_compression``)."""
+    shard_url: str | None = None
+    """Base URL of the shard files (``AggregatorConfig.shard_url``): manifests for devices
+    of minor 6 or later name their files there."""
+    assignment_resend_s: float = 0.0
+    """Re-send an assignment that was not acknowledged this many seconds after it was sent
+    (:meth:`RoundEngine.resend_unacked`; 0: never)."""
+
+
+@dataclass
+class OpenRound:
+    """The round in flight: whom it selected with which experts, its plan, and what it has
+    received so far."""
+
+    number: int
+    started: float
+    deadline: float
+    selected: dict[str, Experts]
+    plan_info: dict[str, Any]
+    assignment_seconds: float
+    train: dict[str, Any] = field(default_factory=dict)
+    objectives: dict[str, list[Objective]] = field(default_factory=dict)
+    unsent: set[str] = field(default_factory=set)
+    """Devices the round could not send an assignment to (finished: nothing to wait for)."""
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    acks: dict[str, Ack] = field(default_factory=dict)
+    updates: dict[str, tuple[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    stats: dict[str, Stats] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)
+    reassigned: dict[str, dict[str, Any]] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Online devices the round could not use, and why (each was told)."""
+    takers: dict[str, str] = field(default_factory=dict)
+    """device -> the aggregator worker that took its update (``role: coordinator``)."""
+    sent: dict[str, float] = field(default_factory=dict)
+    """device -> when (Unix seconds) its assignment was last sent."""
+    resends: dict[str, int] = field(default_factory=dict)
+    """device -> how often its assignment was re-sent unacknowledged."""
+    sample_cap: int | None = None
+    """The cap on claimed samples that aggregator workers apply (set by a coordinator,
+    :meth:`cloud.robust.defences.Defences.round_sample_cap`)."""
+
+    def reported(self, device_id: str) -> bool:
+        """Whether ``device_id``'s update and the statistics that name it were both accepted."""
+        up, st = self.updates.get(device_id), self.stats.get(device_id)
+        return up is not None and st is not None and st.update.sha256 == up[0]
+
+    def finished(self, device_id: str) -> bool:
+        """Whether the round waits for nothing more from ``device_id``: it reported, refused
+        its assignment, or could not be sent one."""
+        ack = self.acks.get(device_id)
+        return self.reported(device_id) or (ack is not None and not ack.accepted) or device_id in self.unsent
+
+
+class EngineState:
+    """What the parts of :class:`cloud.rounds.RoundEngine` share (set by its constructor,
+    which documents them)."""
+
+    model: GlobalModel
+    registry: Registry
+    store: Store
+    strategy: Strategy
+    wire: Wire
+    topics: Topics
+    settings: RoundSettings
+    defences: Defences
+    reject: Callable[..., None]
+    progress: Callable[[str, int, dict], None]
+    current: OpenRound | None
+    completed: int
+    coordinator: Coordinator | None
