@@ -80,8 +80,8 @@ class Strategy(Registered):
             valid terms (an unknown name lists the known ones).
 
     Attributes:
-        aggregation: the aggregation part, if the method has one; the engine wraps it in
-            the configured robust rule or DP-FedAvg (:mod:`cloud.robust`), so robust
+        aggregation: the aggregation part, if the method has one; the aggregator wraps it in
+            the configured robust rule or DP-FedAvg (:mod:`cloud.robust`; ``cloud.service.build_strategy``), so robust
             aggregation composes with every method that aggregates through a part.
     """
 

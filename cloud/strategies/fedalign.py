@@ -15,14 +15,14 @@ Per round, for every MoE layer l (E experts; C devices that trained):
   expert's tensors become θ[e] + Σ_c ω_c Δθ_c / Σ_c ω_c with the weights of
   :func:`client_weights`.
 - **Everything else** (backbone LoRA, task heads, router rows) is the configured
-  aggregation part's (default ``modular``: FedAvg over holders), wrapped by the engine in
-  a robust rule if configured. docs/methods/index.md is silent on router rows; the paper aligns
+  aggregation part's (default ``modular``: FedAvg over holders), wrapped by the aggregator in
+  a robust rule if configured. the paper is silent on router rows; it aligns
   gating *behaviour* through the regulariser and reads as keeping gating networks local.
   We average the rows (the global model the cloud evaluates and a device joining later
   need a router), and ``train.router: private`` gives the paper's reading (rows stay on
   the devices, ``private_router`` term; the regulariser then aligns the private rows).
 
-Choices where the paper and docs/methods/index.md are silent:
+Choices where the paper is silent:
 
 - A device counts for expert e only if it held e and routed tokens to it (``usage > 0``,
   so it reported h_c[e]): a holder that never used e did not train it. r_g[e] for an

@@ -65,7 +65,7 @@ simulate`` reserves ``reserve_fraction`` (default 2%) of each task's training sp
 seeded and disjoint from every device's data (:func:`fedmoe.partition.reserve`). No
 message carries it: devices get adapter states only (tested on the wire).
 
-Choices where the paper and docs/methods/index.md are silent: K default 3 (the paper's language
+Choices where the paper is silent: K default 3 (the paper's language
 setting); all routed experts start as copies of the initial compact state and diverge
 through W^r; the experts' P̂ in Step 4 are recomputed after each Step 3; M̄ is the plain
 mean (the paper's Sec. 4.2), not |D_c|-weighted; Step 3 runs inside the T loop, as in

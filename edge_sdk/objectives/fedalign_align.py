@@ -8,7 +8,7 @@ Per MoE layer and training token x, over the experts this device holds:
     λ_c[e] = sigmoid((O_c[e] − τ_O) / T_O),  O_c[e] = r_c[e] · r_g[e]         (eq. 4, 9)
     L = L_task + μ · mean over layers and real tokens of L_reg(x)             (eq. 11)
 
-Choices where the paper and docs/methods/index.md are silent (documented in
+Choices where the paper is silent (documented in
 ``cloud/strategies/fedalign.py`` too):
 
 - The cloud sends ``r_g`` for all E experts (tensor :data:`RG_TENSOR`, ``(L, E)``, rows in
