@@ -34,13 +34,13 @@ from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_v
 from cloud.config import AggregatorConfig, FederationSettings
 from edge_sdk.config import DeviceConfig, DeviceSettings
 from protocol.config import PositiveBytes
-from protocol.messages import Progress, parse_message
 from protocol.topics import Topics
 
 from .broker import EmbeddedBroker
 from .datasets import TASKS, load_task
 from .options import Option, comma_list, explain, flag, schema_options
 from .partition import parse_partition, partition, reserve, split_train_test
+from .progress import Narrator
 
 if TYPE_CHECKING:
     from protocol.transport import Transport
@@ -699,9 +699,10 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     shutil.rmtree(out / "cache", ignore_errors=True)  # fresh devices: round 1 fetches their base shards
     agg_cfg = aggregator_config(cfg, tasks, federation, f"sqlite:///{store}")
     (out / "aggregator.yaml").write_text(yaml.safe_dump(agg_cfg, sort_keys=False))
-    log.info("simulating %d devices x %d rounds (%s, %s assignment, %s aggregation) -> %s", cfg.devices,
-             cfg.rounds, cfg.partition, cfg.assignment.name, cfg.aggregation.name, out)
-    broker = None if cfg.broker else EmbeddedBroker().start()
+    log.info("simulating %d devices x %d rounds of %s (%s, %s assignment, %s aggregation, %d experts per MoE "
+             "layer) -> %s", cfg.devices, cfg.rounds, cfg.strategy.name, cfg.partition, cfg.assignment.name,
+             cfg.aggregation.name, cfg.model.num_experts, out)
+    broker = None if cfg.broker else EmbeddedBroker(log_file=out / "logs" / "broker.log").start()
     url = cfg.broker or broker.url
     protocol = ["--protocol", "3.1.1"] if broker else []
     procs = _Processes(out / "logs")
@@ -717,7 +718,10 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
                 except OSError as e:
                     raise SimulationConfigError(f"--device-memory-limit: {e}") from None
         watcher.connect()
-        watcher.subscribe(Topics(federation).progress())
+        narrator = Narrator(Topics(federation), cfg.rounds, len(devices),
+                            {d["device_id"] for d in devices[len(devices) - cfg.small_devices:]})
+        for topic in narrator.subscriptions():
+            watcher.subscribe(topic)
         procs.start("aggregator", ["aggregator", "--broker", url, "--config", str(out / "aggregator.yaml"),
                                    *protocol], cfg.threads or 1)
         (out / "devices").mkdir(exist_ok=True)
@@ -730,7 +734,7 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
             lim = limits.get(d["device_id"])
             procs.start(d["device_id"], ["device", "--config", str(path)], cfg.device.threads or 1,
                         preexec=lim.preexec() if lim else None)
-        _watch(watcher, procs, cfg.rounds)
+        _watch(watcher, procs, narrator)
         rc = procs.procs["aggregator"].wait()
         if rc != 0:
             raise RuntimeError(f"aggregator exited with {rc}:\n{procs.tail('aggregator')}")
@@ -763,12 +767,12 @@ def simulate(cfg: SimulationConfig) -> dict[str, Any]:
     R.plot_all(report, out)
     table = R.table(report)
     (out / "rounds.md").write_text("```\n" + table + "\n```\n")
-    print(table)
+    print(R.device_table(report) + "\n\n" + table + "\n\n" + R.where(report, out))
     return report
 
 
-def _watch(watcher: Transport, procs: _Processes, rounds: int) -> None:
-    """Log progress events until the aggregator exits."""
+def _watch(watcher: Transport, procs: _Processes, narrator: Narrator) -> None:
+    """Log progress (:class:`fedmoe.progress.Narrator`) until the aggregator exits."""
     agg = procs.procs["aggregator"]
     dead: set[str] = set()
     while agg.poll() is None:
@@ -780,22 +784,6 @@ def _watch(watcher: Transport, procs: _Processes, rounds: int) -> None:
                             " (SIGKILL: the OOM killer, if it ran in a memory cgroup)" if p.returncode == -9 else "",
                             procs.tail(name, 10))
         if m is None:
-            continue
-        try:
-            ev = parse_message(m.payload, Progress)
-        except ValueError:
-            continue
-        d = ev.detail
-        if ev.event == "waiting":
-            log.info("waiting for devices: %s/%s online", d.get("online"), d.get("needed"))
-        elif ev.event == "round_start":
-            log.info("round %d/%d: %d devices training", ev.round, rounds, len(d.get("devices", [])))
-            for dev, why in sorted((d.get("excluded") or {}).items()):
-                log.warning("round %d/%d: %s left out: %s", ev.round, rounds, dev, why)
-        elif ev.event == "report":
-            log.info("round %d/%d: %s reported (%s/%s), local val acc %.3f", ev.round, rounds, d.get("device"),
-                     d.get("reported"), d.get("selected"), d.get("val_accuracy") or 0.0)
-        elif ev.event == "round_end":
-            acc = d.get("accuracy")
-            log.info("round %d/%d done in %.0f s: global accuracy %s (%s)", ev.round, rounds, d.get("seconds", 0),
-                     f"{acc:.4f}" if acc is not None else "n/a", d.get("status"))
+            narrator.idle()
+        else:
+            narrator.on_message(m.topic, m.payload)
