@@ -171,23 +171,23 @@ def device_table(report: dict[str, Any]) -> str:
     (``fusion``/``fusion_hybrid``; the round records' ``assignment.compact``, at a smaller
     batch where ``assignment.smaller_batch`` says so), or nothing (never reported)."""
     experts = (report["config"].get("simulation") or {}).get("model", {}).get("num_experts")
-    compact = {d for r in report["rounds"] for d in ((r.get("assignment") or {}).get("compact") or [])}
-    smaller = {d: b for r in report["rounds"] for d, b in ((r.get("assignment") or {}).get("smaller_batch") or {}).items()}
-    last: dict[str, dict[str, Any]] = {}
+    last: dict[str, tuple[dict[str, Any], str]] = {}  # device -> (its last record, what it trained then)
     for r in report["rounds"]:
-        last.update(r["devices"])
+        plan = r.get("assignment") or {}
+        compact, smaller = set(plan.get("compact") or []), plan.get("smaller_batch") or {}
+        for d, rec in r["devices"].items():
+            what = "its sub-MoE" if d not in compact else "the compact model (one expert)" + (
+                f", batch {smaller[d]}" if d in smaller else "")
+            last[d] = (rec, what)
     head = f"{'device':<8} {'budget MiB':>10} {'samples':>7} {'experts per MoE layer':<24} trained"
     lines = [head, "-" * len(head)]
     for d in report["config"]["devices"]:
-        rec = last.get(d["device_id"])
-        if rec is None:
-            held, what = "-", "nothing (never reported)"
-        else:
+        rec, what = last.get(d["device_id"], (None, "nothing (never reported)"))
+        held = "-"
+        if rec is not None:
             counts = sorted({len(v) for v in rec["experts"].values()})
             held = "/".join(map(str, counts)) + (f" of {experts}" if experts else "") + \
                 f" ({len(rec['experts'])} layers)"
-            what = "its sub-MoE" if d["device_id"] not in compact else "the compact model (one expert)" + (
-                f", batch {smaller[d['device_id']]}" if d["device_id"] in smaller else "")
         lines.append(f"{d['device_id']:<8} {d['budget_bytes'] / 2**20:>10.0f} {d['samples']:>7} {held:<24} {what}")
     return "\n".join(lines)
 
