@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 pytest.importorskip("aiomqtt")
-pytestmark = pytest.mark.skipif(not MosquittoBroker.available(), reason="no mosquitto binary")
+pytestmark = [pytest.mark.slow,  # a fleet of devices over mosquitto
+              pytest.mark.skipif(not MosquittoBroker.available(), reason="no mosquitto binary")]
 
 
 def test_fleet_updates_are_accepted_exactly_once(tmp_path):
