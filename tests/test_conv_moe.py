@@ -29,7 +29,6 @@ def fake_images(n, seed=0):
     return [(x[i], int(y[i])) for i in range(n)]
 
 
-@pytest.mark.slow
 def test_conv_moe_trains_every_parameter_and_sizes_budgets():
     m = SubMoE(SPEC, {0: [1, 3]}, "img", 3, None)
     groups = {k.split(".")[0] for k in m.trainable()}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -18,7 +17,6 @@ from tests.conftest import tiny_spec  # noqa: E402
 from tests.test_models import TEXTS, shards  # noqa: E402
 
 
-@pytest.mark.slow
 def test_held_only_equals_the_sub_moe_that_holds_those_experts():
     spec = tiny_spec(upcycle_noise=0.5, top_k=2)  # experts differ, so the subset matters
     sh = shards(spec)

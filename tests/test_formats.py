@@ -322,7 +322,6 @@ def test_memory_plan_matches_measured_peak_on_a_small_config(fmt, tmp_path):
     assert r["measured"] < r["rss"]  # the footprint leaves out the file pages RSS counts
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
 def test_bitsandbytes_backend_computes_what_the_torch_backend_computes(fmt, tmp_path):
     """quant_backend='bitsandbytes' puts bitsandbytes' own int8/nf4 layers under peft's LoRA

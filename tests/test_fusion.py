@@ -206,7 +206,6 @@ def test_a_device_below_one_expert_per_layer_trains_the_compact_model_with_a_sma
     assert plan.train == {"small": {"batch_size": 4}} and "no smaller model" in plan.excluded["tiny"]
 
 
-@pytest.mark.slow
 def test_aggregate_fuses_into_the_server_moe_and_synchronises_each_client():
     model, s, _ = _model_and_strategy()
     compact = s.compact(model)
@@ -316,7 +315,6 @@ def _result(model, d, experts, n, seed):
     return ClientResult(d, "t", n, experts, state, Stats.model_construct(device_id=d, round=1, num_samples=n))
 
 
-@pytest.mark.slow
 def test_hybrid_splits_devices_by_capacity_and_aggregates_what_is_shared_with_what():
     from cloud.strategies.fusion_hybrid import slot_key
 

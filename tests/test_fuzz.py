@@ -13,7 +13,6 @@ import math
 import struct
 import tracemalloc
 
-import pytest
 import torch
 from safetensors.torch import save as st_save
 from hypothesis import HealthCheck, given, settings
@@ -50,7 +49,6 @@ def test_parse_message_arbitrary_bytes(data):
 @FAST
 @given(st.sampled_from(TYPES), st.dictionaries(st.text(max_size=16), json_values, max_size=8),
        st.sampled_from(CLASSES), st.sampled_from([1, 1, 2, "1", None]))
-@pytest.mark.slow
 def test_parse_message_arbitrary_objects(kind, body, expected, version):
     obj = {**body, "v": version, "type": kind}
     try:
@@ -91,7 +89,6 @@ def test_parse_chunk_arbitrary_bytes(data):
 @given(st.dictionaries(st.sampled_from(["id", "kind", "round", "seq", "n", "size", "sha", "csha", "x"]),
                        json_values, max_size=9),
        st.binary(max_size=64), st.integers(0, 2**40))
-@pytest.mark.slow
 def test_chunk_headers_fuzzed(fields, data, size):
     good, _ = split_blob(b"x" * 5000, 2048, "t1", "update", 3)
     hlen = struct.unpack(">I", good[0][4:8])[0]
@@ -260,7 +257,6 @@ def _aggregator(tmp: str, signed: bool = False):
     return agg, keys
 
 
-@pytest.mark.slow
 def test_aggregator_handler_survives_fuzzed_messages(tmp_path):
     agg, _ = _aggregator(str(tmp_path))
     before = {k: v.clone() for k, v in agg.model.state.items()}

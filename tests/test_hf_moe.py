@@ -286,7 +286,6 @@ def test_causal_lm_federation_over_mqtt_lowers_perplexity(tmp_path):
     assert (out / "perplexity.png").exists() and "ppl" in (out / "rounds.md").read_text()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["causal-lm", "classification"])
 def test_onnx_export_of_a_sub_moe_matches_torch(tmp_path, objective):
     pytest.importorskip("onnxruntime")
