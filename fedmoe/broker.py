@@ -36,6 +36,8 @@ _LATE_ACK = ("Timeout waiting for PUBACK", "Received PUBACK for unknown pending 
 """What amqtt 0.12.1 says about a PUBACK that came after its fixed 5 s wait (module docstring)."""
 
 _AMQTT_LOGGERS = ("amqtt", "transitions")
+_LATE_ACK_LOGGERS = ("amqtt.broker", "amqtt.mqtt.protocol.handler")
+"""The amqtt loggers that make the late-PUBACK records."""
 
 
 def _is_late_ack(text: str, exc: BaseException | None = None) -> bool:
@@ -117,7 +119,7 @@ class EmbeddedBroker:
             if self.log_handler is not None:
                 logger.addHandler(self.log_handler)
                 logger.propagate = False
-        for name in ("amqtt.broker", "amqtt.mqtt.protocol.handler"):  # where the late-PUBACK records are made
+        for name in _LATE_ACK_LOGGERS:
             logging.getLogger(name).addFilter(self._filter)
         self._thread = threading.Thread(target=self._run, name="embedded-mqtt-broker", daemon=True)
         self._thread.start()
@@ -185,7 +187,7 @@ class EmbeddedBroker:
 
     def _detach(self) -> None:
         """Undo :meth:`start`'s changes to amqtt's loggers."""
-        for name in ("amqtt.broker", "amqtt.mqtt.protocol.handler"):
+        for name in _LATE_ACK_LOGGERS:
             logging.getLogger(name).removeFilter(self._filter)
         if self.log_handler is not None:
             for name in _AMQTT_LOGGERS:
