@@ -3,6 +3,22 @@
 ``fedmoe simulate`` and ``fedmoe aggregator`` without ``--broker`` start one, so a whole
 federation runs from one command. Production deployments use Mosquitto or another
 MQTT 5 broker (``examples/deploy/``).
+
+**Late PUBACKs.** amqtt 0.12.1 waits a fixed 5 s for a subscriber's PUBACK after it wrote
+a QoS 1 PUBLISH to that subscriber's socket, then logs "Timeout waiting for PUBACK",
+raises ``TimeoutError`` in the delivery task (a traceback: "Task failed and will be
+skipped" or asyncio's "Task exception was never retrieved") and forgets the message; the
+PUBACK that arrives later is logged as "Received PUBACK for unknown pending message".
+The aggregator acknowledges a message only after handling it (``manual_ack``, so that a
+crash makes the broker redeliver), and it handles none while it evaluates the model or
+aggregates a round (seconds to minutes on a small machine): every device message of that
+time gets its PUBACK late. Nothing is lost: the PUBLISH had been written to the socket
+before the wait started and the client processes it when it gets to it; amqtt only
+drops its in-flight record, which matters for redelivery after a reconnect of a
+persistent session, and the embedded broker gives every 3.1.1 client a clean session.
+So the embedded broker counts these records (:attr:`EmbeddedBroker.late_acks`) and keeps
+them off the terminal: they go to ``log_file`` when one is given, else to this module's
+logger at DEBUG.
 """
 
 from __future__ import annotations
@@ -12,8 +28,39 @@ import logging
 import os
 import socket
 import threading
+from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+_LATE_ACK = ("Timeout waiting for PUBACK", "Received PUBACK for unknown pending message")
+"""What amqtt 0.12.1 says about a PUBACK that came after its fixed 5 s wait (module docstring)."""
+
+_AMQTT_LOGGERS = ("amqtt", "transitions")
+_LATE_ACK_LOGGERS = ("amqtt.broker", "amqtt.mqtt.protocol.handler")
+"""The amqtt loggers that make the late-PUBACK records."""
+
+
+def _is_late_ack(text: str, exc: BaseException | None = None) -> bool:
+    """Whether a log message or exception is amqtt's report of a late PUBACK."""
+    return any(s in text or (exc is not None and s in str(exc)) for s in _LATE_ACK)
+
+
+class _LateAcks(logging.Filter):
+    """On amqtt's loggers: counts the late-PUBACK records and keeps them from the terminal
+    (written to ``file`` if set, else re-logged at DEBUG); passes every other record."""
+
+    def __init__(self, broker: "EmbeddedBroker"):
+        super().__init__()
+        self.broker = broker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not _is_late_ack(record.getMessage(), exc):
+            return True
+        if record.getMessage().startswith(_LATE_ACK[0]):  # once per late PUBACK (a traceback and a line follow)
+            self.broker.late_acks += 1
+        self.broker.note(record)
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -29,14 +76,24 @@ class EmbeddedBroker:
     Args:
         host: interface to listen on (loopback by default).
         port: TCP port; 0 picks a free one.
+        log_file: where amqtt's own log (warnings and errors, late PUBACKs included) goes
+            instead of the terminal; None: amqtt's warnings go to the terminal as any
+            library's, except the late PUBACKs (see the module docstring), which go to
+            DEBUG.
 
     Use as a context manager or call :meth:`start` / :meth:`stop`; :attr:`url` is the
     ``mqtt://`` URL clients connect to.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, log_file: str | Path | None = None):
         self.host = host
         self.port = port or free_port(host)
+        self.log_file = Path(log_file) if log_file is not None else None
+        self.log_handler: logging.Handler | None = None
+        """The file handler on amqtt's loggers while running (``log_file``)."""
+        self.late_acks = 0
+        """PUBACKs that came after amqtt's 5 s wait (harmless; see the module docstring)."""
+        self._filter = _LateAcks(self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._broker = None
         self._thread: threading.Thread | None = None
@@ -49,9 +106,21 @@ class EmbeddedBroker:
         return f"mqtt://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "EmbeddedBroker":
-        """Start listening. Raises RuntimeError if the broker does not come up."""
-        for name in ("amqtt", "transitions"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+        """Start listening. Raises RuntimeError if the broker does not come up, OSError if
+        ``log_file`` cannot be opened."""
+        if self.log_file is not None:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+            self.log_handler = logging.FileHandler(self.log_file)
+            self.log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+                                                            "%H:%M:%S"))
+        for name in _AMQTT_LOGGERS:
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.WARNING)
+            if self.log_handler is not None:
+                logger.addHandler(self.log_handler)
+                logger.propagate = False
+        for name in _LATE_ACK_LOGGERS:
+            logging.getLogger(name).addFilter(self._filter)
         self._thread = threading.Thread(target=self._run, name="embedded-mqtt-broker", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout) or self._error is not None:
@@ -59,10 +128,28 @@ class EmbeddedBroker:
         log.info("embedded MQTT broker (amqtt) listening on %s", self.url)
         return self
 
+    def _on_task_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """The broker loop's exception handler: a late PUBACK is counted; any other error
+        is logged on the ``amqtt`` logger (``log_file`` when given)."""
+        exc, message = context.get("exception"), context.get("message", "task error")
+        if isinstance(exc, TimeoutError) and _is_late_ack("", exc):
+            self.note(logging.LogRecord("amqtt.broker", logging.WARNING, __file__, 0, f"{message}: {exc}", (), None))
+            return
+        logging.getLogger("amqtt").error("embedded broker: %s", message,
+                                         exc_info=(type(exc), exc, exc.__traceback__) if exc else None)
+
+    def note(self, record: logging.LogRecord) -> None:
+        """Write ``record`` (about a late PUBACK) to ``log_file``, or as a DEBUG line of this module."""
+        if self.log_handler is not None:
+            self.log_handler.handle(record)
+        else:
+            log.debug("late PUBACK (harmless, see fedmoe.broker): %s", record.getMessage())
+
     def _run(self) -> None:
         from amqtt.broker import Broker
 
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(self._on_task_error)
         asyncio.set_event_loop(self._loop)
         config = {
             "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}", "max_connections": 10000}},
@@ -79,8 +166,9 @@ class EmbeddedBroker:
         self._loop.run_forever()
 
     def stop(self) -> None:
-        """Shut the broker down and join its thread."""
+        """Shut the broker down and join its thread; detach from amqtt's loggers."""
         if self._loop is None or self._broker is None:
+            self._detach()
             return
         fut = asyncio.run_coroutine_threadsafe(self._broker.shutdown(), self._loop)
         try:
@@ -91,6 +179,22 @@ class EmbeddedBroker:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._loop = None
+        if self.late_acks:
+            self.note(logging.LogRecord(log.name, logging.INFO, __file__, 0, f"{self.late_acks} PUBACKs came after "
+                                        "amqtt's fixed 5 s wait (a client with manual acks was busy): harmless, the "
+                                        "messages had been delivered (fedmoe.broker)", (), None))
+        self._detach()
+
+    def _detach(self) -> None:
+        """Undo :meth:`start`'s changes to amqtt's loggers."""
+        for name in _LATE_ACK_LOGGERS:
+            logging.getLogger(name).removeFilter(self._filter)
+        if self.log_handler is not None:
+            for name in _AMQTT_LOGGERS:
+                logging.getLogger(name).removeHandler(self.log_handler)
+                logging.getLogger(name).propagate = True
+            self.log_handler.close()
+            self.log_handler = None
 
     def __enter__(self) -> "EmbeddedBroker":
         return self.start()

@@ -150,6 +150,48 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def where(report: dict[str, Any], out: Path) -> str:
+    """The closing lines of ``fedmoe simulate``: accuracy before and after, the run's
+    wall time, and where its report, plots and logs are."""
+    rounds = report["rounds"]
+    first, last = report.get("initial_accuracy"), rounds[-1]["accuracy"] if rounds else None
+    f = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    plots = ", ".join(p.name for p in sorted(out.glob("*.png")))
+    return (f"global test accuracy {f(first)} before training -> {f(last)} after {len(rounds)} rounds "
+            f"({report['wall_seconds'] / 60:.1f} min)\n"
+            f"report: {out / 'report.json'}, table: {out / 'rounds.md'}\n"
+            f"plots:  {out}/ {plots}\n"
+            f"logs:   {out / 'logs'}/ (aggregator, devices, broker)")
+
+
+def device_table(report: dict[str, Any]) -> str:
+    """A fixed-width table of the devices: memory budget (MiB), training samples, the
+    experts each held per MoE layer in its last reporting round (of the model's E), and
+    what it trained there: its sub-MoE, or the one-expert compact model
+    (``fusion``/``fusion_hybrid``; the round records' ``assignment.compact``, at a smaller
+    batch where ``assignment.smaller_batch`` says so), or nothing (never reported)."""
+    experts = (report["config"].get("simulation") or {}).get("model", {}).get("num_experts")
+    last: dict[str, tuple[dict[str, Any], str]] = {}  # device -> (its last record, what it trained then)
+    for r in report["rounds"]:
+        plan = r.get("assignment") or {}
+        compact, smaller = set(plan.get("compact") or []), plan.get("smaller_batch") or {}
+        for d, rec in r["devices"].items():
+            what = "its sub-MoE" if d not in compact else "the compact model (one expert)" + (
+                f", batch {smaller[d]}" if d in smaller else "")
+            last[d] = (rec, what)
+    head = f"{'device':<8} {'budget MiB':>10} {'samples':>7} {'experts per MoE layer':<24} trained"
+    lines = [head, "-" * len(head)]
+    for d in report["config"]["devices"]:
+        rec, what = last.get(d["device_id"], (None, "nothing (never reported)"))
+        held = "-"
+        if rec is not None:
+            counts = sorted({len(v) for v in rec["experts"].values()})
+            held = "/".join(map(str, counts)) + (f" of {experts}" if experts else "") + \
+                f" ({len(rec['experts'])} layers)"
+        lines.append(f"{d['device_id']:<8} {d['budget_bytes'] / 2**20:>10.0f} {d['samples']:>7} {held:<24} {what}")
+    return "\n".join(lines)
+
+
 def _peak_share(record: dict[str, Any]) -> float | None:
     """The highest measured peak over the round's reporting devices (:func:`budget_peak`),
     as % of that device's memory budget (None when no device reported both)."""

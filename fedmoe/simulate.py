@@ -41,7 +41,7 @@ from .sim_config import (  # noqa: F401  (_model_dict: re-exported)
 )
 from .sim_data import builtin_test_set, prepare_data, split_task
 from .sim_options import ALIASES, OPTIONS
-from .sim_progress import watch
+from .sim_progress import Narrator, watch
 from .supervisor import Processes, stop_on_signals
 
 # torch (moe_model, edge_sdk.client) and protocol.transport are imported where used, so
@@ -100,9 +100,10 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
     shutil.rmtree(out / "cache", ignore_errors=True)  # fresh devices: round 1 fetches their base shards
     agg_cfg = aggregator_config(cfg, tasks, federation, f"sqlite:///{store}")
     (out / "aggregator.yaml").write_text(yaml.safe_dump(agg_cfg, sort_keys=False))
-    log.info("simulating %d devices x %d rounds (%s, %s assignment, %s aggregation) -> %s", cfg.devices,
-             cfg.rounds, cfg.partition, cfg.assignment.name, cfg.aggregation.name, out)
-    broker = None if cfg.broker else EmbeddedBroker().start()
+    log.info("simulating %d devices x %d rounds of %s (%s, %s assignment, %s aggregation, %d experts per MoE "
+             "layer) -> %s", cfg.devices, cfg.rounds, cfg.strategy.name, cfg.partition, cfg.assignment.name,
+             cfg.aggregation.name, cfg.model.num_experts, out)
+    broker = None if cfg.broker else EmbeddedBroker(log_file=out / "logs" / "broker.log").start()
     url = cfg.broker or broker.url
     protocol = ["--protocol", "3.1.1"] if broker else []
     procs = Processes(out / "logs")
@@ -118,7 +119,10 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
                 except OSError as e:
                     raise SimulationConfigError(f"--device-memory-limit: {e}") from None
         watcher.connect()
-        watcher.subscribe(Topics(federation).progress())
+        narrator = Narrator(Topics(federation), cfg.rounds, len(devices),
+                            {d["device_id"] for d in devices[len(devices) - cfg.small_devices:]})
+        for topic in narrator.subscriptions():
+            watcher.subscribe(topic)
         procs.start("aggregator", ["aggregator", "--broker", url, "--config", str(out / "aggregator.yaml"),
                                    *protocol], cfg.threads or 1)
         (out / "devices").mkdir(exist_ok=True)
@@ -131,7 +135,7 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
             lim = limits.get(d["device_id"])
             procs.start(d["device_id"], ["device", "--config", str(path)], cfg.device.threads or 1,
                         preexec=lim.preexec() if lim else None)
-        watch(watcher, procs, cfg.rounds)
+        watch(watcher, procs, narrator)
         rc = procs.procs["aggregator"].wait()
         if rc != 0:
             raise RuntimeError(f"aggregator exited with {rc}:\n{procs.tail('aggregator')}")
@@ -167,5 +171,5 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
     R.plot_all(report, out)
     table = R.table(report)
     (out / "rounds.md").write_text("```\n" + table + "\n```\n")
-    print(table)
+    print(R.device_table(report) + "\n\n" + table + "\n\n" + R.where(report, out))
     return report

@@ -45,6 +45,7 @@ def test_simulate_tiny_writes_report_and_plots(tmp_path):
         assert all(0 < c["peak_bytes"] <= c["limit_bytes"] for c in cg.values()), cg
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedmoe", "simulate", "--partition", "zipf:3", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=120)

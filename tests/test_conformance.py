@@ -3,11 +3,15 @@ broken one does wrong, over a real (embedded) broker."""
 
 import threading
 
+import pytest
+
 from edge_sdk import EdgeClient
 from edge_sdk.filters import Filter
 from fedmoe.conformance import check_device, default_config
 from fedmoe.datasets import bbc_news
 from tests.conftest import tiny_spec
+
+pytestmark = pytest.mark.slow  # each test runs devices against the runner over a broker
 
 
 def _config(federation: str):

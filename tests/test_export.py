@@ -37,6 +37,7 @@ def _torch_logits(model, texts):
         return torch.cat([model(model.collate([(t, 0) for t in texts[i:i + 32]])[0]) for i in range(0, len(texts), 32)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experts", [None, {1: [1, 3]}])
 def test_export_parity_fp32_and_int8(trained, tmp_path, experts):
     gm, labels, texts = trained

@@ -178,6 +178,7 @@ def test_aggregator_refuses_missing_files_before_building_anything(tmp_path, mon
         S.Aggregator(cfg.model_copy(update={"store": "sqlite://", "credentials": None}), "mqtt://127.0.0.1:1")
 
 
+@pytest.mark.slow
 def test_cli_aggregator_reports_a_bad_config_in_one_line(tmp_path):
     bad = tmp_path / "agg.yaml"
     bad.write_text(EXAMPLE.read_text().replace("builtin:bbc ", "test-bbc.jsonl "))
@@ -194,6 +195,7 @@ def test_cli_aggregator_reports_a_bad_config_in_one_line(tmp_path):
 # --------------------------------------------------------------------------- noise
 
 
+@pytest.mark.slow
 def test_no_bitsandbytes_kernels_notice_on_import():
     proc = subprocess.run([sys.executable, "-c", "import edge_sdk.client, cloud.service"], capture_output=True,
                           text=True, timeout=120)

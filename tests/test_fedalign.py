@@ -329,6 +329,7 @@ def test_bad_fedalign_stats_are_refused_with_a_reply_and_r_g_survives_a_restart(
     again.store.close()
 
 
+@pytest.mark.slow
 def test_fedalign_federation_on_the_embedded_broker(tmp_path, embedded_url):
     fed = Federation(embedded_url, str(tmp_path), rounds=2, experts=(2, 4),
                      config_kw={"strategy": StrategyConfig(name="fedalign")})

@@ -87,6 +87,7 @@ def test_full_moe_baseline_everyone_holds_everything(mosquitto_url, tmp_path):
     assert all(v["experts"] == {"1": [0, 1, 2, 3]} for v in rec["devices"].values())
 
 
+@pytest.mark.slow
 def test_no_assignable_device_fails_clearly_instead_of_waiting(mosquitto_url, tmp_path):
     """`full` needs every expert; devices whose budgets hold 2 of 4 can never be assigned:
     the aggregator stops after start_timeout_s with a TimeoutError that says so, and the

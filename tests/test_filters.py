@@ -53,6 +53,7 @@ def test_the_client_puts_signing_last_and_merges_properties(tmp_path):
                       runtime_bytes=0)._properties("stats", 1, "u", b"p") is None
 
 
+@pytest.mark.slow
 def test_a_device_that_does_not_sign_never_loads_the_signing_library():
     import subprocess
     import sys
@@ -128,6 +129,7 @@ def test_on_publish_wraps_the_send_first_filter_outermost(tmp_path):
     assert sent == [1, 1] and calls == [("twice", "stats", 4), ("count", "stats", 4), ("count", "stats", 4)]
 
 
+@pytest.mark.slow
 def test_encoded_updates_federate_and_the_cloud_sees_the_trained_tensors(tmp_path, embedded_url):
     """fp16 and int8 deltas over the broker: the engine aggregates what the devices trained
     (within the encoding's error of the step), and nothing is rejected."""
@@ -195,6 +197,7 @@ def test_private_router_term_keeps_this_devices_router_rows_across_rounds():
     assert terms_for(TrainConfig(), [], fresh.p, memory=memory) == []
 
 
+@pytest.mark.slow
 def test_terms_named_by_train_config_load_in_a_fresh_process():
     """prox_mu / router=private name terms whose modules nothing imported yet (the FedProx
     baseline failed every round with KeyError 'fedprox' when the registry was read directly)."""
@@ -269,6 +272,7 @@ def test_round_trip_is_what_the_codec_decodes(fmt):
     assert all(torch.equal(round_trip(v, fmt), got[k]) for k, v in ts.items())
 
 
+@pytest.mark.slow
 def test_quantized_state_down_sends_the_rounded_state_in_fewer_bytes(tmp_path, embedded_url):
     """``state_precision: int8`` / ``nf4``: each device receives exactly the state the
     cloud meant to send, rounded (``protocol.codec.round_trip``: int8 scales per row of
@@ -321,6 +325,7 @@ def test_quantized_state_down_sends_the_rounded_state_in_fewer_bytes(tmp_path, e
     assert state_bytes["nf4"] < 0.85 * state_bytes["int8"], state_bytes
 
 
+@pytest.mark.slow
 def test_compressed_nf4_updates_and_state_federate_and_older_devices_get_plain_state(tmp_path, embedded_url,
                                                                                         monkeypatch):
     """Protocol minor 8 over the broker: with ``update_compression`` the devices send zlib-

@@ -12,7 +12,8 @@ import pytest
 from fedmoe.broker import MosquittoBroker
 
 pytest.importorskip("aiomqtt")
-pytestmark = pytest.mark.skipif(not MosquittoBroker.available(), reason="no mosquitto binary")
+pytestmark = [pytest.mark.slow,  # a fleet of devices over mosquitto
+              pytest.mark.skipif(not MosquittoBroker.available(), reason="no mosquitto binary")]
 
 
 def test_fleet_updates_are_accepted_exactly_once(tmp_path):

@@ -239,6 +239,7 @@ def test_aggregate_fuses_into_the_server_moe_and_synchronises_each_client():
 
 
 # --------------------------------------------------------------------------- a federation on the embedded broker
+@pytest.mark.slow
 def test_a_fusion_federation_runs_two_rounds_each_device_gets_its_own_model_and_d_r_stays_home(
         embedded_url, tmp_path, monkeypatch):
     import paho.mqtt.client as mqtt
@@ -374,6 +375,7 @@ def _committed(model, out):
     return model
 
 
+@pytest.mark.slow
 def test_a_hybrid_federation_trains_a_sub_moe_and_a_compact_device_together(embedded_url, tmp_path):
     from fedmoe.datasets import bbc_news
 

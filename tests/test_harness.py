@@ -145,6 +145,7 @@ def test_reused_rows_stand_in_for_cells_this_checkout_lacks(tmp_path):
         cells.reusable_rows(str(tmp_path / "bad.json"))
 
 
+@pytest.mark.slow
 def test_a_tiny_grid_runs_end_to_end_and_every_cell_starts_with_empty_shard_caches(tmp_path):
     """Two cells of the same method in one run: the second pays for its base shards in round 1
     as the first did (no cache shared between cells, so bytes compare across methods), its

@@ -132,6 +132,7 @@ def test_config_needs_shard_url_and_dir_together(tmp_path):
     AggregatorConfig(**kw, shard_url="https://cdn.example/shards", shard_dir=str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["http", "tampered", "minor5"])
 def test_a_federation_fetches_shards_over_http(mosquitto_url, server, tmp_path, monkeypatch, mode):
     """The aggregator writes the shard files to shard_dir and holds none in the broker;

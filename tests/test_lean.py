@@ -31,6 +31,7 @@ def _device_round(backend: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_device_round_imports_neither_scipy_nor_bitsandbytes():
     got = _device_round("torch")
     assert got["kept"] == ["scipy", "bitsandbytes"]
@@ -39,6 +40,7 @@ def test_a_device_round_imports_neither_scipy_nor_bitsandbytes():
     assert got["loss"] == got["loss"]  # trained: a finite loss came back
 
 
+@pytest.mark.slow
 def test_the_bitsandbytes_backend_keeps_bitsandbytes():
     pytest.importorskip("bitsandbytes")
     got = _device_round("bitsandbytes")

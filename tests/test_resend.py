@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from protocol.messages import Ack, Assignment, parse_message
 from tests.test_messages import hello
 from tests.test_protocol_versions import assignment
@@ -86,6 +88,7 @@ def test_device_takes_the_state_of_a_resent_assignment():
     assert waits == ["adapter state"] and inbox.states == {"other": b"x"}
 
 
+@pytest.mark.slow
 def test_an_assignment_missed_by_a_device_is_resent_over_mosquitto(mosquitto_url, tmp_path):
     """A device that was online but not subscribed when round 1 was assigned (as a QoS 0
     downlink loses a message while a device moves between cluster nodes) gets the same

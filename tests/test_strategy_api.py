@@ -21,6 +21,7 @@ from tests.test_bounds import _hello, _offline, _send, _stats, _upload
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_toy_strategy_runs_in_a_federation_on_the_embedded_broker(tmp_path, embedded_url):
     fed = Federation(embedded_url, str(tmp_path), rounds=3, experts=(2, 4),
                      config_kw={"strategy": StrategyConfig(name="toy", params={"weight": 0.5})})
@@ -223,6 +224,7 @@ def test_the_round_engine_has_no_method_specific_branch():
         assert word not in source.lower(), word
 
 
+@pytest.mark.slow
 def test_federated_evaluation_reports_what_the_devices_measured(tmp_path, embedded_url):
     """configure_evaluate: every device (evaluate_fraction 1) evaluates the model it received
     on its validation split before training; the record holds the sample-weighted result."""

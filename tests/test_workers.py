@@ -132,6 +132,7 @@ def test_uplinks_spread_devices_over_live_workers_and_leave_a_dead_one(tmp_path,
     store.close()
 
 
+@pytest.mark.slow
 @fleet_env
 @pytest.mark.parametrize("broker", ["mosquitto", "nats-cluster"])
 def test_worker_sigkill_mid_round_then_restart_applies_each_update_once(tmp_path, broker):
@@ -166,6 +167,7 @@ def test_worker_sigkill_mid_round_then_restart_applies_each_update_once(tmp_path
     assert {w for p in s["rounds"] for w in p["by_worker"]} == {"w0", "w1"}, s["rounds"]
 
 
+@pytest.mark.slow
 @fleet_env
 def test_coordinator_sigkill_mid_round_standby_takes_over_and_applies_each_update_once(tmp_path):
     """The coordinator is SIGKILLed once the first update of round 1 was taken, while the two
