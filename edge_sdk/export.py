@@ -137,7 +137,7 @@ def _tokenizer_of(model: SubMoE) -> Any | None:
     if spec.family == "hf-moe":
         from moe_model.models.hf_moe import tokenizer
     elif spec.family == "bert-upcycled":
-        from moe_model.models.bert import tokenizer
+        from moe_model.models.bert_upcycled import tokenizer
     else:
         return None
     return tokenizer(str(name))
