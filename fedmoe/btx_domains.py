@@ -10,16 +10,19 @@
 Each domain's documents are shuffled by a seeded generator (``random.Random("btx/<seed>/<name>")``)
 and the first ``heldout`` fraction (at most ``max_heldout`` documents, at least 1) is the held-out
 split, never trained on; :func:`load_domains` returns the split's ids for the checkpoint's
-``btx.json`` and :func:`check_heldout` verifies them when the split is rebuilt.
+``btx.json`` and :func:`heldout_from_record` checks them when the split is rebuilt.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import sysconfig
 from pathlib import Path
 
 from .datasets import bbc_news, tweets
+
+log = logging.getLogger(__name__)
 
 BBC = ("business", "entertainment", "politics", "sports", "tech")
 DOMAINS = tuple(f"bbc-{c}" for c in BBC) + ("tweets", "python")
@@ -47,8 +50,10 @@ def _documents(name: str) -> list[tuple[str, str]]:
 
 
 def load_domains(names: tuple[str, ...] | list[str] = DOMAINS, seed: int = 0, heldout: float = 0.1,
-                 max_heldout: int = 100) -> tuple[dict[str, list[str]], dict[str, list[str]], dict]:
-    """Train and held-out texts per domain, split deterministically by ``seed``.
+                 max_heldout: int = 100, dedup: bool = True) -> tuple[dict[str, list[str]], dict[str, list[str]], dict]:
+    """Train and held-out texts per domain, split deterministically by ``seed``. With ``dedup`` (the
+    default) a document whose text repeats an earlier one of its domain is dropped first (BBC News
+    and the tweets hold exact duplicates, which would otherwise leak held-out text into training).
 
     Returns:
         ``(train, heldout_texts, record)``: name -> texts (in the seeded order), and the record
@@ -65,6 +70,9 @@ def load_domains(names: tuple[str, ...] | list[str] = DOMAINS, seed: int = 0, he
     train, held, ids = {}, {}, {}
     for name in names:
         docs = _documents(name)
+        if dedup:
+            seen: set[str] = set()
+            docs = [(i, t) for i, t in docs if not (t in seen or seen.add(t))]
         if len(docs) < 2:
             raise ValueError(f"domain {name!r} has {len(docs)} documents; need at least 2")
         random.Random(f"btx/{seed}/{name}").shuffle(docs)
@@ -72,13 +80,15 @@ def load_domains(names: tuple[str, ...] | list[str] = DOMAINS, seed: int = 0, he
         held[name] = [t for _, t in docs[:k]]
         ids[name] = [i for i, _ in docs[:k]]
         train[name] = [t for _, t in docs[k:]]
-    record = {"split": {"seed": seed, "heldout": heldout, "max_heldout": max_heldout}, "heldout_ids": ids}
+    record = {"split": {"seed": seed, "heldout": heldout, "max_heldout": max_heldout, "dedup": dedup},
+              "heldout_ids": ids}
     return train, held, record
 
 
 def heldout_from_record(meta: dict) -> dict[str, list[str]]:
     """The held-out texts of a BTX checkpoint's ``btx.json`` (its domains and split), rebuilt and
-    checked against the recorded ids.
+    checked against the recorded ids, less any text that is also in the domain's training split
+    (possible only in a split made without ``dedup``).
 
     Raises:
         ValueError: the record has no split, or the rebuilt ids differ (the data packages changed).
@@ -86,13 +96,16 @@ def heldout_from_record(meta: dict) -> dict[str, list[str]]:
     split = meta.get("split")
     if split is None:
         raise ValueError("btx.json records no held-out split (a build from custom domains?)")
-    _, held, record = load_domains(meta["domains"], split["seed"], split["heldout"], split["max_heldout"])
-    check_heldout(record, meta)
-    return held
-
-
-def check_heldout(record: dict, meta: dict) -> None:
-    """Raise ValueError when the held-out ids of ``record`` differ from those in ``meta``."""
+    train, held, record = load_domains(meta["domains"], split["seed"], split["heldout"], split["max_heldout"],
+                                       split.get("dedup", False))
     for name, ids in meta.get("heldout_ids", {}).items():
         if record["heldout_ids"].get(name) != ids:
             raise ValueError(f"the held-out split of domain {name!r} differs from the one recorded in btx.json")
+    out = {}
+    for name, texts in held.items():
+        seen = set(train[name])
+        out[name] = [t for t in texts if t not in seen]
+        if len(out[name]) < len(texts):
+            log.warning("domain %s: %d held-out documents also occur in its training split; left out",
+                        name, len(texts) - len(out[name]))
+    return out

@@ -257,6 +257,12 @@ def _btx(args: argparse.Namespace, layers: list[int] | None) -> int:
     from fedmoe.btx_domains import load_domains
 
     names = [d.strip() for d in args.domains.split(",") if d.strip()]
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: torch sees no CUDA device")
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls
     if args.experts is not None and args.experts != len(names):
         raise UsageError(f"--experts {args.experts}: BTX makes one expert per domain ({len(names)} domains)")
     try:

