@@ -199,7 +199,8 @@ class MaskedLMSubject(Subject):
             logits = model.cls(hidden[labels != -100])
         else:
             logits = model(batch)
-        return float(F.cross_entropy(logits.float(), labels[labels != -100], reduction="sum")), int((labels != -100).sum())
+        target = labels[labels != -100]
+        return float(F.cross_entropy(logits.float(), target, reduction="sum")), target.numel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +309,8 @@ def markdown(r: dict) -> str:
              "## Acceptance", "",
              f"Own expert's top-1 share >= {OWN_SHARE:.0%}; forcing the own expert >= {FORCED_MARGIN:.0%} lower "
              f"perplexity than forcing the best other expert; BTX perplexity < {MAX_PPL:.0f}.", "",
-             "| domain | own top-1 share | pass | forced-own margin | pass | BTX ppl | pass |", "|---|---|---|---|---|---|---|"]
+             "| domain | own top-1 share | pass | forced-own margin | pass | BTX ppl | pass |",
+             "|---|---|---|---|---|---|---|"]
     for c in r["criteria"]:
         lines.append(f"| {c['domain']} | {c['own_share']:.2f} | {yes[c['pass_share']]} | {c['forced_margin']:+.1%} | "
                      f"{yes[c['pass_forced']]} | {c['ppl']:.1f} | {yes[c['pass_ppl']]} |")

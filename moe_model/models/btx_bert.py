@@ -180,7 +180,7 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
               for n in names}
     settings = {"source": str(source), "domains": names, "moe_layers": moe_layers,
                 "train": train, "head_steps": head_steps, "branch_steps": branch_steps, "batch_size": batch_size,
-                "seq_len": seq_len, "lr": lr, "head_lr": head_lr, "seed": seed}
+                "seq_len": seq_len, "lr": lr, "split": (record or {}).get("split"), "head_lr": head_lr, "seed": seed}
     store = btx.BranchStore(work, settings)
     samplers = [btx.BlockSampler(blocks[n], seed * 7919 + d) for d, n in enumerate(names)]
 
@@ -189,8 +189,10 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
             p.requires_grad_(pred(k))
         return [p for p in dense.parameters() if p.requires_grad]
 
-    head_key = "_seed_head"
-    saved = store.load(head_key)
+    head_key = "_seed_head"  # the fitted head depends on these settings only: reused when branches change
+    head_store = btx.BranchStore(work, {k: settings[k] for k in ("source", "domains", "split", "head_steps",
+                                                                   "head_lr", "batch_size", "seq_len", "seed")})
+    saved = head_store.load(head_key)
     if saved is None:
         losses = []
         if head_steps > 0:
@@ -198,8 +200,8 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
             params = trainable(lambda k: k.startswith("cls.") and "decoder" not in k)
             losses = btx.train_steps(dense, params, lambda: mix(batch_size), mlm_loss, head_steps, head_lr,
                                      "masked-LM head")
-        store.save(head_key, {k: v for k, v in dense.state_dict().items()}, losses)
-        saved = store.load(head_key)
+        head_store.save(head_key, {k: v for k, v in dense.state_dict().items()}, losses)
+        saved = head_store.load(head_key)
     seed_state = saved["state"]
     head_losses = saved["losses"]
 
