@@ -10,9 +10,9 @@ BTX in three stages (paper section 2):
    (expert ``e`` = branch ``e``'s FFN, paper eq. 2); every other weight is the mean of the
    branches' weights (:func:`average_states`).
 3. *MoE fine-tuning*: the router learns to pick experts. Here the router of each MoE layer is
-   first set from the domains (:func:`domain_router_rows`: row ``e`` = the centred mean hidden
-   state of domain ``e`` at the layer's input, the paper's "expert e for domain e"
-   assignment as an initial guess), then trained on the domain mixture with the language-model
+   first set from the domains (:func:`domain_router_rows`: row ``e`` starts as the centred mean
+   hidden state of domain ``e`` at the layer's input and is fitted as a token-level domain
+   classifier, the paper's "expert e for domain e" assignment as an initial guess), then trained on the domain mixture with the language-model
    loss plus the Switch load-balancing loss (Fedus et al. 2022, eq. 4; the paper's
    ``L = L_LM + alpha * L_balance``; :func:`train_router`).
 
@@ -462,12 +462,16 @@ def layer_inputs(model: nn.Module, views: Sequence[ExpertsView], batches: Sequen
     return out
 
 
-def domain_router_rows(inputs: Sequence[torch.Tensor], logit_std: float = 2.0) -> torch.Tensor:
+def domain_router_rows(inputs: Sequence[torch.Tensor], logit_std: float = 2.0, fit_steps: int = 200) -> torch.Tensor:
     """Router rows from the domains (BTX's initial guess that expert ``e`` serves domain ``e``).
 
-    Row ``e`` is the direction of domain ``e``'s mean layer input away from the mean of the domain
-    means, ``u_e = (mu_e - mean_d mu_d) / ||...||``, scaled so that the logits ``x · u_e`` over all
-    the domains' tokens have standard deviation ``logit_std``.
+    Row ``e`` starts as the direction of domain ``e``'s mean layer input away from the mean of the
+    domain means, ``u_e = (mu_e - mean_d mu_d) / ||...||``, scaled so that the logits ``x · u_e`` over
+    all the domains' tokens have standard deviation ``logit_std``. Mean directions alone tell the
+    domains' *tokens* apart poorly (most tokens of a news article are not about its category), so
+    the rows are then fitted for ``fit_steps`` full-batch Adam steps (lr 0.01) as a softmax
+    regression of each token's domain on its layer input (cross-entropy, the router's own
+    ``softmax(x W^T)``; 0 steps: the scaled means).
 
     Args:
         inputs: per domain ``e`` (= expert ``e``), its tokens' layer inputs ``(N_e, H)``.
@@ -483,8 +487,20 @@ def domain_router_rows(inputs: Sequence[torch.Tensor], logit_std: float = 2.0) -
     mus = torch.stack([x.float().mean(0) for x in inputs])
     u = mus - mus.mean(0, keepdim=True)
     u = u / u.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    z = torch.cat([x.float() for x in inputs]) @ u.t()
-    return u * (logit_std / z.std().clamp_min(1e-12))
+    x = torch.cat([t.float() for t in inputs])
+    w = u * (logit_std / (x @ u.t()).std().clamp_min(1e-12))
+    if fit_steps > 0:
+        y = torch.cat([torch.full((t.shape[0],), e, dtype=torch.long) for e, t in enumerate(inputs)])
+        w = w.clone().requires_grad_(True)
+        opt = torch.optim.Adam([w], lr=0.01)
+        with torch.enable_grad():
+            for _ in range(fit_steps):
+                loss = F.cross_entropy(x @ w.t(), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        w = w.detach()
+    return w
 
 
 def top1_affinity(views: Sequence[ExpertsView], run: Callable[[], object]) -> dict[int, torch.Tensor]:
