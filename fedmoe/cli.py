@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 log = logging.getLogger("fedmoe")
 
@@ -247,8 +248,8 @@ def _is_bert(source: str) -> bool:
         path = resolve_path(source)
     except FileNotFoundError:
         return False
-    cfg = os.path.join(path, "config.json")
-    return os.path.isfile(cfg) and json.loads(open(cfg, encoding="utf-8").read()).get("model_type") == "bert"
+    cfg = Path(path) / "config.json"
+    return cfg.is_file() and json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == "bert"
 
 
 def _btx(args: argparse.Namespace, layers: list[int] | None) -> int:

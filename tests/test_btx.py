@@ -102,7 +102,7 @@ def _held_blocks(tok, blocks_fn) -> list[torch.Tensor]:
 
 def test_llm_btx_loads_through_the_model_path(llm_btx):
     meta = json.loads((llm_btx / "btx.json").read_text())
-    assert meta["experts"] == {"0": "alpha", "1": "beta", "2": "gamma"} and meta["note"] == "test"
+    assert meta["expert_domains"] == ["alpha", "beta", "gamma"] and meta["note"] == "test"
     fields = checkpoint_model(llm_btx)
     assert fields["num_experts"] == 3 and fields["top_k"] == 1
     spec = ModelSpec(**fields, max_seq_len=16, objective="causal-lm", upcycle_noise=0.0)

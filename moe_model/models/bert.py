@@ -161,10 +161,14 @@ class BertUpcycledAdapter(ModelAdapter):
         model = BertMoEClassifier(self.config(spec), layers, experts, spec.top_k, num_labels, device)
         path = btx_weights(spec.base)
         if path is not None:  # a Branch-Train-MiX checkpoint's router rows are the initial router
-            sd = _btx_state(path, layers, spec.num_experts)
-            for layer, block in model.moe_blocks().items():
-                pre = f"bert.encoder.layer.{layer}.intermediate.router.rows."
-                block.initial_rows = {e: sd[f"{pre}{e}"] for e in block.expert_ids if f"{pre}{e}" in sd}
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as f:  # the rows only, not the whole checkpoint
+                keys = set(f.keys())
+                for layer, block in model.moe_blocks().items():
+                    pre = f"bert.encoder.layer.{layer}.intermediate.router.rows."
+                    block.initial_rows = {e: f.get_tensor(f"{pre}{e}") for e in block.expert_ids
+                                          if f"{pre}{e}" in keys}
         return model
 
     def base_state(self, spec: ModelSpec) -> dict[str, torch.Tensor]:

@@ -12,9 +12,9 @@ BTX in three stages (paper section 2):
 3. *MoE fine-tuning*: the router learns to pick experts. Here the router of each MoE layer is
    first set from the domains (:func:`domain_router_rows`: row ``e`` starts as the centred mean
    hidden state of domain ``e`` at the layer's input and is fitted as a token-level domain
-   classifier, the paper's "expert e for domain e" assignment as an initial guess), then trained on the domain mixture with the language-model
-   loss plus the Switch load-balancing loss (Fedus et al. 2022, eq. 4; the paper's
-   ``L = L_LM + alpha * L_balance``; :func:`train_router`).
+   classifier, the paper's "expert e for domain e" assignment as an initial guess), then trained
+   on the domain mixture with the language-model loss plus the Switch load-balancing loss
+   (Fedus et al. 2022, eq. 4; the paper's ``L = L_LM + alpha * L_balance``; :func:`train_router`).
 
 An MoE layer is seen through an :class:`ExpertsView` (one per architecture): transformers'
 fused-experts MoE blocks (:class:`HFBlockView`) and our :class:`~.moe.SparseMoeBlock`

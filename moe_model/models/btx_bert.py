@@ -276,7 +276,7 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
         meta = {"method": "btx", "paper": "Sukhbaatar et al. 2024, arXiv:2403.07816", "target": "masked-lm",
                 **settings, "top_k": top_k, "num_experts": len(names), "router_steps": router_steps,
                 "router_lr": router_lr, "balance_alpha": balance_alpha, "device": device,
-                "experts": {str(e): n for e, n in enumerate(names)}, "settings_digest": store.digest(),
+                "expert_domains": names, "settings_digest": store.digest(),
                 "head_loss": {"first": head_losses[0], "last": head_losses[-1]} if head_losses else None,
                 "branch_loss": {n: {"first": ls[0], "last": ls[-1]} for n, ls in branch_losses.items()},
                 "router_loss": {"first": router_losses[0], "last": router_losses[-1]} if router_losses else None,

@@ -99,7 +99,8 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
 
     Returns:
         ``out`` as a ``Path``. It holds the model (``save_pretrained``), the tokenizer and
-        ``btx.json`` (settings, domains, expert -> domain, branch and router losses, seconds).
+        ``btx.json`` (settings, ``expert_domains``: the domain of expert ``e`` at index ``e``, branch
+        and router losses, seconds).
 
     Raises:
         ValueError: fewer than two domains, an unknown family or train mode, ``top_k`` outside
@@ -214,7 +215,7 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
         tok.save_pretrained(tmp)
         meta = {"method": "btx", "paper": "Sukhbaatar et al. 2024, arXiv:2403.07816", "target": "causal-lm",
                 **settings, "family": family, "top_k": top_k, "router_steps": router_steps, "router_lr": router_lr,
-                "balance_alpha": balance_alpha, "device": device, "experts": {str(e): n for e, n in enumerate(names)},
+                "balance_alpha": balance_alpha, "device": device, "expert_domains": names,
                 "settings_digest": store.digest(),
                 "branch_loss": {n: {"first": ls[0], "last": ls[-1]} for n, ls in branch_losses.items()},
                 "router_loss": {"first": router_losses[0], "last": router_losses[-1]} if router_losses else None,
