@@ -124,6 +124,20 @@ def pack_blocks(token_lists: Sequence[Sequence[int]], length: int, sep: int | No
     return torch.tensor(stream[: n * length], dtype=torch.long).view(n, length)
 
 
+def pack_texts(tok, texts: Sequence[str], length: int, sep: int | None, max_blocks: int) -> torch.Tensor:
+    """:func:`pack_blocks` of ``texts`` tokenised by the transformers tokenizer ``tok`` (no special
+    tokens), 64 texts at a time until there are enough tokens for ``max_blocks`` blocks."""
+    out: list[list[int]] = []
+    total = 0
+    for i in range(0, len(texts), 64):
+        ids = tok(list(texts[i:i + 64]), add_special_tokens=False)["input_ids"]
+        out.extend(ids)
+        total += sum(len(x) + 1 for x in ids)
+        if total >= length * max_blocks:
+            break
+    return pack_blocks(out, length, sep, max_blocks)
+
+
 # ---------------------------------------------------------------------------------------------
 # stage 1: branch & train
 

@@ -91,15 +91,7 @@ def mask_tokens(blocks: torch.Tensor, tok, gen: torch.Generator, prob: float = 0
 
 def tokenize_blocks(tok, texts: Sequence[str], length: int, max_blocks: int) -> torch.Tensor:
     """``(n, length)`` blocks ``[CLS] tokens... [SEP]`` of ``texts`` joined by ``[SEP]``."""
-    out: list[list[int]] = []
-    total = 0
-    for i in range(0, len(texts), 64):
-        ids = tok(list(texts[i:i + 64]), add_special_tokens=False)["input_ids"]
-        out.extend(ids)
-        total += sum(len(x) + 1 for x in ids)
-        if total >= (length - 2) * max_blocks:
-            break
-    body = btx.pack_blocks(out, length - 2, tok.sep_token_id, max_blocks)
+    body = btx.pack_texts(tok, texts, length - 2, tok.sep_token_id, max_blocks)
     n = body.shape[0]
     return torch.cat([torch.full((n, 1), tok.cls_token_id), body, torch.full((n, 1), tok.sep_token_id)], 1)
 

@@ -55,17 +55,8 @@ def moe_views(model: nn.Module) -> list[btx.ExpertsView]:
 
 
 def tokenize_blocks(tok, texts: Sequence[str], length: int, max_blocks: int) -> torch.Tensor:
-    """``(n, length)`` token blocks of ``texts`` joined by the EOS token (:func:`~.btx.pack_blocks`);
-    texts are tokenised 64 at a time until enough tokens are there."""
-    out: list[list[int]] = []
-    total = 0
-    for i in range(0, len(texts), 64):
-        ids = tok(list(texts[i:i + 64]), add_special_tokens=False)["input_ids"]
-        out.extend(ids)
-        total += sum(len(x) + 1 for x in ids)
-        if total >= length * max_blocks:
-            break
-    return btx.pack_blocks(out, length, tok.eos_token_id, max_blocks)
+    """``(n, length)`` token blocks of ``texts`` joined by the EOS token (:func:`~.btx.pack_texts`)."""
+    return btx.pack_texts(tok, texts, length, tok.eos_token_id, max_blocks)
 
 
 def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]], *, family: str = "mixtral",
