@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 log = logging.getLogger("fedmoe")
 
@@ -284,11 +286,62 @@ def _upcycle(args: argparse.Namespace) -> int:
     from moe_model.models.upcycle_hf import upcycle_checkpoint
 
     layers = _layer_list(args.layers) if args.layers else None
+    if args.method == "btx":
+        return _btx(args, layers)
+    if args.experts is None:
+        raise UsageError("--experts is required with --method copy")
     try:
         upcycle_checkpoint(args.source, args.out, family=args.family, num_experts=args.experts, top_k=args.top_k,
                            layers=layers, noise=args.noise, seed=args.seed, gguf_file=args.gguf_file)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         raise UsageError(str(e)) from None
+    return 0
+
+
+def _is_bert(source: str) -> bool:
+    """Whether ``source`` (a directory or model package) is a BERT checkpoint."""
+    from moe_model.models.bert import resolve_path
+
+    try:
+        path = resolve_path(source)
+    except FileNotFoundError:
+        return False
+    cfg = Path(path) / "config.json"
+    return cfg.is_file() and json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == "bert"
+
+
+def _btx(args: argparse.Namespace, layers: list[int] | None) -> int:
+    """``upcycle --method btx``: Branch-Train-MiX of a dense Llama (-> Mixtral/Qwen2-MoE) or BERT
+    (-> our BERT MoE) on the built-in domains (``fedmoe.btx_domains``)."""
+    from fedmoe.btx_domains import load_domains
+
+    names = [d.strip() for d in args.domains.split(",") if d.strip()]
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: torch sees no CUDA device")
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls
+    if args.experts is not None and args.experts != len(names):
+        raise UsageError(f"--experts {args.experts}: BTX makes one expert per domain ({len(names)} domains)")
+    try:
+        train, _, record = load_domains(names, args.seed, args.heldout)
+        common = dict(layers=layers, top_k=args.top_k, branch_steps=args.branch_steps,
+                      router_steps=args.router_steps, batch_size=args.batch_size, seed=args.seed,
+                      device=args.device, work_dir=args.work_dir, record=record)
+        for key in ("seq_len", "lr", "router_lr", "train"):
+            if getattr(args, key) is not None:
+                common[key] = getattr(args, key)
+        if _is_bert(args.source):
+            from moe_model.models.btx_bert import build_btx_bert
+
+            build_btx_bert(args.source, args.out, train, head_steps=args.head_steps, **common)
+        else:
+            from moe_model.models.btx_hf import build_btx_llm
+
+            build_btx_llm(args.source, args.out, train, family=args.family, gguf_file=args.gguf_file, **common)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
+        raise UsageError(str(e).strip("'\"")) from None
     return 0
 
 
@@ -428,13 +481,35 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--gguf-file", help="the GGUF file in --from (default: its only *.gguf)")
     u.add_argument("--family", choices=["mixtral", "qwen2_moe"], default="mixtral",
                    help="target architecture; qwen2_moe keeps layers not in --layers dense (default: mixtral)")
-    u.add_argument("--experts", type=int, required=True, help="experts per MoE layer")
+    u.add_argument("--method", choices=["copy", "btx"], default="copy",
+                   help="copy: experts are copies of the dense FFN (quick start, identical experts); btx: "
+                        "Branch-Train-MiX, one expert trained per domain (experts that differ; minutes to hours)")
+    u.add_argument("--experts", type=int, help="experts per MoE layer (copy: required; btx: one per domain)")
     u.add_argument("--top-k", type=int, default=2, help="experts per token (default: 2)")
     u.add_argument("--layers", help="layers to upcycle, e.g. 0,2,4 or 0-29 (default: all; mixtral needs all)")
     u.add_argument("--noise", type=float, default=0.0,
                    help="expert perturbation std relative to each weight's std (default: 0, exact copies)")
     u.add_argument("--seed", type=int, default=0, help="seed of the expert noise and the router init (default: 0)")
     u.add_argument("--out", required=True, help="output checkpoint directory")
+    from fedmoe.btx_domains import DOMAINS
+
+    b = u.add_argument_group("btx", "Branch-Train-MiX (Sukhbaatar et al. 2024, arXiv:2403.07816); see docs/btx.md")
+    b.add_argument("--domains", default=",".join(DOMAINS),
+                   help=f"comma-separated domains, one expert each (default: {','.join(DOMAINS)})")
+    b.add_argument("--heldout", type=float, default=0.1, help="held-out fraction of each domain (default: 0.1)")
+    b.add_argument("--branch-steps", type=int, default=100, help="training steps per domain branch (default: 100)")
+    b.add_argument("--router-steps", type=int, default=50, help="router training steps (default: 50)")
+    b.add_argument("--head-steps", type=int, default=50,
+                   help="BERT only: steps fitting the masked-LM head before branching (default: 50)")
+    b.add_argument("--batch-size", type=int, default=8, help="blocks per training step (default: 8)")
+    b.add_argument("--seq-len", type=int, help="tokens per block (default: 256 LLM, 128 BERT)")
+    b.add_argument("--lr", type=float, help="branch learning rate (default: 1e-4)")
+    b.add_argument("--router-lr", type=float, help="router learning rate (default: 1e-2)")
+    b.add_argument("--train", choices=["ffn", "all"],
+                   help="what a branch trains: the MoE layers' FFNs, or all weights (the paper; default: "
+                        "ffn for LLMs, all for BERT)")
+    b.add_argument("--device", default="cpu", help="torch device to build on: cpu, cuda (default: cpu)")
+    b.add_argument("--work-dir", help="branch checkpoints, reused by a rerun (default: OUT.btx-work)")
     u.set_defaults(func=_upcycle)
     return p
 

