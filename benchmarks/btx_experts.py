@@ -159,7 +159,7 @@ class MaskedLMSubject(Subject):
         from transformers import AutoTokenizer, BertForMaskedLM
 
         from moe_model.models import all_experts, get_adapter, moe_blocks
-        from moe_model.models.bert import BTX_WEIGHTS, resolve_path
+        from moe_model.models.bert_upcycled import BTX_WEIGHTS, resolve_path
         from moe_model.models.btx_bert import MaskedLM, mask_tokens, tokenize_blocks
         from protocol.messages import ModelSpec
 

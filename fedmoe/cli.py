@@ -300,7 +300,7 @@ def _upcycle(args: argparse.Namespace) -> int:
 
 def _is_bert(source: str) -> bool:
     """Whether ``source`` (a directory or model package) is a BERT checkpoint."""
-    from moe_model.models.bert import resolve_path
+    from moe_model.models.bert_upcycled import resolve_path
 
     try:
         path = resolve_path(source)

@@ -17,7 +17,7 @@ from transformers import (AutoModelForCausalLM, BertConfig, BertForMaskedLM, Lla
                           PreTrainedTokenizerFast)
 
 from moe_model.models import all_experts, btx, get_adapter
-from moe_model.models.bert import BTX_WEIGHTS
+from moe_model.models.bert_upcycled import BTX_WEIGHTS
 from moe_model.models.btx_bert import build_btx_bert, mask_tokens, tokenize_blocks as bert_blocks
 from moe_model.models.btx_hf import build_btx_llm, lm_logits, moe_views, tokenize_blocks
 from moe_model.models.hf_moe import checkpoint_model

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import btx
-from .bert import BTX_WEIGHTS as WEIGHTS, BertMoEClassifier, resolve_path
+from .bert_upcycled import BTX_WEIGHTS as WEIGHTS, BertMoEClassifier, resolve_path
 from .upcycle_hf import _umask_modes
 
 log = logging.getLogger(__name__)

@@ -156,7 +156,7 @@ class SparseMoeBlock(MoELayer):
         self.top_k = int(top_k)
         self.initial_rows: dict[int, torch.Tensor] = {}
         """Pretrained router rows ``(hidden,)`` by global expert id (a Branch-Train-MiX checkpoint's,
-        ``moe_model.models.bert.btx_weights``); experts without one start random."""
+        ``moe_model.models.bert_upcycled.btx_weights``); experts without one start random."""
 
     def initial_router_row(self, expert: int) -> torch.Tensor | None:
         """The checkpoint's router row ``(hidden,)`` of held expert ``expert``, or None."""
