@@ -72,8 +72,8 @@ def open_round_text(o: dict | None) -> str:
         return "Open round: none"
     waiting = [d for d in o["selected"] if d not in o["reported"] and d not in o["refused"] and d not in o["failed"]]
     return "\n".join([
-        f"Open round {o['round']}: started {_when(o['started'])}, {o['elapsed_s']:.0f} s of {o['timeout_s']:.0f} s "
-        f"(deadline {_when(o['deadline'])}{', passed' if o['elapsed_s'] > o['timeout_s'] else ''})",
+        f"Open round {o['round']}: started {_when(o['started'])} UTC, {o['elapsed_s']:.0f} s of {o['timeout_s']:.0f} s "
+        f"(deadline {_when(o['deadline'])} UTC{', passed' if o['elapsed_s'] > o['timeout_s'] else ''})",
         f"  reported {len(o['reported'])}/{len(o['selected'])}: {', '.join(o['reported']) or '-'}",
         f"  waiting for: {', '.join(waiting) or '-'}",
         *(f"  {what}: {'; '.join(f'{d}: {r[:120]}' for d, r in sorted(o[what].items())) or '-'}"
