@@ -13,8 +13,9 @@ function row(cells, attrs) {
   for (const c of cells) tr.appendChild(typeof c === "object" && c !== null ? c : el("td", {}, String(c)));
   return tr;
 }
-// series: [[x, y]...] per line; log: a log10 y axis (values <= 0 are left out), with a line per decade
-function line(svg, series, colors, log = false) {
+// series: [[x, y]...] per line; log: a log10 y axis (values <= 0 are left out), with a line per decade;
+// zero: the linear axis starts at 0 (else at the smallest value: a loss that moves by 1% stays visible)
+function line(svg, series, colors, {log = false, zero = true} = {}) {
   svg.replaceChildren();
   const good = p => p[1] !== null && p[1] !== undefined && isFinite(p[1]) && (!log || p[1] > 0);
   const pts = series.flat().filter(good);
@@ -23,12 +24,13 @@ function line(svg, series, colors, log = false) {
   const T = y => (log ? Math.log10(y) : y);
   const xs = pts.map(p => p[0]), ys = pts.map(p => T(p[1]));
   const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-  const y0 = log ? Math.floor(Math.min(...ys)) : Math.min(0, ...ys);
-  const y1 = log ? Math.max(Math.ceil(Math.max(...ys)), y0 + 1) : Math.max(...ys, y0 + 1e-9);
+  const lo = Math.min(...ys), hi = Math.max(...ys), pad = zero ? 0 : Math.max((hi - lo) * 0.1, Math.abs(hi) * 1e-3, 1e-9);
+  const y0 = log ? Math.floor(lo) : zero ? Math.min(0, lo) : lo - pad;
+  const y1 = log ? Math.max(Math.ceil(hi), y0 + 1) : Math.max(hi + pad, y0 + 1e-9);
   const X = x => 46 + (x - x0) / (x1 - x0) * 364, Y = y => 165 - (y - y0) / (y1 - y0) * 150;
   const ns = "http://www.w3.org/2000/svg";
   const ticks = log ? Array.from({length: y1 - y0 + 1}, (_, i) => [y0 + i, String(+(10 ** (y0 + i)).toPrecision(3))])
-                    : [[y0, fmt(y0, 2)], [(y0 + y1) / 2, fmt((y0 + y1) / 2, 2)], [y1, fmt(y1, 2)]];
+                    : [y0, (y0 + y1) / 2, y1].map(y => [y, fmt(y, y1 - y0 < 0.1 ? 4 : 2)]);
   for (const [y, label] of ticks) {
     const g = document.createElementNS(ns, "line");
     g.setAttribute("x1", 44); g.setAttribute("x2", 410); g.setAttribute("y1", Y(y)); g.setAttribute("y2", Y(y));
@@ -117,11 +119,11 @@ function render(s) {
   document.getElementById("quality-title").textContent = lm ? "Perplexity (global model)" : "Accuracy (global model)";
   line(document.getElementById("chart-quality"), [s.rounds.map(r => [r.round, lm ? r.perplexity : r.accuracy])],
        ["#1f5fa8"]);
-  line(document.getElementById("chart-loss"), [s.rounds.map(r => [r.round, r.loss])], ["#c0392b"]);
+  line(document.getElementById("chart-loss"), [s.rounds.map(r => [r.round, r.loss])], ["#c0392b"], {zero: false});
   // log scale: round 1 carries the base model's shards (hundreds of MiB), later rounds adapters only
   line(document.getElementById("chart-bytes"),
        [s.rounds.map(r => [r.round, r.bytes_up / MiB]), s.rounds.map(r => [r.round, r.bytes_down / MiB])],
-       ["#2e8b57", "#8e44ad"], true);
+       ["#2e8b57", "#8e44ad"], {log: true});
 
   const dev = document.querySelector("#devices tbody");
   dev.replaceChildren(...s.devices.map(d => {
