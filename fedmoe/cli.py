@@ -220,7 +220,7 @@ def _status(args: argparse.Namespace) -> int:
     from .status import status_text
 
     try:
-        print(status_text(args.store, max(1, args.rounds)), end="")
+        print(status_text(args.store, max(1, args.rounds), as_json=args.json), end="")
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
     return 0
@@ -427,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Works while the aggregator runs and after it stopped (reads its store only).")
     st.add_argument("--store", required=True, help="the aggregator's store URL (sqlite:///path or postgresql://...)")
     st.add_argument("--rounds", type=int, default=20, help="show the last N rounds (default 20)")
+    st.add_argument("--json", action="store_true", help="print everything as JSON (what the dashboard reads)")
     st.set_defaults(func=_status)
 
     v = sub.add_parser("provision", help="create device credentials, signing keys, broker password file, ACL, TLS")

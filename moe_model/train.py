@@ -24,6 +24,8 @@ from .stats import ActivationStats
 from .submoe import SubMoE
 
 log = logging.getLogger(__name__)
+LOG_EVERY_S = 10.0
+"""Seconds between two progress lines of :func:`train_local`."""
 TermFn = Callable[[SubMoE, dict, torch.Tensor], torch.Tensor]
 
 
@@ -76,10 +78,15 @@ def train_local(
     stats: ActivationStats | None = None,
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
+    name: str = "training",
+    log_every_s: float = LOG_EVERY_S,
 ) -> TrainResult:
     """Train the adapter state of ``model`` on ``items`` (AdamW, fresh each round).
 
     Steps = ``ceil(local_epochs * len(items) / batch_size)``, capped by ``max_steps``.
+    While it trains it logs (INFO) one line at most every ``log_every_s`` seconds:
+    ``{name}: step s/steps, loss (last step), seconds elapsed``, so a device is never
+    silent through a long round; ``name`` says whose (e.g. ``dev-1 round 3``).
 
     Raises:
         ValueError: no training samples, or the loss became non-finite.
@@ -92,6 +99,7 @@ def train_local(
     rng = random.Random(seed)
     model.train()
     t0, done, seen, loss_sum = time.perf_counter(), 0, 0, 0.0
+    logged = t0
     while done < steps:
         order = list(range(len(items)))
         rng.shuffle(order)
@@ -115,6 +123,10 @@ def train_local(
             loss_sum += loss.item() * len(chunk)
             if progress is not None:
                 progress(done, steps, loss.item())
+            now = time.perf_counter()
+            if now - logged >= log_every_s and done < steps:
+                log.info("%s: step %d/%d, loss %.4f, %.0f s", name, done, steps, loss.item(), now - t0)
+                logged = now
             if done >= steps:
                 break
     return TrainResult(loss_sum / max(seen, 1), done, seen, time.perf_counter() - t0)

@@ -1,6 +1,7 @@
 """The live dashboard (issue 17) in a real browser: headless Debian Chromium driven by
 Playwright (``executable_path=/usr/bin/chromium``; Playwright's own browser download is not
-used). Skips, with the reason, where either is missing: ``apt-get install chromium``."""
+used). ``make install`` installs Chromium where it is missing; the browser tests skip, with
+the reason, where it still is: ``apt-get install chromium``."""
 
 from __future__ import annotations
 
@@ -39,11 +40,83 @@ def test_dashboard_config_refuses_an_open_port_without_a_token():
         AggregatorConfig(tasks=TASKS, dashboard="127.0.0.1:0", dashboard_token="short")
 
 
-@pytest.mark.slow
-def test_dashboard_shows_the_store_live_in_chromium(embedded_url, tmp_path):
+def _browser():
+    """Playwright's sync API, or a skip naming what is missing."""
     if not os.path.exists(CHROMIUM):
         pytest.skip("no Chromium at /usr/bin/chromium (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    return pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+
+
+def test_dashboard_shows_the_open_round_devices_and_events_in_chromium(tmp_path):
+    """A store 90 s into round 2 (``tests.test_status.open_round_store``): the open-round
+    panel shows its progress against the deadline and who reported, the device table when
+    each was last seen, the events table the refused message and the exclusion."""
+    from types import SimpleNamespace
+
+    from cloud.config import StrategyConfig
+    from cloud.dashboard import Dashboard
+    from cloud.store import Store
+    from tests.test_status import open_round_store
+
+    sync_api = _browser()
+    url = f"sqlite:///{tmp_path}/agg.db"
+    open_round_store(url)
+    store = Store(url)
+    strategy = StrategyConfig(name="fedmoe")
+    cfg = SimpleNamespace(strategy=strategy, assignment=strategy, aggregation=strategy, federation="demo")
+    dash = Dashboard(SimpleNamespace(store=store, registry=None, engine=None, cfg=cfg))
+    port = dash.serve("127.0.0.1", 0)
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            # (the browser's own favicon request is answered 404: not an error of the page)
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" and "404" not in m.text else None)
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.wait_for_selector("#open-round[data-round='2']", timeout=60_000)
+            states = page.eval_on_selector_all("#open-devices tbody tr", "rows => rows.map(r => [r.dataset.device, "
+                                                                         "r.dataset.state, r.children[2].textContent])")
+            title = page.text_content("#open-title")
+            progress = page.text_content("#open-progress")
+            width = page.eval_on_selector("#open-progress .fill", "e => e.getBoundingClientRect().width / "
+                                                                  "e.parentElement.getBoundingClientRect().width")
+            devices = page.eval_on_selector_all("#devices tbody tr", "rows => rows.map(r => [...r.children].map("
+                                                                     "c => c.textContent))")
+            events = page.eval_on_selector_all("#events tbody tr", "rows => rows.map(r => [...r.children].map("
+                                                                   "c => c.textContent))")
+            charts = {c: page.get_attribute(f"#chart-{c}", "data-points") for c in ("quality", "loss", "bytes")}
+            scale = page.text_content(".heat .scale")
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            browser.close()
+    finally:
+        dash.stop()
+        store.close()
+    assert not errors, errors
+    assert title == "Open round 2: 1 of 2 reported"
+    assert states == [["dev-a", "reported", ""], ["dev-b", "training", ""],
+                      ["dev-c", "excluded", "over budget: the plan needs 600 MiB"]]
+    elapsed = int(progress.split(" s of ")[0])
+    assert 90 <= elapsed < 150 and "240 s (round_timeout_s)" in progress and "deadline passed" not in progress
+    assert width == pytest.approx(elapsed / 240, abs=0.02)  # the bar: elapsed against the deadline
+    seen = {row[0]: row[3] for row in devices}
+    assert seen["dev-a"].endswith(" s ago") and int(seen["dev-a"].split()[0]) < 60
+    assert seen["dev-c"] == "10 min ago"
+    assert [(e[1], e[2], e[3]) for e in events] == [("reject", "dev-c", "2"), ("exclude", "dev-c", "2")]
+    assert events[0][4] == "stats rejected: dev-c was not selected in round 2" and events[0][0][:2] == "20"
+    assert charts == {"quality": "1", "loss": "1", "bytes": "2"}  # accuracy and loss apart; MiB up and down
+    # the heatmap's colour scale: "0", the colour ramp, "40 tokens" (the layer's largest count)
+    assert scale == "040 tokens"
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    shot = os.environ.get("FEDMOE_DASHBOARD_SHOT")
+    if shot:  # keep the screenshot (a person looks at it; results/dashboard/)
+        shutil.copy(tmp_path / "dashboard.png", shot)
+
+
+@pytest.mark.slow
+def test_dashboard_shows_the_store_live_in_chromium(embedded_url, tmp_path):
+    sync_api = _browser()
     from tests.federation import Federation
 
     # more rounds than the checks need: a loaded machine may take a minute to start Chromium; the
@@ -109,8 +182,8 @@ def test_dashboard_shows_the_store_live_in_chromium(embedded_url, tmp_path):
     assert sorted(table) == sorted(devices)
     for d, info in devices.items():
         row = table[d]
-        assert row[3] == f"{info['budget_bytes'] / 2**20:.0f}"
-        assert (row[5], row[8]) == (str(last[d][1]), str(last[d][0]))
+        assert row[4] == f"{info['budget_bytes'] / 2**20:.0f}" and row[3].endswith(" ago")
+        assert (row[6], row[9]) == (str(last[d][1]), str(last[d][0]))
     # the heatmap: every (layer, round, expert) cell holds the store's routed-token count
     cells = {(layer, int(rnd), int(e)): v for layer, rnd, e, v in seen["cells"]}
     expected = {(str(layer), r["round"], e): float(v) for r in records

@@ -164,3 +164,25 @@ def test_moe_block_routes_top_k_over_held_experts_only():
     rec = block.last
     assert rec.probs.shape[1] == 3 and rec.topk_idx.shape[1] == 2
     assert torch.allclose(rec.topk_weight.sum(-1), torch.ones(rec.topk_weight.shape[0]))
+
+
+def test_local_training_logs_its_progress_rate_limited(caplog):
+    """A device is not silent while it trains: one line per ``log_every_s`` with the step,
+    the loss and the seconds elapsed; none at all when training is shorter than that."""
+    import logging
+
+    from moe_model.train import train_local
+    from protocol.messages import TrainConfig
+
+    spec = tiny_spec()
+    model = SubMoE(spec, {1: [0, 1]}, "bbc", 2, shards(spec))
+    cfg = TrainConfig(local_epochs=10, max_steps=4, batch_size=2, lr=1e-3)
+    with caplog.at_level(logging.INFO, logger="moe_model.train"):
+        train_local(model, TEXTS, cfg, name="dev-1 round 3", log_every_s=0.0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_model.train"]
+    assert [line.split(", loss ")[0] for line in lines] == [f"dev-1 round 3: step {s}/4" for s in (1, 2, 3)]
+    assert all(line.endswith(" s") for line in lines)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="moe_model.train"):
+        train_local(model, TEXTS, cfg, name="dev-1 round 4", log_every_s=3600.0)
+    assert not [r for r in caplog.records if r.name == "moe_model.train"]

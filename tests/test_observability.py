@@ -127,11 +127,12 @@ def test_status_prints_the_store_s_device_and_round_tables(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 devices registered, 1 online; 1 rounds completed" in out
     dev_a = next(line for line in out.splitlines() if line.startswith("dev-a"))
-    assert dev_a.split()[:8] == ["dev-a", "bbc", "yes", "512", "300", "3", "384", "(75%)"]
+    assert dev_a.split()[:9] == ["dev-a", "bbc", "yes", "-", "512", "300", "3", "384", "(75%)"]  # never seen
     dev_b = next(line for line in out.splitlines() if line.startswith("dev-b"))
     assert "over budget: the plan needs 300 MiB" in dev_b and " no " in dev_b
     round_1 = next(line for line in out.splitlines() if line.startswith("1 "))
-    assert round_1.split() == ["1", "ok", "1/2", "0.500", "1.250", "-", "1.00", "3.00", "12.0", "1", "0.250"]
+    assert round_1.split() == ["1", "-", "ok", "1/2", "0.500", "1.250", "-", "1.00", "3.00", "12.0", "1", "0.250"]
+    assert "Open round: none" in out
     assert main(["status", "--store", f"sqlite:///{tmp_path}/none.db"]) == 2  # nothing created
     assert not (tmp_path / "none.db").exists()
 
@@ -167,3 +168,34 @@ def test_readyz_needs_the_broker_and_the_store(mosquitto_url, tmp_path):
     finally:
         m.stop()
         Service.transport.close()
+
+
+def test_open_round_gauges_and_the_grafana_dashboard_s_series(tmp_path):
+    """The open round's gauges follow the engine's round; every series the Grafana dashboard
+    (examples/deploy/grafana-dashboard.json) queries is one this exporter serves."""
+    import json
+    import re
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    service = _service(store=f"sqlite:///{tmp_path}/s.db")
+    service.engine = SimpleNamespace(current=None)
+    m = AggregatorMetrics(service)
+    try:
+        values = samples(_latest(m))
+        assert values[("fedmoe_round_open_seconds", ())] == 0 and values[("fedmoe_round_timeout_seconds", ())] == 0
+        service.engine.current = SimpleNamespace(started=time.time() - 90, deadline=time.time() + 150)
+        text = _latest(m)
+        values = samples(text)
+        assert 90 <= values[("fedmoe_round_open_seconds", ())] < 120
+        assert values[("fedmoe_round_timeout_seconds", ())] == pytest.approx(240, abs=1)
+        served = {f.name for f in text_string_to_metric_families(text)}
+        dashboard = json.loads((Path(__file__).parents[1] / "examples/deploy/grafana-dashboard.json").read_text())
+        queried = {re.sub(r"_(total|bucket|count|sum)$", "", name) for p in dashboard["panels"] for t in p["targets"]
+                   for name in re.findall(r"\b(?:fedmoe|process)_[a-z_]+", t["expr"])}
+        assert queried and queried <= served, queried - served
+        assert {"fedmoe_round_open_seconds", "fedmoe_global_accuracy", "fedmoe_devices_online",
+                "fedmoe_messages_rejected", "fedmoe_received_bytes"} <= queried
+    finally:
+        service.transport.close()
+        service.store.close()

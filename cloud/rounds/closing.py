@@ -77,8 +77,8 @@ class Closing(EngineState):
         stored, its accepted messages quarantined."""
         self._tell_failed(rnd, error)
         record = {"round": rnd.number, "status": "failed", "error": error, "accuracy": None, "loss": None,
-                  "per_task": {}, "seconds": time.time() - rnd.started, "selected": sorted(rnd.selected),
-                  "failures": {}, "devices": {}}
+                  "per_task": {}, "started": rnd.started, "seconds": time.time() - rnd.started,
+                  "selected": sorted(rnd.selected), "failures": {}, "devices": {}}
         with self.store.transaction():
             self._persist(record)
         self.current = None
@@ -243,6 +243,7 @@ class Closing(EngineState):
             "per_task": ev["per_task"],
             "mean_local_accuracy": sum(local) / len(local) if local else None,
             "train_loss": sum(r.stats.train_loss for r in results) / len(results) if results else None,
+            "started": rnd.started,  # Unix seconds (the views' timestamps)
             "seconds": time.time() - rnd.started,
             "bytes_up": sum(d["bytes_up"] for d in devices.values()),
             "bytes_down": sum(d["bytes_down"] for d in devices.values()),
