@@ -280,6 +280,11 @@ def _model_dict(cfg: SimulationConfig) -> dict[str, Any]:
     return cfg.model.model_dump(mode="json", exclude_unset=True)
 
 
+SIM_ASSIGN_TIMEOUT_S = 30.0
+"""A simulation whose devices all joined but none can be assigned a round ends after this
+many seconds, with the aggregator's reason (the devices' budgets below the plan)."""
+
+
 def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation: str, store: str) -> dict[str, Any]:
     """The aggregator config (as YAML-able dict) a simulation runs with: ``cfg``'s
     :class:`cloud.config.FederationSettings` sections as set (given, or the simulation's
@@ -287,7 +292,7 @@ def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation:
     ``extra_aggregator`` last."""
     shared = cfg.model_dump(mode="json", include=set(FederationSettings.model_fields), exclude_unset=True)
     out = {"federation": federation, **shared, "tasks": tasks, "min_devices": cfg.devices, "start_timeout_s": 900,
-           "store": store, "stop_devices_when_done": True, "clear_retained_on_exit": True}
+           "assign_timeout_s": SIM_ASSIGN_TIMEOUT_S, "store": store, "stop_devices_when_done": True, "clear_retained_on_exit": True}
     out.update({k: v for k in ("dashboard", "metrics") if (v := getattr(cfg, k)) is not None})
     out.update(cfg.extra_aggregator)
     return out
