@@ -339,6 +339,7 @@ class Aggregator:
             if resumed:
                 self._resume()
             if self.initial is None:
+                self._pump(0.5)  # answer the hellos already there (`registered`) before the evaluation
                 self.initial = self.engine.evaluate()
                 self.store.put_json("initial_evaluation", self.initial)
                 log.info("initial accuracy: %s", self.initial["accuracy"])

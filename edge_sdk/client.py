@@ -369,9 +369,9 @@ class EdgeClient:
                 if msg is None:
                     if not self._answered and not told and time.monotonic() - joined > self.hello_timeout_s:
                         told = True
-                        why = (f"no aggregator of federation {self.topics.federation!r} answered the hello within "
-                               f"{self.hello_timeout_s:.0f} s (is the federation name right? does its aggregator run on "
-                               f"this broker?)")
+                        why = (f"no aggregator of federation {self.topics.federation!r} answered the hello "
+                               f"within {self.hello_timeout_s:.0f} s (is the federation name right? does its "
+                               f"aggregator run on this broker?)")
                         if self.on_no_aggregator == "exit":
                             log.error("%s: %s; leaving (on_no_aggregator: exit)", self.device_id, why)
                             self.exit_reason = why
