@@ -220,10 +220,17 @@ def _aggregator(args: argparse.Namespace) -> int:
         url = broker.url
         cfg = cfg.model_copy(update={"protocol": "3.1.1"})
         log.info("no --broker given: devices connect to %s", url)
+    built: list = []
+
+    def stop() -> None:  # while the model is still being set up there is nothing to tell: stop at once
+        if not built:
+            raise KeyboardInterrupt
+        built[0].stop()
+
     try:
-        agg = Aggregator(cfg, url, eval_data=eval_data)
-        with _graceful_signals(agg.stop, "the aggregator"):
-            agg.run()
+        with _graceful_signals(stop, "the aggregator"):
+            built.append(Aggregator(cfg, url, eval_data=eval_data))
+            built[0].run()
     finally:
         if broker is not None:
             broker.stop()
