@@ -219,3 +219,26 @@ def test_a_simulation_whose_devices_all_exit_ends_with_their_reason(tmp_path):
         simulate(cfg)
     assert "below this device's runtime baseline" in str(e.value)
     assert not os.path.exists(tmp_path / "run" / "report.json")
+
+
+@pytest.mark.parametrize("on_stop", ["exit", "wait"])
+def test_a_device_told_that_the_aggregator_stops_exits_or_waits_as_configured(on_stop, caplog):
+    from edge_sdk import EdgeClient
+    from protocol.messages import Command
+
+    client = EdgeClient("mqtt://127.0.0.1:1", "d1", [("a text", "a")] * 4, runtime_bytes=0,
+                        on_aggregator_stop=on_stop)
+    client._on_command(Command(command="stop", reason="aggregator shutting down"))
+    assert client._stop is (on_stop == "exit") and client.exit_reason is None
+    assert any("aggregator shutting down" in r.getMessage() for r in caplog.records)
+    client._on_command(Command(command="stop"))  # the federation is over: always leave
+    assert client._stop
+
+
+def test_a_refused_hello_ends_the_device_with_the_reason():
+    from edge_sdk import EdgeClient
+    from protocol.messages import Command
+
+    client = EdgeClient("mqtt://127.0.0.1:1", "d1", [("a text", "a")] * 4, runtime_bytes=0)
+    client._on_command(Command(command="reject", kind="hello", reason="hello rejected: unknown task 'bbcc'"))
+    assert client._stop and "unknown task 'bbcc'" in client.exit_reason
