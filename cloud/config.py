@@ -138,6 +138,10 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     """Devices that must have joined before round 1 starts."""
     start_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
     """Give up if fewer than ``min_devices`` joined by then."""
+    assign_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Give up (exit non-zero, with the reason) when no online device could be assigned a
+    round for this many seconds (every budget below the plan, the strategy failing);
+    default: ``start_timeout_s``."""
     store: str = "sqlite:///fedmoe-aggregator.db"
     """Where the durable state lives: ``sqlite:///FILE`` or ``postgresql://...``."""
     stop_devices_when_done: bool = True

@@ -347,6 +347,7 @@ class Aggregator:
             if resumed:
                 self._resume()
             if self.initial is None:
+                self._pump(0.5)  # answer the hellos already there (`registered`) before the evaluation
                 self.initial = self.engine.evaluate()
                 self.store.put_json("initial_evaluation", self.initial)
                 log.info("initial accuracy: %s", self.initial["accuracy"])
@@ -357,7 +358,9 @@ class Aggregator:
                 no_worker = self._no_worker() if self.engine.current is None else None
                 if self.engine.current is None and (no_worker or not self.engine.start_round()):
                     idle_since = idle_since or time.monotonic()
-                    if time.monotonic() - idle_since > self.cfg.start_timeout_s:
+                    give_up = self.cfg.start_timeout_s if no_worker or self.cfg.assign_timeout_s is None \
+                        else self.cfg.assign_timeout_s
+                    if time.monotonic() - idle_since > give_up:
                         if no_worker:
                             raise TimeoutError(f"round {self.engine.completed + 1}: {no_worker} for "
                                                f"{self.cfg.start_timeout_s:.0f} s")
@@ -365,7 +368,7 @@ class Aggregator:
                             f"{d}: {r}" for d, r in sorted(self.engine.excluded.items())[:10])
                         raise TimeoutError(
                             f"round {self.engine.completed + 1}: no device could be assigned for "
-                            f"{self.cfg.start_timeout_s:.0f} s (budgets too small for the "
+                            f"{give_up:.0f} s (budgets too small for the "
                             f"'{self.engine.strategy.label}' strategy, the strategy failed, or no eligible device "
                             f"online)" + (f": {why}" if why else ""))
                     self._pump(1.0)
@@ -382,13 +385,40 @@ class Aggregator:
                     self.store.delete_prefix("chunks/")
                     if self.verification is not None:
                         self.verification.prune(self.engine.completed + 1)
+            if self._stop.is_set():
+                self._stopping()
+                return self.store.rounds()
             self._progress("done", self.engine.completed, {})
-            if self.cfg.stop_devices_when_done and not self._stop.is_set():
+            if self.cfg.stop_devices_when_done:
                 for dev in self.registry.devices.values():
                     self.transport.publish(self.topics.down(dev.device_id, "command"), encode(Command(command="stop")))
             return self.store.rounds()
         finally:
             self._shutdown()
+
+    def _tell(self, device_id: str, msg: Command) -> None:
+        """Send ``msg`` to ``device_id``, fire-and-forget (best effort: logged, not raised)."""
+        try:
+            self.transport.publish_nowait(self.topics.down(device_id, "command"), encode(msg))
+        except Exception as e:
+            self._reject_log.log(f"{msg.command} reply failed", logging.WARNING, "could not send %s to %s: %s",
+                                 msg.command, clip(device_id), clip(str(e), 200))
+
+    def _stopping(self) -> None:
+        """:meth:`stop` ended :meth:`run` before its last round (SIGTERM/SIGINT on ``fedmoe
+        aggregator``): say what stays in the store and tell every registered device
+        (``stop`` with reason ``aggregator shutting down``, PROTOCOL.md §5.6)."""
+        rnd = self.engine.current
+        if rnd is not None:
+            log.info("stopping: round %d stays open in store %s (persisted at its start); a restarted aggregator "
+                     "resumes it", self.engine.completed + 1, redact_url(self.cfg.store))
+        else:
+            log.info("stopping after %d of %d rounds (store %s; a restarted aggregator goes on from there)",
+                     self.engine.completed, self.cfg.rounds, redact_url(self.cfg.store))
+        devices = list(self.registry.devices.values())
+        for dev in devices:
+            self._tell(dev.device_id, Command(command="stop", reason=SHUTDOWN_REASON))
+        log.info("told %d registered device(s): stop (%s)", len(devices), SHUTDOWN_REASON)
 
     def _shutdown(self) -> None:
         """What :meth:`run` ends with, in any role: the log summary, retained shards cleared
@@ -579,6 +609,7 @@ class Aggregator:
                     raise MessageError(f"unknown task {msg.task!r}; this federation trains {sorted(self.model.tasks)}")
                 self.registry.register(msg)
                 self.activity.seen(device_id)
+                self._tell(device_id, Command(command="registered"))  # minor 10: the device knows it was heard
                 return
             # a worker takes uploads only, and the round it reads says whether the device may send them
             if self.ingest is None and self.registry.get(device_id) is None:
@@ -649,6 +680,10 @@ REFERS_SCAN_BYTES = 4096
 control message's JSON): a flood of large junk costs one bounded scan each."""
 _ROUND_RE = re.compile(rb'"round"\s*:\s*(\d{1,19})(?![\d.eE])')
 _TRANSFER_RE = re.compile(rb'"transfer_id"\s*:\s*"([A-Za-z0-9_.-]{1,64})"')
+
+
+SHUTDOWN_REASON = "aggregator shutting down"
+"""The ``reason`` of the ``stop`` an aggregator sends its devices when it is stopped (a signal)."""
 
 
 def refers_to(kind: str, payload: bytes) -> tuple[int | None, str | None]:

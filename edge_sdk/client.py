@@ -103,6 +103,9 @@ class Notice:
     upload_id: str | None = None
 
 
+DEFAULT_HELLO_TIMEOUT_S = 60.0
+"""Seconds a device waits for its aggregator's answer to the hello (:class:`EdgeClient`)."""
+
 MAX_NOTICES = 100
 """Notices :attr:`EdgeClient.notices` keeps (the newest)."""
 
@@ -167,6 +170,16 @@ class EdgeClient:
             tokenizer; no weights needed), used instead of the cloud's path in the assignment.
         filters: the outgoing filter chain (:mod:`edge_sdk.filters`), applied in order to
             ``hello``, the update and ``stats``; signing (with ``signing_key``) comes last.
+        hello_timeout_s: seconds :meth:`run` waits for any answer of an aggregator of
+            ``federation`` to the hello (``registered``, protocol minor 10, or any command or
+            assignment) before it says that none answered (a mistyped federation name, no
+            aggregator on this broker).
+        on_no_aggregator: then ``"exit"`` (:meth:`run` returns, :attr:`exit_reason` set) or
+            ``"wait"`` (log it and keep waiting).
+        on_aggregator_stop: what a ``stop`` with a reason (``aggregator shutting down``: the
+            aggregator was stopped, its open round kept for its restart) does: ``"exit"``, or
+            ``"wait"`` for the restarted aggregator (a ``stop`` without a reason, the end of
+            the federation, always ends :meth:`run`).
 
     The budget may be lowered while the client runs (``client.budget_bytes = ...``, e.g.
     when the device application needs memory): the next assignment that no longer fits
@@ -202,7 +215,22 @@ class EdgeClient:
         quant_backend: str = "torch",
         filters: Sequence[Filter] = (),
         model_dir: str | Path | None = None,
+        hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
+        on_no_aggregator: str = "exit",
+        on_aggregator_stop: str = "exit",
     ):
+        for name, value in (("on_no_aggregator", on_no_aggregator), ("on_aggregator_stop", on_aggregator_stop)):
+            if value not in ("exit", "wait"):
+                raise ValueError(f"{name} must be 'exit' or 'wait', got {value!r}")
+        if not hello_timeout_s > 0:
+            raise ValueError(f"hello_timeout_s must be > 0, got {hello_timeout_s}")
+        self.hello_timeout_s = float(hello_timeout_s)
+        self.on_no_aggregator = on_no_aggregator
+        self.on_aggregator_stop = on_aggregator_stop
+        self.exit_reason: str | None = None
+        """Why :meth:`run` returned early, if it did for a problem (no aggregator answered, the
+        hello was refused); None otherwise."""
+        self._answered = False
         self.device_id = T.check_id(device_id, "device id")
         self.model_dir = None if model_dir is None else str(model_dir)
         self.topics = T.Topics(federation)
@@ -313,7 +341,10 @@ class EdgeClient:
 
         Raises:
             protocol.transport.TransportError: the broker cannot be reached.
+            ValueError: the budget cannot hold even this device's runtime baseline
+                (:meth:`check_budget`), before anything is sent.
         """
+        self.check_budget()
         self.transport.connect()
         self.transport.subscribe(self.topics.device_down(self.device_id), qos=self.downlink_qos)
         status = encode(Status(device_id=self.device_id, state="online"))
@@ -330,16 +361,28 @@ class EdgeClient:
         log.info("%s joined %s (budget %.2f GiB, %d samples, task %s)", self.device_id, self.topics.federation,
                  self.budget_bytes / 1024**3, len(self.raw_items), self.task)
         self._mark = (self.transport.bytes_sent, self.transport.bytes_received)
-        last_activity = time.monotonic()
+        last_activity = joined = time.monotonic()
+        told = False
         try:
             while not self._stop and (max_rounds is None or len(self.history) < max_rounds):
                 msg = self._next_control(timeout=1.0)
                 if msg is None:
+                    if not self._answered and not told and time.monotonic() - joined > self.hello_timeout_s:
+                        told = True
+                        why = (f"no aggregator of federation {self.topics.federation!r} answered the hello "
+                               f"within {self.hello_timeout_s:.0f} s (is the federation name right? does its "
+                               f"aggregator run on this broker?)")
+                        if self.on_no_aggregator == "exit":
+                            log.error("%s: %s; leaving (on_no_aggregator: exit)", self.device_id, why)
+                            self.exit_reason = why
+                            break
+                        log.warning("%s: %s; waiting (on_no_aggregator: wait)", self.device_id, why)
                     if idle_timeout is not None and time.monotonic() - last_activity > idle_timeout:
                         log.info("%s: no assignment for %.0f s; leaving", self.device_id, idle_timeout)
                         break
                     continue
                 last_activity = time.monotonic()
+                self._answered = True  # any message of the cloud (older than minor 10: no `registered`)
                 if isinstance(msg, Command):
                     self._on_command(msg)
                 elif isinstance(msg, Assignment):
@@ -352,8 +395,15 @@ class EdgeClient:
         """``stop`` ends :meth:`run`; ``reject``, ``excluded`` and ``round_failed`` are
         logged and kept in :attr:`notices`; commands of a newer minor version are ignored."""
         if msg.command == "stop":
-            log.info("%s: stop command received", self.device_id)
+            if msg.reason and self.on_aggregator_stop == "wait":
+                log.warning("%s: the aggregator stopped (%s); waiting for it to come back (on_aggregator_stop: "
+                            "wait)", self.device_id, msg.reason)
+                return
+            log.info("%s: stop command received%s; leaving", self.device_id, f" ({msg.reason})" if msg.reason else "")
             self._stop = True
+            return
+        if msg.command == "registered":
+            log.info("%s: registered with the aggregator of %s", self.device_id, self.topics.federation)
             return
         if msg.command not in COMMANDS:
             log.debug("%s: ignoring unknown command %r (newer protocol minor version)", self.device_id, msg.command)
@@ -366,6 +416,25 @@ class EdgeClient:
         self.notices.append(Notice(msg.command, msg.round, msg.reason or "", msg.budget_bytes, msg.needed_bytes,
                                    msg.runtime_bytes, msg.kind, msg.upload_id))
         del self.notices[:-MAX_NOTICES]
+        if msg.command == "reject" and msg.kind == "hello":  # not registered: waiting would be in vain
+            self.exit_reason = f"the aggregator refused this device's hello: {msg.reason}"
+            log.error("%s: %s; leaving", self.device_id, self.exit_reason)
+            self._stop = True
+
+    def check_budget(self) -> None:
+        """Check, before joining, that the budget can hold more than this device's own runtime
+        baseline (``runtime_bytes``: the measured footprint plus the headroom, the memory
+        plan's fixed part, :func:`moe_model.budget.estimate`): below it not even one expert
+        per layer fits, and no aggregator could ever assign the device anything.
+
+        Raises:
+            ValueError: the one-line reason, with both figures in MiB.
+        """
+        if self.budget_bytes <= self.runtime_bytes:
+            raise ValueError(
+                f"budget {self.budget_bytes / 2**20:.0f} MiB is below this device's runtime baseline of "
+                f"{self.runtime_bytes / 2**20:.0f} MiB (measured footprint + {self.headroom_bytes / 2**20:.0f} MiB "
+                f"headroom): not even one expert per layer fits; give a larger budget")
 
     def stop(self) -> None:
         """Ask ``run()`` to return within about a second (after the round it is training,

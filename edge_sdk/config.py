@@ -54,7 +54,13 @@ class DeviceSettings(BaseModel):
     max_rounds: int | None = Field(None, ge=1)
     """return after this many rounds (default: until the aggregator says stop)"""
     idle_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
-    """return if no assignment arrives for this many seconds"""
+    """return if no assignment arrives for this many seconds (default: no limit)"""
+    hello_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
+    """seconds to wait for an aggregator of the federation to answer the hello"""
+    on_no_aggregator: Literal["exit", "wait"] = "exit"
+    """when no aggregator answered the hello in hello_timeout_s: exit (status 1) or log it and wait"""
+    on_aggregator_stop: Literal["exit", "wait"] = "exit"
+    """when the aggregator says it shuts down (SIGTERM/SIGINT): exit, or wait for its restart"""
     allocator: Literal["mmap", "default"] = "mmap"
     """mmap: glibc serves allocations above 64 KiB by mmap, so freed activations go back to
     the OS (moe_model.budget.tune_allocator): a lower peak, slower steps; default: glibc's
@@ -168,7 +174,8 @@ class DeviceConfig(DeviceSettings, BrokerSettings):
             weight_formats=list(self.formats), quant_backend=self.quant_backend,
             cache_max=int(self.cache_max) if self.cache_max is not None else None,
             headroom_bytes=int(self.headroom) if self.headroom is not None else None, filters=self.filters(),
-            model_dir=self.model_dir, low_memory=self.allocator == "mmap")
+            model_dir=self.model_dir, low_memory=self.allocator == "mmap", hello_timeout_s=self.hello_timeout_s,
+            on_no_aggregator=self.on_no_aggregator, on_aggregator_stop=self.on_aggregator_stop)
         data = load_text_file(self.data)
         if self.credentials:
             return EdgeClient.from_credentials(self.broker, self.credentials, data, **common)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -55,6 +56,37 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _graceful_signals(stop, what: str):
+    """While open, SIGTERM and SIGINT call ``stop()`` (logged: ``what`` stops) instead of
+    killing the process, so ``fedmoe aggregator``/``fedmoe device`` end their work in order
+    (the aggregator tells its devices, the device publishes ``offline``); a second signal
+    raises KeyboardInterrupt. The previous handlers come back on exit."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen = []
+
+    def _handler(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if seen:
+            log.warning("%s again: stopping %s now", name, what)
+            raise KeyboardInterrupt
+        seen.append(name)
+        log.info("%s received: stopping %s (again to stop at once)", name, what)
+        stop()
+
+    previous = {s: signal.signal(s, _handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def _checkpoint_model(path: str) -> dict:
     """``--model PATH``: the model fields of a local Hugging Face MoE checkpoint
     (``moe_model.models.hf_moe.checkpoint_model``); a missing or unusable checkpoint is a
@@ -62,9 +94,69 @@ def _checkpoint_model(path: str) -> dict:
     from moe_model.models.hf_moe import checkpoint_model
 
     try:
-        return checkpoint_model(path)
+        fields = checkpoint_model(path)
+        check_tokenizer(fields["base"])
     except (OSError, ValueError) as e:
         raise UsageError(f"--model {path}: {e}") from None
+    return fields
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+"""Files of which a checkpoint directory holds at least one when its tokenizer is saved with it."""
+
+
+def check_tokenizer(directory: str) -> None:
+    """Raise ValueError naming the tokenizer unless checkpoint ``directory`` holds tokenizer
+    files (:data:`TOKENIZER_FILES`): the federation tokenizes with the checkpoint's own."""
+    from pathlib import Path
+
+    if not any((Path(directory) / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"checkpoint {directory!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         "save it there too: AutoTokenizer.from_pretrained(...).save_pretrained(DIR)")
+
+
+def _check_names(cfg) -> None:
+    """Every registered name a config gives (strategy, assignment, aggregation: the plugin
+    registry, whose errors say "did you mean"), and the tokenizer of a local ``hf-moe``
+    checkpoint, before any model is built. Raises ValueError (all problems, one line)."""
+    from .sim_config import check_strategies
+
+    check_strategies(cfg)
+    if cfg.model.family == "hf-moe" and cfg.model.tokenizer is None and cfg.model.base:
+        from pathlib import Path
+
+        if Path(cfg.model.base).is_dir():
+            check_tokenizer(cfg.model.base)
+
+
+def did_you_mean(e, model) -> str:
+    """For pydantic's extra-forbidden errors of ``e`` (a ValidationError of ``model``): the
+    closest known field names ("; "-joined hints, "" for none), found with difflib along
+    each error's location through the nested models."""
+    import difflib
+    import typing
+
+    from pydantic import BaseModel
+
+    def model_of(annotation):
+        for t in (annotation, *typing.get_args(annotation)):
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                return t
+        return None
+
+    hints = []
+    for x in e.errors() if hasattr(e, "errors") else []:
+        if x.get("type") != "extra_forbidden":
+            continue
+        cls, loc = model, x["loc"]
+        for part in loc[:-1]:
+            f = cls.model_fields.get(part) if cls is not None and isinstance(part, str) else None
+            cls = model_of(f.annotation) if f is not None else None
+        close = difflib.get_close_matches(str(loc[-1]), list(cls.model_fields), n=1, cutoff=0.6) if cls else []
+        if close:
+            hints.append(f"{'.'.join(map(str, loc))}: did you mean {'.'.join(map(str, (*loc[:-1], close[0])))!r}?")
+    return "; ".join(hints)
 
 
 def _builtin_eval_data(cfg) -> dict[str, list[tuple[str, str]]]:
@@ -111,12 +203,15 @@ def _aggregator(args: argparse.Namespace) -> int:
         overrides["model"] = _checkpoint_model(args.model)
     try:  # every problem of the config and the files it names, before the model is set up
         cfg = AggregatorConfig.load(args.config, **overrides)
+        _check_names(cfg)
         eval_data = _builtin_eval_data(cfg)
         cfg.check_paths(eval_given=eval_data)
     except (OSError, ValueError, yaml.YAMLError) as e:
         from protocol.messages import error_summary
 
-        raise UsageError(f"{args.config}: {error_summary(e, root=type(e).__name__)}") from None
+        hint = did_you_mean(e, AggregatorConfig)
+        raise UsageError(f"{args.config}: {error_summary(e, root=type(e).__name__)}"
+                         + (f" ({hint})" if hint else "")) from None
     broker = None
     url = args.broker
     if url is None:
@@ -127,8 +222,17 @@ def _aggregator(args: argparse.Namespace) -> int:
         url = broker.url
         cfg = cfg.model_copy(update={"protocol": "3.1.1"})
         log.info("no --broker given: devices connect to %s", url)
+    built: list = []
+
+    def stop() -> None:  # while the model is still being set up there is nothing to tell: stop at once
+        if not built:
+            raise KeyboardInterrupt
+        built[0].stop()
+
     try:
-        Aggregator(cfg, url, eval_data=eval_data).run()
+        with _graceful_signals(stop, "the aggregator"):
+            built.append(Aggregator(cfg, url, eval_data=eval_data))
+            built[0].run()
     finally:
         if broker is not None:
             broker.stop()
@@ -150,18 +254,21 @@ def _device(args: argparse.Namespace) -> int:
 
         keep_out_unused(cfg.quant_backend)  # before the client imports transformers and peft
         client = cfg.check_paths().client()
+        client.check_budget()  # before joining: a budget below the device's own baseline can never be used
     except ValidationError as e:  # fields named as options, unless they come from the file
 
         def name(loc: tuple) -> str:
             return "" if not loc else flag(loc[0]) if loc[0] in settings or not args.config else str(loc[0])
 
-        raise UsageError(where + explain(e, name)) from None
+        hint = did_you_mean(e, DeviceConfig)
+        raise UsageError(where + explain(e, name) + (f" ({hint})" if hint else "")) from None
     except (OSError, ValueError, yaml.YAMLError) as e:
         from protocol.messages import error_summary
 
         raise UsageError(where + error_summary(e)) from None
-    client.run(max_rounds=cfg.max_rounds, idle_timeout=cfg.idle_timeout)
-    return 0
+    with _graceful_signals(client.stop, f"device {client.device_id}"):
+        client.run(max_rounds=cfg.max_rounds, idle_timeout=cfg.idle_timeout)
+    return 0 if client.exit_reason is None else 1
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -19,6 +19,11 @@ from .sim_config import SimulationConfig, SimulationConfigError
 
 log = logging.getLogger(__name__)
 
+AUTO_BUDGET_MARGIN_BYTES = 32 * 2**20
+"""Automatic budgets are planned on top of the probed baseline plus this margin: a device
+process measures its own baseline at start-up, a few MiB above the probe's (its data, its
+MQTT client), and must still fit the plan it was drawn for."""
+
 
 _BASELINE_PROBE = (
     "from edge_sdk.lean import keep_out_unused; keep_out_unused()\n"  # as `fedmoe device` does
@@ -50,16 +55,17 @@ def device_baseline_bytes(data: str | Path | None = None) -> int:
 def auto_budget_range(cfg: SimulationConfig) -> tuple[int, int]:
     """Budgets (bytes) from the plan of 2 experts per layer (fewer if the model has
     fewer) to that of every expert, at ``cfg``'s model, batch size and weight format,
-    on top of :func:`device_baseline_bytes` (``moe_model.budget.estimate``)."""
+    on top of :func:`device_baseline_bytes` plus :data:`AUTO_BUDGET_MARGIN_BYTES`
+    (``moe_model.budget.estimate``)."""
     from moe_model.budget import estimate
 
     spec, experts, batch = cfg.model, cfg.model.num_experts, cfg.train.batch_size
     labels = max(len(load_task(t)[1]) for t in cfg.tasks)
-    base = device_baseline_bytes()
+    base = device_baseline_bytes() + AUTO_BUDGET_MARGIN_BYTES
     lo = estimate(spec, min(2, experts), batch, labels, base, cfg.weight_format).total
     hi = estimate(spec, experts, batch, labels, base, cfg.weight_format).total
-    log.info("device baseline %.0f MiB here: budgets %.0f-%.0f MiB (2-%d experts per layer)", base / 2**20,
-             lo / 2**20, hi / 2**20, experts)
+    log.info("device baseline %.0f MiB here (with a %.0f MiB margin): budgets %.0f-%.0f MiB (2-%d experts per "
+             "layer)", base / 2**20, AUTO_BUDGET_MARGIN_BYTES / 2**20, lo / 2**20, hi / 2**20, experts)
     return lo, hi
 
 

@@ -280,14 +280,23 @@ def _model_dict(cfg: SimulationConfig) -> dict[str, Any]:
     return cfg.model.model_dump(mode="json", exclude_unset=True)
 
 
+SIM_START_TIMEOUT_S = 900.0
+"""Seconds a simulation's aggregator waits for every device to join (``start_timeout_s``)."""
+
+SIM_ASSIGN_TIMEOUT_S = 30.0
+"""A simulation whose devices all joined but none can be assigned a round ends after this
+many seconds, with the aggregator's reason (the devices' budgets below the plan)."""
+
+
 def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation: str, store: str) -> dict[str, Any]:
     """The aggregator config (as YAML-able dict) a simulation runs with: ``cfg``'s
     :class:`cloud.config.FederationSettings` sections as set (given, or the simulation's
     defaults, :data:`_DEFAULTS`), this run's federation, tasks, store and device count, and
     ``extra_aggregator`` last."""
     shared = cfg.model_dump(mode="json", include=set(FederationSettings.model_fields), exclude_unset=True)
-    out = {"federation": federation, **shared, "tasks": tasks, "min_devices": cfg.devices, "start_timeout_s": 900,
-           "store": store, "stop_devices_when_done": True, "clear_retained_on_exit": True}
+    out = {"federation": federation, **shared, "tasks": tasks, "min_devices": cfg.devices,
+           "start_timeout_s": SIM_START_TIMEOUT_S, "assign_timeout_s": SIM_ASSIGN_TIMEOUT_S, "store": store,
+           "stop_devices_when_done": True, "clear_retained_on_exit": True}
     out.update({k: v for k in ("dashboard", "metrics") if (v := getattr(cfg, k)) is not None})
     out.update(cfg.extra_aggregator)
     return out
@@ -296,8 +305,12 @@ def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation:
 def device_config(cfg: SimulationConfig, device: dict[str, Any], broker: str, federation: str,
                   protocol: str = "auto") -> DeviceConfig:
     """The config a simulated device runs with (``fedmoe device --config``): ``cfg.device``
-    plus the device's id, budget, data and task from :func:`fedmoe.sim_data.prepare_data`."""
-    return DeviceConfig(**cfg.device.model_dump(exclude_unset=True), broker=broker, protocol=protocol,
+    plus the device's id, budget, data and task from :func:`fedmoe.sim_data.prepare_data`.
+    Unless set, a device waits for the aggregator's answer to its hello as long as the
+    aggregator waits for the devices (:data:`SIM_START_TIMEOUT_S`): both start together, and
+    the aggregator builds its model first (minutes for a large checkpoint)."""
+    settings = {"hello_timeout_s": SIM_START_TIMEOUT_S, **cfg.device.model_dump(exclude_unset=True)}
+    return DeviceConfig(**settings, broker=broker, protocol=protocol,
                         federation=federation, device_id=device["device_id"], budget=device["budget_bytes"],
                         data=device["data"], task=device["task"],
                         cache_dir=str(Path(cfg.out) / "cache" / device["device_id"]))

@@ -125,7 +125,12 @@ class Narrator:
 def watch(watcher: Transport, procs: Processes, narrator: Narrator) -> None:
     """Show progress (``narrator``: the messages ``watcher`` receives on
     :meth:`Narrator.subscriptions`) and device processes of ``procs`` that die, with the
-    tail of their log, until the aggregator exits."""
+    tail of their log, until the aggregator exits.
+
+    Raises:
+        RuntimeError: every device process exited with an error (e.g. its budget below its
+            own baseline) while the aggregator still ran.
+    """
     agg = procs.procs["aggregator"]
     dead: set[str] = set()
     while agg.poll() is None:
@@ -136,6 +141,9 @@ def watch(watcher: Transport, procs: Processes, narrator: Narrator) -> None:
                 log.warning("device process %s exited with %s%s:\n%s", name, p.returncode,
                             " (SIGKILL: the OOM killer, if it ran in a memory cgroup)" if p.returncode == -9 else "",
                             procs.tail(name, 10))
+                if len(dead) == len(procs.procs) - 1:  # the aggregator would wait for them until start_timeout_s
+                    raise RuntimeError(f"every device process exited before the federation ended; the last one "
+                                       f"({name}) said:\n{procs.tail(name, 5)}")
         if m is None:
             narrator.idle()
         else:

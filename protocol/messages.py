@@ -32,7 +32,7 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 9
+PROTOCOL_MINOR = 10
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
@@ -57,7 +57,9 @@ invites in updates by ``Assignment.compressed_updates``, and nf4 updates whose 1
 of 64 or more values (router rows) are packed too (already decodable since minor 4); 9 added
 ``Assignment.uplink``, the partition (an aggregator worker) whose topics the device sends that
 round's update and stats to (``Topics.up(..., partition)``; workers on an MQTT 3.1.1 cluster
-have no shared subscriptions). A peer ignores unknown fields and
+have no shared subscriptions); 10 added the ``Command`` kind ``registered`` (the cloud's
+answer to an accepted hello, so a device can tell that an aggregator of its federation
+heard it) and a ``reason`` on ``stop`` (e.g. ``aggregator shutting down``). A peer ignores unknown fields and
 unknown commands of a newer minor version, so the cloud sends objectives and extra
 tensors only to devices that announced minor 2 or later (an older device would silently
 train without them) and the evaluation term only to minor 3 or later."""
@@ -521,7 +523,7 @@ class Assignment(_Message):
         return self
 
 
-COMMANDS = ("stop", "reject", "excluded", "round_failed")
+COMMANDS = ("stop", "reject", "excluded", "round_failed", "registered")
 """Commands of this protocol version (:class:`Command`). A device ignores (logs) a
 command it does not know: a newer minor version may add some."""
 
@@ -529,7 +531,10 @@ command it does not know: a newer minor version may add some."""
 class Command(_Message):
     """Cloud -> device, on ``down/command``.
 
-    - ``stop``: the federation is over; leave.
+    - ``stop``: the federation is over, or (``reason``, minor 10) the aggregator shuts down; leave
+      (or wait for its restart, as the device is configured).
+    - ``registered`` (minor 10): the cloud accepted this device's hello (sent to every hello
+      it registers; a device that hears nothing from its aggregator can say so).
     - ``reject``: a message this device sent was refused (``reason``); ``kind`` names the
       kind of message (``hello``, ``ack``, ``stats``, ``update``, ``status``), ``round``
       and ``upload_id`` (the update's transfer id, for ``update`` chunks and ``stats``)

@@ -18,7 +18,7 @@ from tests.conftest import tiny_spec
 def drain_downlink(tr, seconds: float, replies: list, assignments: list, until=None, device: str | None = None,
                    foreign: list | None = None) -> None:
     """Read a (rogue) client's downlink for up to ``seconds`` or until ``until()``: command
-    reasons go to ``replies``, parsed assignments to ``assignments``; with ``device``,
+    reasons (but ``registered``) go to ``replies``, parsed assignments to ``assignments``; with ``device``,
     topics outside that device's subtree go to ``foreign`` instead (they must never arrive)."""
     from protocol.messages import Assignment, Command, parse_message
 
@@ -32,7 +32,9 @@ def drain_downlink(tr, seconds: float, replies: list, assignments: list, until=N
             continue
         kind = m.topic.rsplit("/", 1)[1]
         if kind == "command":
-            replies.append(parse_message(m.payload, Command).reason or "")
+            cmd = parse_message(m.payload, Command)
+            if cmd.command != "registered":  # the answer to every accepted hello (minor 10), not a reply
+                replies.append(cmd.reason or "")
         elif kind == "assignment":
             assignments.append(parse_message(m.payload, Assignment))
 

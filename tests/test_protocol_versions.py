@@ -41,7 +41,7 @@ def assignment() -> Assignment:
 
 
 def test_versions():
-    assert (PROTOCOL_VERSION, PROTOCOL_MINOR) == (1, 9)
+    assert (PROTOCOL_VERSION, PROTOCOL_MINOR) == (1, 10)
     assert hello().protocol_minor == 0 and hello().protocol_version == PROTOCOL_VERSION  # absent: a 1.0 device
     for bad in (-1, 10_001):
         with pytest.raises(MessageError, match="protocol_minor"):
@@ -86,7 +86,9 @@ def test_aggregator_accepts_newer_minor_hello_and_refuses_other_major(tmp_path, 
     h = hello(device_id="d1", task="bbc")
     for _ in range(2):                                         # retained hellos come again: log once
         agg._handle("fl/v1/pv/dev/d1/up/hello", _with(h, protocol_minor=99, new_field=[1, 2]))
-    assert agg.registry.get("d1") is not None and not sent and agg.rejected == 0
+    assert agg.registry.get("d1") is not None and agg.rejected == 0
+    assert [parse_message(p, Command).command for _, p in sent] == ["registered"] * 2  # minor 10: the hello is answered
+    sent.clear()
     notes = [r for r in caplog.records if "speaks protocol" in r.getMessage()]
     assert len(notes) == 1 and "protocol 1.99" in notes[0].getMessage() and notes[0].levelno == logging.INFO
 

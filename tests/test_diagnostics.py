@@ -1,0 +1,244 @@
+"""A deployment that tells you what is wrong: nothing waits in silence, signals stop in
+order, every name and path is checked up front (issue "A deployment that tells you what
+is wrong", items 1-3). Real brokers (Mosquitto at 127.0.0.1:1883, or one started), no
+broker mocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import TINY_CONFIG
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fedmoe(*args: str, timeout: float = 90, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedmoe", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+
+
+def _data(tmp_path: Path) -> Path:
+    f = tmp_path / "data.jsonl"
+    f.write_text("".join(json.dumps({"text": f"text {i}", "label": "ab"[i % 2]}) + "\n" for i in range(8)))
+    return f
+
+
+# --------------------------------------------------------------------------- 1. nothing waits in silence
+
+
+def test_the_hello_timeout_defaults_to_a_minute_and_exit():
+    from edge_sdk.client import DEFAULT_HELLO_TIMEOUT_S
+    from edge_sdk.config import DeviceSettings
+
+    s = DeviceSettings()
+    assert DEFAULT_HELLO_TIMEOUT_S == 60 and s.hello_timeout_s == 60
+    assert s.on_no_aggregator == "exit" and s.on_aggregator_stop == "exit"
+
+
+@pytest.mark.slow
+def test_a_device_of_a_federation_without_aggregator_leaves_with_the_reason(mosquitto_url, caplog):
+    from edge_sdk import EdgeClient
+
+    federation = f"bbc-dmeo-{uuid.uuid4().hex[:6]}"
+    client = EdgeClient(mosquitto_url, "dev-9", [("a text", "a")] * 4, federation=federation, runtime_bytes=0,
+                        hello_timeout_s=2)
+    t0 = time.monotonic()
+    try:
+        client.run()
+    finally:  # the retained hello of this made-up federation goes too
+        from protocol.transport import Transport
+
+        tr = Transport(mosquitto_url, f"cleanup-{federation}")
+        tr.connect()
+        tr.publish(client.topics.up("dev-9", "hello"), b"", retain=True)
+        tr.publish(client.topics.up("dev-9", "status"), b"", retain=True)
+        tr.close()
+    assert time.monotonic() - t0 < 30
+    assert client.exit_reason is not None and f"federation {federation!r}" in client.exit_reason
+    assert any("no aggregator of federation" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_a_device_whose_budget_is_below_its_own_baseline_exits_at_once(tmp_path):
+    # the broker port is closed: the device must refuse before it tries to join
+    proc = _fedmoe("device", "--broker", "mqtt://127.0.0.1:1", "--device-id", "d1", "--budget", "100MiB",
+                   "--data", str(_data(tmp_path)), "--cache-dir", str(tmp_path / "cache"), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("fedmoe: error:")]
+    assert len(lines) == 1 and "budget 100 MiB is below this device's runtime baseline" in lines[0]
+    assert "not even one expert per layer fits" in lines[0] and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- 3. names and paths up front
+
+
+def _agg_yaml(tmp_path: Path, **extra) -> Path:
+    cfg = {"federation": f"diag-{uuid.uuid4().hex[:6]}", "rounds": 2, "min_devices": 5, "start_timeout_s": 120,
+           "store": f"sqlite:///{tmp_path}/a.db",
+           "model": {"base": None, "config": TINY_CONFIG, "num_experts": 4, "top_k": 2, "max_seq_len": 32},
+           "tasks": {"t": {"labels": ["a", "b"]}}, **extra}
+    f = tmp_path / "agg.yaml"
+    f.write_text(yaml.safe_dump(cfg))
+    return f
+
+
+def test_a_mistyped_strategy_name_exits_2_with_a_suggestion_before_any_model(tmp_path, capsys):
+    from fedmoe.cli import main
+
+    rc = main(["aggregator", "--config", str(_agg_yaml(tmp_path, assignment={"name": "random_kep"})),
+               "--broker", "mqtt://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "unknown assignment strategy 'random_kep'" in err and "did you mean 'random_kept'" in err
+    assert not (tmp_path / "a.db").exists()  # nothing was set up
+
+
+def test_a_mistyped_config_key_gets_did_you_mean(tmp_path, capsys):
+    from fedmoe.cli import main
+
+    rc = main(["aggregator", "--config", str(_agg_yaml(tmp_path, roundz=3, model={"base": None, "num_expert": 4})),
+               "--broker", "mqtt://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "roundz: did you mean 'rounds'?" in err and "model.num_expert: did you mean 'model.num_experts'?" in err
+
+
+def test_a_checkpoint_without_tokenizer_is_named(tmp_path):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from fedmoe.cli import UsageError, _checkpoint_model
+
+    cfg = Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    Qwen2MoeForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(UsageError, match="has no tokenizer"):
+        _checkpoint_model(str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
+    assert _checkpoint_model(str(tmp_path / "ckpt"))["num_experts"] == 4
+
+
+# --------------------------------------------------------------------------- 2. signals
+
+
+@pytest.mark.slow
+def test_sigterm_on_the_aggregator_is_logged_and_tells_the_devices(tmp_path, mosquitto_url):
+    from protocol.messages import PROTOCOL_MINOR, Command, Hello, encode, parse_message
+    from protocol.topics import Topics
+    from protocol.transport import Transport
+
+    cfg_file = _agg_yaml(tmp_path)
+    topics = Topics(yaml.safe_load(cfg_file.read_text())["federation"])
+    dev = Transport(mosquitto_url, f"diag-dev-{uuid.uuid4().hex[:6]}")
+    dev.connect()
+    dev.subscribe(topics.device_down("d1"))
+    hello = Hello(device_id="d1", sdk_version="test", budget_bytes=2**30, weight_formats=["fp32"], num_samples=8,
+                  task="t", runtime_bytes=0, protocol_minor=PROTOCOL_MINOR)
+    dev.publish(topics.up("d1", "hello"), encode(hello), retain=True)
+    agg = subprocess.Popen([sys.executable, "-m", "fedmoe", "aggregator", "--config", str(cfg_file), "--broker",
+                            mosquitto_url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    commands: list[Command] = []
+
+    def wait_for(pred, seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            m = dev.get(0.5)
+            if m is not None and m.topic.endswith("/command"):
+                commands.append(parse_message(m.payload, Command))
+            if any(pred(c) for c in commands):
+                return True
+        return False
+
+    try:
+        assert wait_for(lambda c: c.command == "registered", 120), "no registered command"
+        agg.send_signal(signal.SIGTERM)
+        assert wait_for(lambda c: c.command == "stop", 30), [c.command for c in commands]
+        out, _ = agg.communicate(timeout=60)
+    finally:
+        if agg.poll() is None:
+            agg.kill()
+            agg.wait()
+        dev.publish(topics.up("d1", "hello"), b"", retain=True)
+        dev.close()
+    stop = next(c for c in commands if c.command == "stop")
+    assert stop.reason == "aggregator shutting down"
+    assert agg.returncode == 0, out[-3000:]
+    assert "SIGTERM received: stopping the aggregator" in out
+    assert "told 1 registered device(s): stop (aggregator shutting down)" in out
+
+
+def test_a_simulation_gives_the_aggregator_an_assign_timeout_under_a_minute():
+    from fedmoe.sim_config import SIM_ASSIGN_TIMEOUT_S, aggregator_config
+    from fedmoe.simulate import SimulationConfig
+
+    agg = aggregator_config(SimulationConfig(), {}, "f", "sqlite://")
+    assert agg["assign_timeout_s"] == SIM_ASSIGN_TIMEOUT_S < 60
+
+
+@pytest.mark.slow
+def test_an_aggregator_whose_devices_all_fall_below_the_plan_ends_with_the_reason(mosquitto_url, tmp_path):
+    from cloud.service import Aggregator, AggregatorConfig
+    from protocol.messages import PROTOCOL_MINOR, Hello, encode
+    from protocol.topics import Topics
+    from protocol.transport import Transport
+
+    cfg = AggregatorConfig.load(_agg_yaml(tmp_path), min_devices=1, assign_timeout_s=3)
+    topics = Topics(cfg.federation)
+    dev = Transport(mosquitto_url, f"diag-dev-{uuid.uuid4().hex[:6]}")
+    dev.connect()
+    hello = Hello(device_id="d1", sdk_version="test", budget_bytes=2**20, weight_formats=["fp32", "int8"],
+                  num_samples=8, task="t", runtime_bytes=0, protocol_minor=PROTOCOL_MINOR)
+    dev.publish(topics.up("d1", "hello"), encode(hello), retain=True)
+    try:
+        with pytest.raises(TimeoutError, match="no device could be assigned for 3 s") as e:
+            Aggregator(cfg, mosquitto_url).run()
+    finally:
+        dev.publish(topics.up("d1", "hello"), b"", retain=True)
+        dev.close()
+    assert "d1" in str(e.value) and "budget" in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_simulation_whose_devices_all_exit_ends_with_their_reason(tmp_path):
+    from fedmoe.simulate import SimulationConfig, simulate
+
+    # automatic budgets on the probed baseline; each device counts 300 MiB more headroom and refuses to join
+    cfg = SimulationConfig(out=str(tmp_path / "run"), devices=2, rounds=1, base=None, tasks=["bbc"],
+                           model_config=TINY_CONFIG, device={"headroom": "300MiB"})
+    with pytest.raises(RuntimeError, match="every device process exited") as e:
+        simulate(cfg)
+    assert "below this device's runtime baseline" in str(e.value)
+    assert not os.path.exists(tmp_path / "run" / "report.json")
+
+
+@pytest.mark.parametrize("on_stop", ["exit", "wait"])
+def test_a_device_told_that_the_aggregator_stops_exits_or_waits_as_configured(on_stop, caplog):
+    from edge_sdk import EdgeClient
+    from protocol.messages import Command
+
+    client = EdgeClient("mqtt://127.0.0.1:1", "d1", [("a text", "a")] * 4, runtime_bytes=0,
+                        on_aggregator_stop=on_stop)
+    client._on_command(Command(command="stop", reason="aggregator shutting down"))
+    assert client._stop is (on_stop == "exit") and client.exit_reason is None
+    assert any("aggregator shutting down" in r.getMessage() for r in caplog.records)
+    client._on_command(Command(command="stop"))  # the federation is over: always leave
+    assert client._stop
+
+
+def test_a_refused_hello_ends_the_device_with_the_reason():
+    from edge_sdk import EdgeClient
+    from protocol.messages import Command
+
+    client = EdgeClient("mqtt://127.0.0.1:1", "d1", [("a text", "a")] * 4, runtime_bytes=0)
+    client._on_command(Command(command="reject", kind="hello", reason="hello rejected: unknown task 'bbcc'"))
+    assert client._stop and "unknown task 'bbcc'" in client.exit_reason
