@@ -312,7 +312,7 @@ def test_bad_fedalign_stats_are_refused_with_a_reply_and_r_g_survives_a_restart(
         assert torch.allclose(rnd.tensors[d][RG_TENSOR], torch.full((1, E4), 1 / E4))
     _send(agg, "a", _stats(agg, "a", _upload(agg, "a", 0.01), 10))          # routing_dist 0.5 everywhere
     assert "a" not in rnd.stats
-    assert any(c.reason.startswith("stats rejected: fedalign: layer") for d, c in replies if d == "a"), replies
+    assert any((c.reason or "").startswith("stats rejected: fedalign: layer") for d, c in replies if d == "a"), replies
     _send(agg, "a", _honest(agg, "a", _upload(agg, "a", 0.01)))
     _send(agg, "b", _honest(agg, "b", _upload(agg, "b", 0.02)))
     assert rnd.reported("a") and rnd.reported("b")
