@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -31,7 +29,7 @@ from torch import nn
 
 from . import btx
 from .bert_upcycled import BTX_WEIGHTS as WEIGHTS, BertMoEClassifier, resolve_path
-from .upcycle_hf import _umask_modes
+from .upcycle_hf import atomic_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -251,9 +249,7 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
                                       top_k, balance_alpha) if router_steps > 0 else [])
     t_router = time.perf_counter() - t_router
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with atomic_output_dir(out) as tmp:
         from safetensors.torch import save_file
 
         cfg.save_pretrained(tmp)
@@ -276,13 +272,6 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
                             "total": round(time.perf_counter() - t_start, 1)},
                 **(record or {})}
         (tmp / "btx.json").write_text(json.dumps(meta, indent=1) + "\n")
-        _umask_modes(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("wrote %s (%d experts x MoE layers %s) in %.0f s", out, len(names), moe_layers,
              time.perf_counter() - t_start)
     return out

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -24,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import btx
-from .upcycle_hf import FAMILIES, _check_layers, _check_llama, _resolve_source, _target_config, _umask_modes
+from .upcycle_hf import FAMILIES, _check_layers, _check_llama, _resolve_source, _target_config, atomic_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -199,9 +197,7 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
                      if router_steps > 0 else [])
     t_router = time.perf_counter() - t_router
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with atomic_output_dir(out) as tmp:
         moe.to("cpu").save_pretrained(tmp)
         tok.save_pretrained(tmp)
         meta = {"method": "btx", "paper": "Sukhbaatar et al. 2024, arXiv:2403.07816", "target": "causal-lm",
@@ -214,13 +210,6 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
                             "total": round(time.perf_counter() - t_start, 1)},
                 **(record or {})}
         (tmp / "btx.json").write_text(json.dumps(meta, indent=1) + "\n")
-        _umask_modes(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("wrote %s (%s, %d experts x %d MoE layers) in %.0f s", out, cls.__name__, len(names), len(moe_layers),
              time.perf_counter() - t_start)
     return out

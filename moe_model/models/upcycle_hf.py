@@ -137,9 +137,7 @@ def upcycle_checkpoint(source: str, out: str | Path, *, family: str = "mixtral",
                  src_cfg.hidden_size, src_cfg.intermediate_size, str(reader.dtype).removeprefix("torch."),
                  family, num_experts, top_k, _ranges(moe_layers), noise, seed)
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-        try:
+        with atomic_output_dir(out) as tmp:
             dst_cfg.save_pretrained(tmp)
             _write_weights(reader, tmp, family, num_experts, moe_layers, noise, seed)
             _write_tokenizer(src_dir, gguf, tmp)
@@ -148,13 +146,6 @@ def upcycle_checkpoint(source: str, out: str | Path, *, family: str = "mixtral",
                       "num_experts": num_experts, "top_k": top_k, "layers": moe_layers, "noise": noise,
                       "seed": seed, "router_std": ROUTER_STD}
             (tmp / "upcycle.json").write_text(json.dumps(record, indent=2) + "\n")
-            _umask_modes(tmp)
-            if out.exists():
-                shutil.rmtree(out)
-            tmp.rename(out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     log.info("wrote %s (%s, %.1f MiB) in %.1f s", out, type(dst_cfg).__name__.replace("Config", "ForCausalLM"),
              size / 2**20, time.perf_counter() - t0)
@@ -163,6 +154,26 @@ def upcycle_checkpoint(source: str, out: str | Path, *, family: str = "mixtral",
 
 # ---------------------------------------------------------------------------------------------
 # arguments and source
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path):
+    """Write a checkpoint directory all at once: yields a fresh temporary directory beside
+    ``out``; when the block ends without an error its files get the modes the process umask
+    gives (:func:`_umask_modes`) and it replaces ``out`` (an earlier output is removed first);
+    on any error (``BaseException``, a signal too) it is removed and ``out`` is left as it was.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        yield tmp
+        _umask_modes(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _umask_modes(path: Path) -> None:
