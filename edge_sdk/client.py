@@ -416,7 +416,10 @@ class EdgeClient:
         self.notices.append(Notice(msg.command, msg.round, msg.reason or "", msg.budget_bytes, msg.needed_bytes,
                                    msg.runtime_bytes, msg.kind, msg.upload_id))
         del self.notices[:-MAX_NOTICES]
-        if msg.command == "reject" and msg.kind == "hello":  # not registered: waiting would be in vain
+        # a refused hello of this device (its task is not trained here): waiting would be in vain. Any
+        # other hello reject (junk someone sent on this device's topic: not JSON, not an object) is
+        # only logged above, so a stranger's flood cannot make the device leave.
+        if msg.command == "reject" and msg.kind == "hello" and f"unknown task {self.task!r}" in (msg.reason or ""):
             self.exit_reason = f"the aggregator refused this device's hello: {msg.reason}"
             log.error("%s: %s; leaving", self.device_id, self.exit_reason)
             self._stop = True

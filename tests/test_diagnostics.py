@@ -239,6 +239,9 @@ def test_a_refused_hello_ends_the_device_with_the_reason():
     from edge_sdk import EdgeClient
     from protocol.messages import Command
 
-    client = EdgeClient("mqtt://127.0.0.1:1", "d1", [("a text", "a")] * 4, runtime_bytes=0)
+    client = EdgeClient("mqtt://127.0.0.1:1", "d1", [("a text", "a")] * 4, runtime_bytes=0, task="bbcc")
+    # junk someone else sent on this device's hello topic is refused too, but is not this device's hello
+    client._on_command(Command(command="reject", kind="hello", reason="hello rejected: not valid JSON: ..."))
+    assert not client._stop and client.exit_reason is None
     client._on_command(Command(command="reject", kind="hello", reason="hello rejected: unknown task 'bbcc'"))
     assert client._stop and "unknown task 'bbcc'" in client.exit_reason
