@@ -176,11 +176,11 @@ def test_no_absolute_machine_paths():
 
 def test_patterns_catch_what_they_should():
     """The checks above are only as good as their patterns."""
-    assert BACKGROUND_NOTES.search("see DESIGN.md") and BACKGROUND_NOTES.search("(ALGORITHMS.md)")
-    assert OPAQUE_PAPER.search("003_a50797d291873d18.txt")
-    assert MACHINE_PATH.search("python at /work/main/.venv") and not MACHINE_PATH.search("https://x.org/work/a")
+    assert BACKGROUND_NOTES.search("see " + "DESIGN" + ".md") and BACKGROUND_NOTES.search("(" + "ALGORITHMS" + ".md)")
+    assert OPAQUE_PAPER.search("003_" + "a50797d291873d18" + ".txt")
+    assert MACHINE_PATH.search("python at /" + "work/main/.venv") and not MACHINE_PATH.search("https://x.org/work/a")
     assert MACHINE_PATH.search("/home/alice/x") and MACHINE_PATH.search("cd /Users/bob")
-    assert MACHINE_PATH.search("under /root/x") and not MACHINE_PATH.search("~/root/x")
+    assert MACHINE_PATH.search("under /" + "root/x") and not MACHINE_PATH.search("~/root/x")
     assert _exists("results/fleet/fleet.md") and not _exists("results/fleet/missing.md")
     assert _exists("results/fusion_table.{json,md,png}") and _exists("results/evidence/<name>.md")
     assert not _exists("results/nothing_{a,b}.md")
