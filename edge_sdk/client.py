@@ -106,6 +106,12 @@ class Notice:
 DEFAULT_HELLO_TIMEOUT_S = 60.0
 """Seconds a device waits for its aggregator's answer to the hello (:class:`EdgeClient`)."""
 
+HELLO_RESEND_S = 5.0
+"""Seconds after which an unanswered hello is sent again; the wait doubles after each resend
+(5, 10, 20, ... s) until an answer comes or ``hello_timeout_s`` runs out. A hello can be lost
+where a subscription has not yet reached every node of a broker cluster; the aggregator's
+registration is idempotent."""
+
 MAX_NOTICES = 100
 """Notices :attr:`EdgeClient.notices` keeps (the newest)."""
 
@@ -356,17 +362,30 @@ class EdgeClient:
         )
         for f in self.filters:
             hello = f.on_hello(hello)
-        self._publish("hello", 0, lambda: self.transport.publish(self.topics.up(self.device_id, "hello"),
-                                                                 encode(hello), retain=True))
+        payload = encode(hello)
+
+        def send_hello() -> None:
+            self._publish("hello", 0, lambda: self.transport.publish(self.topics.up(self.device_id, "hello"),
+                                                                     payload, retain=True))
+
+        send_hello()
         log.info("%s joined %s (budget %.2f GiB, %d samples, task %s)", self.device_id, self.topics.federation,
                  self.budget_bytes / 1024**3, len(self.raw_items), self.task)
         self._mark = (self.transport.bytes_sent, self.transport.bytes_received)
         last_activity = joined = time.monotonic()
         told = False
+        resend_every = HELLO_RESEND_S
+        resend_at = joined + resend_every
         try:
             while not self._stop and (max_rounds is None or len(self.history) < max_rounds):
                 msg = self._next_control(timeout=1.0)
                 if msg is None:
+                    if not self._answered and not told and time.monotonic() >= resend_at:
+                        log.info("%s: no answer to the hello after %.0f s; sending it again", self.device_id,
+                                 time.monotonic() - joined)
+                        send_hello()
+                        resend_every *= 2
+                        resend_at = time.monotonic() + resend_every
                     if not self._answered and not told and time.monotonic() - joined > self.hello_timeout_s:
                         told = True
                         why = (f"no aggregator of federation {self.topics.federation!r} answered the hello "

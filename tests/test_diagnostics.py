@@ -69,6 +69,61 @@ def test_a_device_of_a_federation_without_aggregator_leaves_with_the_reason(mosq
 
 
 @pytest.mark.slow
+def test_a_lost_hello_is_sent_again_until_the_aggregator_answers(mosquitto_url):
+    """A hello lost on its way (here: dropped by a filter; in a broker cluster: a
+    subscription not yet on every node) is sent again after 5 s, and the device then
+    serves: it does not wait out its hello timeout in silence."""
+    from edge_sdk import EdgeClient
+    from edge_sdk.filters import Filter
+    from protocol.messages import Command, encode
+    from protocol.transport import Transport
+
+    class DropFirstHello(Filter):
+        dropped = 0
+
+        def on_publish(self, kind, round, send):
+            if kind == "hello" and not self.dropped:
+                self.dropped += 1
+                return None
+            return send()
+
+    federation = f"lost-hello-{uuid.uuid4().hex[:6]}"
+    client = EdgeClient(mosquitto_url, "dev-7", [("a text", "a")] * 4, federation=federation, runtime_bytes=0,
+                        hello_timeout_s=30, filters=[DropFirstHello()])
+    cloud = Transport(mosquitto_url, f"cloud-{federation}")
+    cloud.connect()
+    hello_topic = client.topics.up("dev-7", "hello")
+    cloud.subscribe(hello_topic, timeout=10)
+    heard: list[float] = []
+
+    def answer() -> None:  # the aggregator's part: `registered`, then `stop`
+        while not heard:
+            try:
+                m = cloud.inbox.get(timeout=0.5)
+            except Exception:
+                continue
+            if m.topic == hello_topic and m.payload:
+                heard.append(time.monotonic())
+        down = client.topics.down("dev-7", "command")
+        cloud.publish(down, encode(Command(command="registered")))
+        time.sleep(0.5)
+        cloud.publish(down, encode(Command(command="stop")))
+
+    import threading
+
+    t0 = time.monotonic()
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        client.run()
+    finally:
+        cloud.publish(hello_topic, b"", retain=True)
+        cloud.publish(client.topics.up("dev-7", "status"), b"", retain=True)
+        cloud.close()
+    assert heard and 4 <= heard[0] - t0 < 15, "the hello was not sent again after about 5 s"
+    assert client.exit_reason is None and time.monotonic() - t0 < 25
+
+
+@pytest.mark.slow
 def test_a_device_whose_budget_is_below_its_own_baseline_exits_at_once(tmp_path):
     # the broker port is closed: the device must refuse before it tries to join
     proc = _fedmoe("device", "--broker", "mqtt://127.0.0.1:1", "--device-id", "d1", "--budget", "100MiB",
