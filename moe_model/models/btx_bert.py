@@ -170,7 +170,8 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
               for n in names}
     settings = {"source": str(source), "domains": names, "moe_layers": moe_layers,
                 "train": train, "head_steps": head_steps, "branch_steps": branch_steps, "batch_size": batch_size,
-                "seq_len": seq_len, "lr": lr, "split": (record or {}).get("split"), "head_lr": head_lr, "seed": seed}
+                "seq_len": seq_len, "doc_blocks": btx.DOC_BLOCKS, "lr": lr, "split": (record or {}).get("split"),
+                "head_lr": head_lr, "seed": seed}
     store = btx.BranchStore(work, settings)
     samplers = [btx.BlockSampler(blocks[n], seed * 7919 + d) for d, n in enumerate(names)]
 

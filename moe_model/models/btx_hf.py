@@ -126,7 +126,8 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
     seed_state = {k: v.detach().clone() for k, v in dense.state_dict().items()}
 
     settings = {"source": str(source), "gguf": gguf, "domains": names, "moe_layers": moe_layers, "train": train,
-                "branch_steps": branch_steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
+                "branch_steps": branch_steps, "batch_size": batch_size, "seq_len": seq_len,
+                "doc_blocks": btx.DOC_BLOCKS, "lr": lr,
                 "split": (record or {}).get("split"), "seed": seed}
     store = btx.BranchStore(work, settings)
     ffn_prefixes = tuple(f"model.layers.{i}.mlp." for i in moe_layers)
