@@ -96,9 +96,14 @@ class ShardPublisher:
         log.info("wrote %s base shards to %s (%.1f MiB new) in %.1f s; devices fetch them from %s", fmt,
                  files.directory, written / 2**20, time.perf_counter() - t0, self.shard_url)
 
-    def clear_retained(self) -> None:
+    def clear_retained(self, timeout: float = 10.0) -> None:
         """Delete the retained shard messages published (an empty retained payload clears a
-        topic); a failure is logged, never raised."""
+        topic), waiting at most ``timeout`` seconds for the broker's acknowledgements; a
+        failure is logged, never raised. Not attempted while the broker is unreachable (the
+        next model's shards replace them)."""
+        if not self.transport.connected:
+            log.warning("broker unreachable: the retained shards stay on it until the next model replaces them")
+            return
         from protocol.chunking import chunk_data_bytes
 
         step = chunk_data_bytes(self.transport.chunk_payload_bytes)
@@ -106,6 +111,6 @@ class ShardPublisher:
         for _, prefix, data, _ in self._items():
             items += [(f"{prefix}/{i}", b"", True) for i in range(max(1, -(-len(data) // step)))]
         try:
-            self.transport.publish_many(items)
+            self.transport.publish_many(items, timeout=timeout)
         except Exception as e:
             log.warning("could not clear retained shards: %s", e)

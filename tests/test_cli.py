@@ -86,7 +86,10 @@ def test_a_signal_to_simulate_stops_every_process_it_started(tmp_path, sig):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "fedmoe", "simulate", "--tiny", "--out", str(out), "--devices", "2",
                              "--rounds", "100", "--budgets", "700MiB"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            # a suite run in the background (`cmd &`) starts with SIGINT ignored, which
+                            # children inherit: give the command Ctrl-C's default, as a terminal would
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while not (out / "logs" / "dev-01.log").exists():
