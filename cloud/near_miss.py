@@ -83,8 +83,12 @@ class NearMissHellos:
             :meth:`handle` (tests).
         on_count: called with ``"answered"`` (a reject sent), ``"pending"`` (a first
             hello of a near-miss federation's device, waiting for it to come again) or
-            ``"ignored"`` (a near-miss hello dropped: junk, or over the bound), e.g. the Prometheus counter ``fedmoe_foreign_hellos_total``.
+            ``"ignored"`` (a near-miss hello dropped: junk, or over the bound), e.g. the
+            Prometheus counter ``fedmoe_foreign_hellos_total``.
         clock: monotonic time source, seconds (tests).
+
+    Raises:
+        ValueError: ``federation`` is not a valid topic level.
     """
 
     def __init__(self, federation: str, transport: Transport | None, *,

@@ -171,7 +171,8 @@ def test_a_mistyped_config_key_gets_did_you_mean(tmp_path, capsys):
 @pytest.mark.parametrize("extra, expected", [
     ({"strategy": {"name": "composed", "params": {"objectives": [{"name": "load_balanse", "params": {"alpha": 0.1}}]}}},
      "strategy.params.objectives: unknown objective term 'load_balanse' (did you mean 'load_balance'?)"),
-    ({"defences": {"robust": {"name": "median_"}}}, "unknown robust aggregation rule 'median_' (did you mean 'median'?)"),
+    ({"defences": {"robust": {"name": "median_"}}},
+     "unknown robust aggregation rule 'median_' (did you mean 'median'?)"),
 ])
 def test_a_mistyped_objective_or_robust_rule_exits_2_before_any_model(tmp_path, capsys, extra, expected):
     from fedmoe.cli import main
@@ -235,7 +236,8 @@ def test_bad_names_exit_2_with_one_line_and_no_traceback_in_a_fresh_process(tmp_
     took = time.monotonic() - t0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("fedmoe: error:"), proc.stderr[-3000:]
-    assert "did you mean 'load_balance'?" in lines[0] and f"model.base '{tmp_path / 'nowhere'}' does not exist" in lines[0]
+    assert "did you mean 'load_balance'?" in lines[0]
+    assert f"model.base '{tmp_path / 'nowhere'}' does not exist" in lines[0]
     assert "Traceback" not in proc.stderr and took < 10, took
     t0 = time.monotonic()
     proc = _fedmoe("simulate", "--out", str(tmp_path / "run"), "--tiny", "--strategy-params",
