@@ -148,6 +148,12 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     """Send every device ``command: stop`` after the last round."""
     clear_retained_on_exit: bool = False
     """Remove the retained shard messages on exit (simulations, tests)."""
+    near_miss_hellos: bool = True
+    """Also take the hellos of every federation on the broker (a second MQTT session) and
+    tell a device whose federation name is a near miss of this one's, and whose hello no
+    one answers, ``did you mean`` (a ``reject`` of its hello, :mod:`cloud.near_miss`), so it
+    leaves within about 15 s instead of waiting out its ``hello_timeout_s``. Not a worker's
+    job; off where the broker's ACL refuses the wildcard subscription (logged)."""
     shard_url: str | None = Field(None, max_length=1500, pattern=r"^https?://[^\s]+$")
     """Base URL of the shard files (``{shard_url}/{sha256}.safetensors``) a web server or
     CDN serves from ``shard_dir``: devices of protocol minor 6 or later fetch shards there

@@ -26,6 +26,8 @@ numbers and quoted values blanked, at most :data:`MAX_REASONS` distinct, then ``
 ``fedmoe_devices_excluded_total{reason}``               device-rounds left out, by reason class
 ``fedmoe_updates_accepted_total``                       updates taken into a round
 ``fedmoe_messages_rejected_total{reason}``              refused messages, by reason class
+``fedmoe_foreign_hellos_total{outcome}``                hellos of near-miss federations (``cloud.near_miss``):
+                                                        ``answered`` (did you mean), ``pending``, ``ignored``
 ``fedmoe_received_bytes_total`` / ``_sent_bytes_total``  MQTT PUBLISH bytes on the wire
 ``fedmoe_store_write_seconds``                          histogram, persisting a closed round
 ``fedmoe_expert_load_cv{layer}``                        FLEX-MoE eq. 8 over the load window
@@ -139,6 +141,9 @@ class AggregatorMetrics(WsgiListener):
         self.accepted = Counter("fedmoe_updates_accepted", "Updates taken into a round", registry=r)
         self.rejected = Counter("fedmoe_messages_rejected", "Refused messages, by reason class", ["reason"],
                                 registry=r)
+        self.foreign_hellos = Counter("fedmoe_foreign_hellos", "Hellos on a federation name that is a near miss of "
+                                      "this one's: answered (did you mean), pending (first seen), ignored (junk, "
+                                      "over the bound)", ["outcome"], registry=r)
         Gauge("fedmoe_devices_online", "Registered devices online now", registry=r).set_function(
             lambda: len(service.registry.online()))
         Gauge("fedmoe_devices_registered", "Registered devices", registry=r).set_function(
@@ -181,6 +186,10 @@ class AggregatorMetrics(WsgiListener):
     def on_reject(self, reason: str) -> None:
         """A refused message (the service's reject or drop)."""
         self.rejected.labels(self._reject_reasons(reason_class(reason))).inc()
+
+    def on_foreign_hello(self, outcome: str) -> None:
+        """A hello of a near-miss federation (``cloud.near_miss``): ``answered``, ``pending`` or ``ignored``."""
+        self.foreign_hellos.labels(outcome if outcome in ("answered", "pending", "ignored") else "other").inc()
 
     def on_record(self, record: dict, store_seconds: float | None = None) -> None:
         """A closed round's record (``cloud.rounds``) and the time persisting it took."""

@@ -32,6 +32,7 @@ import re
 import struct
 import threading
 import time
+import uuid
 from typing import Any, Sequence
 
 from moe_model.budget import tune_allocator
@@ -52,6 +53,7 @@ from .config import (  # noqa: F401  (re-exported)
 from .filters import InboundFilter, Verification
 from .dashboard import Dashboard
 from .global_model import GlobalModel
+from .near_miss import NearMissHellos
 from .observability import AggregatorMetrics, parse_address
 from .registry import Registry
 from .robust.defences import Defences
@@ -171,6 +173,13 @@ class Aggregator:
         self.updates = Reassembler(config.max_update_bytes)
         if self.role == "all":
             self._reload_chunks()
+        self.near_miss: NearMissHellos | None = None
+        """Answers devices of a mistyped federation name (``near_miss_hellos``; not a worker)."""
+        if config.near_miss_hellos and not worker:
+            self.near_miss = NearMissHellos(config.federation, Transport(
+                broker, f"fedmoe-near-miss-{config.federation}-{uuid.uuid4().hex[:8]}", protocol=config.protocol,
+                username=config.username, password=config.password, tls=tls, inbox_max=10_000),
+                on_count=lambda outcome: self.metrics is not None and self.metrics.on_foreign_hello(outcome))
         self._synced = 0.0
         self._told_no_worker = False
         self.initial: dict[str, Any] | None = self.store.get_json("initial_evaluation")
@@ -338,6 +347,8 @@ class Aggregator:
         for up in self._uplink():
             if not self.transport.subscribe(up, timeout=30):
                 log.warning("no SUBACK for %s within 30 s; going on (paho resubscribes on reconnect)", up)
+        if self.near_miss is not None:
+            self.near_miss.start()
         self.ready.set()
         if self.ingest is not None:
             return self._run_worker()
@@ -427,6 +438,8 @@ class Aggregator:
         stopped, the store closed."""
         self._reject_log.flush(force=True)
         self.activity.flush(force=True)
+        if self.near_miss is not None:
+            self.near_miss.close()
         if self.cfg.clear_retained_on_exit and self.ingest is None:
             self.shards.clear_retained()
         self.transport.close(end_session=self.engine.completed >= self.cfg.rounds)
@@ -549,6 +562,8 @@ class Aggregator:
             self._handle(m.topic, m.payload, m.properties)
             self.transport.ack(m)  # only now: a crash before this makes the broker redeliver it
             m = self.transport.get(0)
+        if self.near_miss is not None:
+            self.near_miss.poll()  # hellos of other federations: a mistyped name is told "did you mean"
         self._reject_log.flush()  # the summary of suppressed rejection lines, once a minute
         self.activity.flush()  # the last of a burst of events
 

@@ -237,6 +237,7 @@ class EdgeClient:
         """Why :meth:`run` returned early, if it did for a problem (no aggregator answered, the
         hello was refused); None otherwise."""
         self._answered = False
+        self._hellos_sent = 0
         self.device_id = T.check_id(device_id, "device id")
         self.model_dir = None if model_dir is None else str(model_dir)
         self.topics = T.Topics(federation)
@@ -367,6 +368,7 @@ class EdgeClient:
         def send_hello() -> None:
             self._publish("hello", 0, lambda: self.transport.publish(self.topics.up(self.device_id, "hello"),
                                                                      payload, retain=True))
+            self._hellos_sent += 1
 
         send_hello()
         log.info("%s joined %s (budget %.2f GiB, %d samples, task %s)", self.device_id, self.topics.federation,
@@ -401,7 +403,8 @@ class EdgeClient:
                         break
                     continue
                 last_activity = time.monotonic()
-                self._answered = True  # any message of the cloud (older than minor 10: no `registered`)
+                if not self._near_miss(msg):  # another federation's aggregator is not this one's answer
+                    self._answered = True  # any message of the cloud (older than minor 10: no `registered`)
                 if isinstance(msg, Command):
                     self._on_command(msg)
                 elif isinstance(msg, Assignment):
@@ -412,7 +415,11 @@ class EdgeClient:
 
     def _on_command(self, msg: Command) -> None:
         """``stop`` ends :meth:`run`; ``reject``, ``excluded`` and ``round_failed`` are
-        logged and kept in :attr:`notices`; commands of a newer minor version are ignored."""
+        logged and kept in :attr:`notices`; commands of a newer minor version are ignored.
+        A ``reject`` of this device's hello for its task (``unknown task``) ends :meth:`run`
+        with :attr:`exit_reason` set, and so does one for its federation (``unknown
+        federation``: the aggregator of a similar name) when no aggregator of its own
+        answered, the hello was sent again and ``on_no_aggregator`` is ``exit``."""
         if msg.command == "stop":
             if msg.reason and self.on_aggregator_stop == "wait":
                 log.warning("%s: the aggregator stopped (%s); waiting for it to come back (on_aggregator_stop: "
@@ -442,6 +449,26 @@ class EdgeClient:
             self.exit_reason = f"the aggregator refused this device's hello: {msg.reason}"
             log.error("%s: %s; leaving", self.device_id, self.exit_reason)
             self._stop = True
+        elif self._near_miss(msg):
+            # the aggregator of a federation with a similar name (cloud.near_miss): a mistyped federation
+            # name, unless this device's own aggregator answered, or the hello was not yet sent again
+            # (a restart whose first hello the other aggregator took for one sent again)
+            if self._answered or self._hellos_sent < 2 or self.on_no_aggregator == "wait":
+                log.info("%s: not leaving on that (%s)", self.device_id,
+                         "this federation's aggregator answered" if self._answered else
+                         "on_no_aggregator: wait" if self.on_no_aggregator == "wait" else "the hello was just sent")
+                return
+            self.exit_reason = f"no aggregator of federation {self.topics.federation!r} answered, and the " \
+                               f"aggregator of another federation refused this device's hello: {msg.reason}"
+            log.error("%s: %s; leaving", self.device_id, self.exit_reason)
+            self._stop = True
+
+    def _near_miss(self, msg: Command | Assignment) -> bool:
+        """Whether ``msg`` is the reject an aggregator of a near-miss federation sends a hello
+        it sees sent again (``hello rejected: unknown federation '<this device's federation>'
+        on this broker; did you mean ...``, PROTOCOL.md §9)."""
+        return isinstance(msg, Command) and msg.command == "reject" and msg.kind == "hello" and \
+            f"unknown federation {self.topics.federation!r}" in (msg.reason or "")
 
     def check_budget(self) -> None:
         """Check, before joining, that the budget can hold more than this device's own runtime

@@ -117,12 +117,13 @@ def check_tokenizer(directory: str) -> None:
 
 
 def _check_names(cfg) -> None:
-    """Every registered name a config gives (strategy, assignment, aggregation: the plugin
-    registry, whose errors say "did you mean"), and the tokenizer of a local ``hf-moe``
+    """Every registered name a config gives (strategy, assignment, aggregation, objective
+    terms: the plugin registry, whose errors say "did you mean"), the model's base
+    (:func:`fedmoe.sim_config.check_names`) and the tokenizer of a local ``hf-moe``
     checkpoint, before any model is built. Raises ValueError (all problems, one line)."""
-    from .sim_config import check_strategies
+    from .sim_config import check_names
 
-    check_strategies(cfg)
+    check_names(cfg)
     if cfg.model.family == "hf-moe" and cfg.model.tokenizer is None and cfg.model.base:
         from pathlib import Path
 
@@ -167,14 +168,14 @@ def _builtin_eval_data(cfg) -> dict[str, list[tuple[str, str]]]:
     Raises:
         ValueError: an unknown data set, or labels the task does not list.
     """
-    from .datasets import TASKS
-    from .simulate import builtin_test_set
-
     out, bad = {}, []
     for name, task in cfg.tasks.items():
         ref = task.eval_data or ""
         if not ref.startswith("builtin:"):
             continue
+        from .datasets import TASKS
+        from .simulate import builtin_test_set
+
         data = ref[len("builtin:"):]
         if data not in TASKS:
             bad.append(f"tasks.{name}.eval_data {ref!r}: unknown built-in data set {data!r} "
@@ -194,7 +195,7 @@ def _builtin_eval_data(cfg) -> dict[str, list[tuple[str, str]]]:
 def _aggregator(args: argparse.Namespace) -> int:
     import yaml
 
-    from cloud.service import Aggregator, AggregatorConfig
+    from cloud.config import AggregatorConfig
 
     from .options import given
 
@@ -212,6 +213,8 @@ def _aggregator(args: argparse.Namespace) -> int:
         hint = did_you_mean(e, AggregatorConfig)
         raise UsageError(f"{args.config}: {error_summary(e, root=type(e).__name__)}"
                          + (f" ({hint})" if hint else "")) from None
+    from cloud.service import Aggregator  # seconds of imports (torch, transformers): only once the config is sound
+
     broker = None
     url = args.broker
     if url is None:

@@ -39,7 +39,9 @@ def load_source(source: str, test_fraction: float | None, seed: int
     """(items ``(text, label)``, sorted label names, train indices, test indices) of ``source``.
 
     ``builtin:NAME``: :func:`fedmoe.simulate.split_task` with its defaults (the aggregator's
-    ``builtin:NAME`` test split); ``test_fraction`` must be None or 0.2. A file: read by
+    ``builtin:NAME`` test split), its training part as split, with the texts of test items
+    still in it (:func:`split_devices` drops them and counts them); ``test_fraction`` must be
+    None or 0.2. A file: read by
     :func:`edge_sdk.data.load_text_file`, split by :func:`fedmoe.partition.split_train_test`
     with ``test_fraction`` (default 0.2; 0: no test split) and ``seed``.
 
@@ -61,7 +63,7 @@ def load_source(source: str, test_fraction: float | None, seed: int
         if test_fraction not in (None, BUILTIN_TEST_FRACTION):
             raise ValueError(f"--test-fraction {test_fraction}: the test split of {source} is fixed (20%, seed 0) "
                              f"to be the one the aggregator evaluates on as eval_data: {source}")
-        items, labels, train_idx, test_idx = split_task(name)
+        items, labels, train_idx, test_idx = split_task(name, dedup=False)  # split_devices drops and counts
         return items, labels, train_idx, sorted(test_idx)
     from edge_sdk.data import load_text_file
 
@@ -113,7 +115,7 @@ def split_devices(source: str, device_ids: Sequence[str], out: str | Path, parti
     from edge_sdk.data import write_jsonl
     from protocol.topics import check_id
 
-    from .partition import parse_partition
+    from .partition import drop_test_texts, parse_partition
     from .partition import partition as partition_indices
 
     ids = [check_id(d, "device id") for d in device_ids]
@@ -126,8 +128,7 @@ def split_devices(source: str, device_ids: Sequence[str], out: str | Path, parti
     except ValueError as e:
         raise ValueError(f"--partition: {e}") from None
     items, labels, train_idx, test_idx = load_source(source, test_fraction, seed)
-    test_texts = {items[i][0] for i in test_idx}
-    kept = [i for i in train_idx if items[i][0] not in test_texts]
+    kept = drop_test_texts(items, train_idx, test_idx)
     dropped = len(train_idx) - len(kept)
     if len(ids) > len(kept):
         raise ValueError(f"{len(ids)} devices but only {len(kept)} training samples in {source}")

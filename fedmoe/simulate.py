@@ -37,10 +37,10 @@ from .broker import EmbeddedBroker
 from .options import schema_options
 from .sim_budgets import auto_budget_range, check_budgets, device_baseline_bytes, small_device_budget
 from .sim_config import (  # noqa: F401  (_model_dict: re-exported)
-    SimulationConfig, SimulationConfigError, _model_dict, aggregator_config, check_strategies, device_config,
+    SimulationConfig, SimulationConfigError, _model_dict, aggregator_config, check_names, device_config,
 )
 from .sim_data import builtin_test_set, prepare_data, split_task
-from .sim_options import ALIASES, OPTIONS
+from .sim_options import ALIASES, OPTIONS, error_name
 from .sim_progress import Narrator, watch
 from .supervisor import Processes, stop_on_signals
 
@@ -81,7 +81,7 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
 
     t_start = time.time()
     cfg.validate()
-    check_strategies(cfg)
+    check_names(cfg, error_name(("model", "base")))
     if cfg.device_memory_limit:
         from .cgroups import unavailable
 

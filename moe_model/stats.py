@@ -23,12 +23,14 @@ routed to e, top-k counted (FedMoE p[c,l,e], Mei et al. 2024, "FedMoE: Personali
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from protocol.messages import LayerStats
 
-from .models.moe import MoELayer
+if TYPE_CHECKING:  # transformers (its activations): not for the objective terms a config check imports
+    from .models.moe import MoELayer
 
 
 def routing_mass(idx: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:

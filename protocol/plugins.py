@@ -29,7 +29,7 @@ import importlib
 import logging
 import pkgutil
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -152,15 +152,26 @@ class Registry:
 
     def _unknown_message(self, name: str) -> str:
         known = self.names()
-        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-        if len(name) >= 3:  # a part of a longer name: 'krum' -> 'multi_krum'
-            close += [k for k in known if name in k and k not in close]
-        close = [self._aliases.get(c, c) for c in close]
+        close = [self._aliases.get(c, c) for c in close_matches(name, known)]
         hint = f" (did you mean {' or '.join(repr(c) for c in dict.fromkeys(close))}?)" if close else ""
         listed = [f"{n} (alias {', '.join(a for a, to in self._aliases.items() if to == n)})"
                   if n in self._aliases.values() else n for n in known if n not in self._aliases]
         return (f"unknown {self.kind} {name!r}{hint}; known: {', '.join(listed) or 'none'} "
                 f"(third-party ones register under the entry-point group {self.group!r})")
+
+
+def close_matches(name: str, known: Iterable[str], n: int = 3) -> list[str]:
+    """The names of ``known`` that ``name`` is a near miss of, closest first: the closeness
+    behind every "did you mean" (unknown registered names, and the cloud's answer to a
+    hello on a mistyped federation name, :mod:`cloud.near_miss`). These are difflib's close
+    matches (similarity ratio at least 0.6, at most ``n`` of them), then, for a ``name`` of 3
+    or more characters, the known names that contain it (``'krum'`` -> ``'multi_krum'``).
+    An exact match is returned too; callers that look for near misses leave it out first."""
+    known = list(known)
+    close = difflib.get_close_matches(name, known, n=n, cutoff=0.6)
+    if len(name) >= 3:  # a part of a longer name
+        close += [k for k in known if name in k and k not in close]
+    return close
 
 
 class Registered:

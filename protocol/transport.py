@@ -220,6 +220,8 @@ class Transport:
         self._sub_failed: set[str] = set()
         self._sub_done: set[str] = set()
         """Topics the broker acknowledged in the current session."""
+        self._no_retry: set[str] = set()
+        """Topics subscribed with ``retry=False``: dropped, not asked for again, when refused."""
         self._sub_log = LogLimiter(log, "refused subscriptions", per_key=3, total=50)
         self._connack: object = None
         self._results: dict[int, object] = {}
@@ -449,19 +451,25 @@ class Transport:
             self._connected.clear()
 
     # ------------------------------------------------------------------ subscriptions
-    def subscribe(self, topic: str, qos: int = 1, timeout: float | None = None) -> bool:
+    def subscribe(self, topic: str, qos: int = 1, timeout: float | None = None, retry: bool = True) -> bool:
         """Subscribe now (if connected) and again on every reconnect.
 
         Args:
             topic: topic filter.
             qos: maximum QoS.
             timeout: wait up to this many seconds for the broker's SUBACK (None: don't).
+            retry: ask again every :data:`SUBSCRIBE_RETRY_S` s while the broker refuses the
+                subscription (logged, rate-limited), as a broker cluster may refuse while it
+                moves a session. False: a refusal (an ACL's) drops the subscription quietly
+                (debug log); the caller learns it from the return value.
 
         Returns:
-            True once acknowledged (or not waited for); False if ``timeout`` passed first
-            or the client is not connected (it subscribes when it connects).
+            True once acknowledged (or not waited for); False if ``timeout`` passed first,
+            the broker refused it, or the client is not connected (it subscribes when it
+            connects).
         """
         self._subs[topic] = qos
+        (self._no_retry.discard if retry else self._no_retry.add)(topic)
         if self._client is None or not self.connected:
             return timeout is None
         mid = self._send_subscribe(self._client, topic, qos)
@@ -492,7 +500,10 @@ class Transport:
                 self._subacked.clear()
                 self._subacked.add(mid)
             self._suback.notify_all()
-        if failed and topic is not None and topic in self._subs:
+        if failed and topic is not None and topic in self._no_retry:
+            self._subs.pop(topic, None)
+            log.debug("broker refused the subscription to %s (not asked for again)", clip(topic))
+        elif failed and topic is not None and topic in self._subs:
             # a clustered broker refuses while it moves a session to another node (NATS: the
             # durable consumer behind the subscription is not placed yet): ask again shortly
             self._sub_log.log(topic, logging.WARNING, "broker refused the subscription to %s; retrying in %.0f s",
@@ -510,6 +521,7 @@ class Transport:
         """Stop receiving ``topic`` (and no longer resubscribe it after a reconnect)."""
         self._subs.pop(topic, None)
         self._sub_done.discard(topic)
+        self._no_retry.discard(topic)
         if self._client is not None and self.connected:
             self._client.unsubscribe(topic)
 

@@ -35,12 +35,33 @@ def test_builtin_split_keeps_the_aggregators_test_split_out_of_every_device(tmp_
         assert info["per_label"] == {y: sum(r["label"] == y for r in rows) for y in labels}
         assert not {r["text"] for r in rows} & test_texts  # no test sample in any device file
         seen += [r["text"] for r in rows]
-    items, _, train_idx, _ = split_task("bbc")
+    items, _, train_idx, _ = split_task("bbc", dedup=False)  # the split as drawn, before the duplicates go
     train = [items[i][0] for i in train_idx]
     assert manifest["dropped"] == sum(x in test_texts for x in train) > 0  # the set repeats some texts
     assert sorted(seen) == sorted(x for x in train if x not in test_texts)  # every other training sample, once
     sizes = [i["samples"] for i in manifest["devices"].values()]
     assert max(sizes) > 1.5 * min(sizes)  # Dirichlet(0.5): skewed, not an equal split
+
+
+@pytest.mark.parametrize("task, seed, max_samples", [("bbc", 0, None), ("tweets", 0, None), ("bbc", 3, 800)])
+def test_the_simulators_split_trains_on_no_text_of_its_test_split(task, seed, max_samples, caplog):
+    """``fedmoe simulate``'s split (and every benchmark built on it, ``cells.load_data``):
+    BBC News repeats 33 texts and the tweets 602; none that is in the test split stays in
+    the training part, and the log says how many went."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="fedmoe.sim_data")
+    items, labels, train_idx, test_idx = split_task(task, seed, 0.2, max_samples)
+    test_texts = {items[i][0] for i in test_idx}
+    assert not {items[i][0] for i in train_idx} & test_texts
+    raw = split_task(task, seed, 0.2, max_samples, dedup=False)
+    assert raw[0] == items and raw[3] == test_idx  # the same items and test split as before
+    dropped = [i for i in raw[2] if items[i][0] in test_texts]
+    assert dropped and train_idx == [i for i in raw[2] if i not in set(dropped)]  # only those went, order kept
+    assert f"{task}: {len(dropped)} of {len(raw[2])} training items dropped" in caplog.text
+    assert split_task(task, seed, 0.2, max_samples) == (items, labels, train_idx, test_idx)  # deterministic
+    if max_samples is None:  # what `eval_data: builtin:TASK` evaluates on is this test split, unchanged
+        assert builtin_test_set(task, seed)[0] == [items[i] for i in test_idx]
 
 
 def test_split_is_deterministic_per_seed_and_shrinks_cleanly(tmp_path):

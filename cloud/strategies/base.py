@@ -40,9 +40,15 @@ if TYPE_CHECKING:
     from ..global_model import GlobalModel
 
 
-def _objectives(raw: list[dict] | None) -> list[Objective]:
+def parse_objectives(raw: list[dict] | None) -> list[Objective]:
     """``Strategy(objectives=...)`` validated: a list of ``{name, params}`` of terms this
-    installation knows. Raises ValueError with the reason."""
+    installation knows (None: none).
+
+    Raises:
+        ValueError: not such a list, a malformed entry, an unknown term name
+            (:class:`protocol.plugins.UnknownNameError`, with "did you mean") or a term
+            named twice.
+    """
     from pydantic import ValidationError
 
     from edge_sdk.objectives import check_objectives
@@ -99,7 +105,7 @@ class Strategy(Registered):
         if not 0.0 <= float(evaluate_fraction) <= 1.0:
             raise ValueError(f"evaluate_fraction must be in [0, 1], got {evaluate_fraction!r}")
         self.setup, self.evaluate_fraction = setup, float(evaluate_fraction)
-        self.objectives = _objectives(objectives)
+        self.objectives = parse_objectives(objectives)
 
     @classmethod
     def reserve_fraction_of(cls, params: dict[str, Any]) -> float:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_model.train import evaluate
-
 from .base import ObjectiveTerm
 
 
@@ -31,6 +29,8 @@ class EvaluateReceived(ObjectiveTerm):
     def before_training(self, model: Any) -> None:
         if not self.ctx.val_items:
             return
+        from moe_model.train import evaluate  # peft and transformers: not for a config check naming the term
+
         r = evaluate(model, self.ctx.val_items, self.ctx.train.batch_size)  # no_grad; the batch the plan covers
         self._result = {"accuracy": [r.accuracy], "loss": [r.loss], "samples": [float(r.samples)]}
 
