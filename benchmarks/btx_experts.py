@@ -45,6 +45,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import write_result
 from moe_model.models import btx
 
 log = logging.getLogger("btx_experts")
@@ -422,13 +423,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.get_num_threads()} threads",
               "device": args.device, "seconds": time.time() - t0, "build": build,
               "eval": {"blocks": args.blocks, "seq_len": seq_len, "draws": args.draws}, **res}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    md = markdown(result)
-    (out / f"{name}.md").write_text(md)
-    plot(result, out / f"{name}.png")
-    print(md)
+    print(write_result(args.out, name, result, markdown, plot))
     return 0
 
 

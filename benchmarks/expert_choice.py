@@ -44,7 +44,7 @@ from typing import Iterator
 
 import torch
 
-from benchmarks.common import ci_text, heavy_lock, mean_ci
+from benchmarks.common import ci_text, heavy_lock, mean_ci, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -243,14 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             "top": {str(n): mean_ci([r["top"][n] for r in runs]) for n in SIZES},
             "random": {str(n): mean_ci([r["random"][n] for r in runs]) for n in SIZES},
             "ratio": {str(n): mean_ci([r["random"][n] / r["top"][n] for r in runs]) for n in SIZES}}
-    res = Path(args.results)
-    res.mkdir(parents=True, exist_ok=True)
-    stem = "expert_choice" + ("_quick" if args.quick else "")
-    (res / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    md = markdown(result)
-    (res / f"{stem}.md").write_text(md)
-    plot(result, res / f"{stem}.png")
-    print(md)
+    print(write_result(args.results, "expert_choice" + ("_quick" if args.quick else ""), result, markdown, plot))
     return 0
 
 

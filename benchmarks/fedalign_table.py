@@ -281,11 +281,8 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
 
 def _head(result: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     p = result["profile_config"]
-    return [f"# FedAlign-MoE table ({result['profile']} profile)", "",
-            cells.measured(result), f"Profile: {json.dumps(p)}.",
-            f"Seeds {p['seeds']} (each seed: its own data split, budgets and model/device seeds, the same for every "
-            f"method). {cells.cells_done(result)}",
-            f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", "",
+    return [*tables.profile_head("FedAlign-MoE table", result, "each seed: its own data split, budgets"
+                                                       " and model/device seeds, the same for every method"),
             "Columns: *global* = the global MoE on the task's held-out test split after the last round; *local* = "
             "mean over devices of their latest validation accuracy (own sub-model after local training). Each: mean ± "
             "std over seeds [95% Student-t CI of the mean]. *Rounds to target* = first round whose global accuracy "

@@ -159,11 +159,8 @@ def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any
 
 def _head(result: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     p = result["profile_config"]
-    return [f"# Fed-MoE fusion table ({result['profile']} profile)", "",
-            cells.measured(result), f"Profile: {json.dumps(p)}.",
-            f"Seeds {p['seeds']} (each seed: its own data subset, split, D^r, budgets and model/device seeds, the "
-            f"same for every method). {cells.cells_done(result)}",
-            f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", "",
+    return [*tables.profile_head("Fed-MoE fusion table", result, "each seed: its own data subset, split, D^r, budgets"
+                                                       " and model/device seeds, the same for every method"),
             "Settings: `<data set> <clients>`, Dirichlet(1.0) label skew. *global* = the method's model on the "
             "held-out test split after the last round (FedAvg/FedProx: the compact model; Avg-MoE: the 2-expert "
             "MoE; Cent-MoE: its 1+K-expert MoE; Fed-MoE: the server MoE, top-1; hybrid: the global MoE, with the "

@@ -186,3 +186,17 @@ def plot_with_ablations(result: dict[str, Any], path: Path, methods: list[str], 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def profile_head(title: str, result: dict[str, Any], seeds_note: str) -> list[str]:
+    """The first lines of a paper table's page: ``# <title> (<profile> profile)``, when and where
+    it was measured, the profile, the seeds (``seeds_note``: what a seed fixes) with the cells
+    done, and the cells' wall time (minutes)."""
+    import json
+
+    from benchmarks import cells
+
+    p = result["profile_config"]
+    return [f"# {title} ({result['profile']} profile)", "", cells.measured(result), f"Profile: {json.dumps(p)}.",
+            f"Seeds {p['seeds']} ({seeds_note}). {cells.cells_done(result)}",
+            f"Wall time of the cells: {result['cells_wall_seconds'] / 60:.1f} min.", ""]
