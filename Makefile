@@ -47,10 +47,12 @@ demo: $(STAMP)
 demo-full: $(STAMP)
 	$(VENV)/bin/fedmoe simulate --out runs/demo-full --strategy fusion_hybrid --small-devices 1
 
-# the docs build first (seconds; a broken link fails), then every test: pytest's summary is the last line
+# the docs build first (seconds; a broken link fails), then every test: pytest's summary is the last line.
+# Two pytest-xdist workers: the tests marked slow run one after another on one of them (as in a plain
+# run: federations with timeouts do not compete with each other), the quick ones on the other
 test: $(STAMP)
 	$(MAKE) docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 # the documentation site (mkdocs.yml) into site/; --strict: a broken link or reference fails the build
 docs: $(STAMP)

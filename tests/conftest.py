@@ -133,3 +133,13 @@ def pytest_unconfigure(config):
         sys.stderr.write("".join(traceback.format_stack(frames.get(t.ident))) if t.ident in frames else "")
     sys.stderr.flush()
     os._exit(3)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs pytest-xdist with two workers (``-n 2 --dist loadgroup``): the tests
+    marked ``slow`` (federations with timeouts, fresh processes) stay in one group, so they
+    run one after another on one worker as in a plain run, while the quick tests run on the
+    other. Without xdist the group marker does nothing."""
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("slow"))

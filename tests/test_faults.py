@@ -91,12 +91,15 @@ def gate_round1(client: EdgeClient, gate: threading.Event) -> None:
     client._train_round = gated
 
 
-@pytest.mark.parametrize("takeover", ["restart", "standby"])
+@pytest.mark.parametrize("store_url,takeover", [("sqlite", "restart"), ("postgresql", "standby")],
+                         indirect=["store_url"])
 def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_url, takeover):
     """The aggregator is SIGKILLed after accepting one of round 1's two updates; the other
     device publishes meanwhile. ``restart``: the operator starts it again; ``standby``: a
     second aggregator started with ``--standby`` at the beginning takes the store's
-    leader lock as the first dies. Both rounds complete with every update applied once."""
+    leader lock as the first dies. Both rounds complete with every update applied once.
+    Two of the four store x takeover pairs (each store and each takeover once: the store's
+    code paths do not depend on how the aggregator comes back; 35 s a pair)."""
     items, labels = bbc_news()
     spec = tiny_spec(upcycle_noise=0.01)
     fed = f"kill-{os.getpid()}-{int(time.time())}"
