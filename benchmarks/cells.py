@@ -265,7 +265,7 @@ def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], te
                                   params=dict(method.get("assignment_params", {}))),
         aggregation=StrategyConfig(name=method.get("aggregation", "modular"),
                                    params=dict(method.get("aggregation_params", {}))), weight_format=weight_format,
-        store=f"sqlite:///{out}/aggregator.db", clear_retained_on_exit=True, protocol="3.1.1",
+        store=f"sqlite:///{out}/aggregator.db", clear_retained_on_exit=True, protocol="3.1.1", near_miss_hellos=False,
         eval_max_samples=eval_samples, eval_batch_size=64, seed=seed, defences=defences,
         state_precision=method.get("state_precision", "fp32"),
     )

@@ -355,7 +355,9 @@ def aggregator_config(cfg: SimulationConfig, tasks: dict[str, dict], federation:
     shared = cfg.model_dump(mode="json", include=set(FederationSettings.model_fields), exclude_unset=True)
     out = {"federation": federation, **shared, "tasks": tasks, "min_devices": cfg.devices,
            "start_timeout_s": SIM_START_TIMEOUT_S, "assign_timeout_s": SIM_ASSIGN_TIMEOUT_S, "store": store,
-           "stop_devices_when_done": True, "clear_retained_on_exit": True}
+           "stop_devices_when_done": True, "clear_retained_on_exit": True,
+           # a simulation's devices are all its own, under a federation name it made up: no typo to answer
+           "near_miss_hellos": False}
     out.update({k: v for k in ("dashboard", "metrics") if (v := getattr(cfg, k)) is not None})
     out.update(cfg.extra_aggregator)
     return out

@@ -37,6 +37,7 @@ DEMO_AGGREGATOR = {
     "train": {"local_epochs": 1.0, "max_steps": 12, "batch_size": 8, "lr": 0.001, "prox_mu": 0.0},
     "weight_format": "int8", "max_payload": 262144, "store": "sqlite:///runs/demo/aggregator.db",
     "eval_max_samples": None, "seed": 0, "threads": 2, "stop_devices_when_done": True, "clear_retained_on_exit": True,
+    "near_miss_hellos": False,
 }
 
 
