@@ -19,6 +19,12 @@ persistent session, and the embedded broker gives every 3.1.1 client a clean ses
 So the embedded broker counts these records (:attr:`EmbeddedBroker.late_acks`) and keeps
 them off the terminal: they go to ``log_file`` when one is given, else to this module's
 logger at DEBUG.
+
+**Connect races.** amqtt 0.12.1 iterates its table of subscriptions, awaiting inside the
+loop, while it sets up a connecting client; another client's SUBSCRIBE at that moment
+raises "dictionary changed size during iteration" and drops the connecting client, which
+reconnects (paho) and subscribes again (:mod:`protocol.transport`); nothing is lost. These
+are counted (:attr:`EmbeddedBroker.connect_races`) and kept off the terminal the same way.
 """
 
 from __future__ import annotations
@@ -40,9 +46,18 @@ _LATE_ACK_LOGGERS = ("amqtt.broker", "amqtt.mqtt.protocol.handler")
 """The amqtt loggers that make the late-PUBACK records."""
 
 
+_CONNECT_RACE = "dictionary changed size during iteration"
+"""What amqtt 0.12.1 raises when a client's SUBSCRIBE races another's connect (module docstring)."""
+
+
 def _is_late_ack(text: str, exc: BaseException | None = None) -> bool:
     """Whether a log message or exception is amqtt's report of a late PUBACK."""
     return any(s in text or (exc is not None and s in str(exc)) for s in _LATE_ACK)
+
+
+def _is_connect_race(exc: BaseException | None) -> bool:
+    """Whether a task's exception is amqtt's connect race (module docstring)."""
+    return isinstance(exc, RuntimeError) and _CONNECT_RACE in str(exc)
 
 
 class _LateAcks(logging.Filter):
@@ -93,6 +108,8 @@ class EmbeddedBroker:
         """The file handler on amqtt's loggers while running (``log_file``)."""
         self.late_acks = 0
         """PUBACKs that came after amqtt's 5 s wait (harmless; see the module docstring)."""
+        self.connect_races = 0
+        """Clients dropped by amqtt's connect race, which reconnect (harmless; module docstring)."""
         self._filter = _LateAcks(self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._broker = None
@@ -129,21 +146,25 @@ class EmbeddedBroker:
         return self
 
     def _on_task_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        """The broker loop's exception handler: a late PUBACK is counted; any other error
-        is logged on the ``amqtt`` logger (``log_file`` when given)."""
+        """The broker loop's exception handler: a late PUBACK or a connect race is counted
+        and noted (:meth:`note`); any other error is logged on the ``amqtt`` logger
+        (``log_file`` when given)."""
         exc, message = context.get("exception"), context.get("message", "task error")
-        if isinstance(exc, TimeoutError) and _is_late_ack("", exc):
+        race = _is_connect_race(exc)
+        if race or isinstance(exc, TimeoutError) and _is_late_ack("", exc):
+            self.connect_races += race
             self.note(logging.LogRecord("amqtt.broker", logging.WARNING, __file__, 0, f"{message}: {exc}", (), None))
             return
         logging.getLogger("amqtt").error("embedded broker: %s", message,
                                          exc_info=(type(exc), exc, exc.__traceback__) if exc else None)
 
     def note(self, record: logging.LogRecord) -> None:
-        """Write ``record`` (about a late PUBACK) to ``log_file``, or as a DEBUG line of this module."""
+        """Write ``record`` (a late PUBACK or a connect race) to ``log_file``, or as a DEBUG line
+        of this module."""
         if self.log_handler is not None:
             self.log_handler.handle(record)
         else:
-            log.debug("late PUBACK (harmless, see fedmoe.broker): %s", record.getMessage())
+            log.debug("amqtt notice (harmless, see fedmoe.broker): %s", record.getMessage())
 
     def _run(self) -> None:
         from amqtt.broker import Broker
