@@ -198,8 +198,9 @@ def postgres_pids() -> list[int]:
     return [p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("postgres")]
 
 
-def start_broker(kind: str, work: Path):
-    """(broker object, device node list [(host, port)], aggregator URL, protocol, broker pids)."""
+def start_broker(kind: str, work: Path, ack_wait: str = "30s"):
+    """(broker object, device node list [(host, port)], aggregator URL, protocol, broker pids);
+    ``ack_wait``: the NATS cluster's redelivery time of an unacknowledged QoS 1 message."""
     if kind == "mosquitto":
         from fedmoe.broker import MosquittoBroker
 
@@ -209,7 +210,7 @@ def start_broker(kind: str, work: Path):
         return b, [(b.host, b.port)], b.url(), "5", [b.proc.pid]
     from fedmoe.natscluster import NatsCluster
 
-    c = NatsCluster(work / "nats").start()
+    c = NatsCluster(work / "nats", ack_wait=ack_wait).start()
     return c, [(c.host, p) for p in c.mqtt_ports], c.url, "3.1.1", [p.pid for p in c.procs if p is not None]
 
 
@@ -290,7 +291,7 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, work
             f.unlink()
     t0 = time.time()
     devices, keys = provision(n, work)
-    broker, nodes, url, protocol, broker_pids = start_broker(broker_kind, work)
+    broker, nodes, url, protocol, broker_pids = start_broker(broker_kind, work, getattr(args, "ack_wait", "30s"))
     procs, agg, logs, pool = [], None, [], None
     store = fresh_schema(getattr(args, "pg", PG_URL)) if workers else f"sqlite:///{work / 'aggregator.db'}"
     mon = Monitor(nodes[0][0], nodes[0][1], "fleet")

@@ -50,7 +50,7 @@ mqtt {{
   listen: {host}:{mqtt_port}
   stream_replicas: {replicas}          # sessions, QoS 1 messages and retained messages on every node
   consumer_replicas: {replicas}
-  ack_wait: "30s"                 # a QoS 1 message not acknowledged in 30 s is sent again
+  ack_wait: "{ack_wait}"                 # a QoS 1 message not acknowledged in 30 s is sent again
   max_ack_pending: 1024
 }}
 """
@@ -58,16 +58,19 @@ mqtt {{
 
 
 def node_config(name: str, host: str, client_port: int, monitor_port: int, route_port: int, mqtt_port: int,
-                routes: list[str], store_dir: str, cluster: str = "fedmoe", replicas: int = 3) -> str:
+                routes: list[str], store_dir: str, cluster: str = "fedmoe", replicas: int = 3,
+                ack_wait: str = "30s") -> str:
     """The configuration file text of one node (:data:`NODE_TEMPLATE`).
 
     Args:
         routes: ``host:port`` of every node's cluster (route) listener, this one included.
         replicas: JetStream replicas of the MQTT streams and consumers (at most the node count).
+        ack_wait: how long a QoS 1 message may stay unacknowledged before it is sent again.
     """
     return NODE_TEMPLATE.format(name=name, host=host, client_port=client_port, monitor_port=monitor_port,
                                 route_port=route_port, mqtt_port=mqtt_port, store_dir=store_dir, cluster=cluster,
-                                routes=", ".join(f"nats-route://{r}" for r in routes), replicas=replicas)
+                                routes=", ".join(f"nats-route://{r}" for r in routes), replicas=replicas,
+                                ack_wait=ack_wait)
 
 
 class NatsCluster:
@@ -89,7 +92,8 @@ class NatsCluster:
     """
 
     def __init__(self, workdir: str | Path, nodes: int = 3, host: str = "127.0.0.1", exe: str | None = None,
-                 users: str | Path | None = None, probe: tuple[str, str] | None = None):
+                 users: str | Path | None = None, probe: tuple[str, str] | None = None, ack_wait: str = "30s"):
+        self.ack_wait = ack_wait
         self.exe = exe or shutil.which("nats-server") or "/usr/sbin/nats-server"
         if not os.path.exists(self.exe):
             raise FileNotFoundError("no nats-server binary (Debian package nats-server)")
@@ -138,7 +142,7 @@ class NatsCluster:
             os.chmod(d / "users.conf", 0o600)
         conf.write_text(node_config(f"n{i}", self.host, self.client_ports[i], self.monitor_ports[i],
                                     self.route_ports[i], self.mqtt_ports[i], routes, str(d / "js"),
-                                    replicas=min(3, self.size))
+                                    replicas=min(3, self.size), ack_wait=self.ack_wait)
                         + ('include "users.conf"\n' if self.users else ""))
         with open(d / "log", "ab") as logf:
             self.procs[i] = subprocess.Popen([self.exe, "-c", str(conf)], stdout=logf, stderr=subprocess.STDOUT,

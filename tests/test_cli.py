@@ -95,9 +95,9 @@ def test_a_signal_to_simulate_stops_every_process_it_started(tmp_path, sig):
         while not (out / "logs" / "dev-01.log").exists():
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "no device process started within 300 s"
-            time.sleep(0.5)
-        time.sleep(2)
-        children = _children(proc.pid)
+            time.sleep(0.2)
+        while len(children := _children(proc.pid)) < 3 and time.monotonic() < deadline:  # the last Popen returns
+            time.sleep(0.1)
         assert len(children) >= 3, children  # the aggregator and two devices
         proc.send_signal(sig)
         proc.wait(60)

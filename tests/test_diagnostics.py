@@ -347,9 +347,10 @@ def test_an_aggregator_whose_devices_all_fall_below_the_plan_ends_with_the_reaso
 def test_a_simulation_whose_devices_all_exit_ends_with_their_reason(tmp_path):
     from fedmoe.simulate import SimulationConfig, simulate
 
-    # automatic budgets on the probed baseline; each device counts 300 MiB more headroom and refuses to join
+    # automatic budgets on the probed baseline; each device counts 300 MiB more headroom and refuses to join.
+    # eval_max_samples: the aggregator's initial evaluation (which a stop waits for) on 32 test items, not 356
     cfg = SimulationConfig(out=str(tmp_path / "run"), devices=2, rounds=1, base=None, tasks=["bbc"],
-                           model_config=TINY_CONFIG, device={"headroom": "300MiB"})
+                           model_config=TINY_CONFIG, device={"headroom": "300MiB"}, eval_max_samples=32)
     with pytest.raises(RuntimeError, match="every device process exited") as e:
         simulate(cfg)
     assert "below this device's runtime baseline" in str(e.value)

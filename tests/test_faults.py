@@ -176,7 +176,9 @@ def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_ur
 
 
 def test_device_sigkill_will_marks_offline_round_closes_with_quorum_and_device_rejoins(broker, tmp_path):
-    fed = Federation(broker.url(), str(tmp_path), rounds=2, experts=(2, 4), min_devices=3, round_timeout_s=20)
+    # round 1 waits out its deadline (dev2 never reports); the restarted dev2 must be online before it
+    # closes to be in round 2: it was 8-9 s after round 1's start on 2 cores at load 5, so 16 s
+    fed = Federation(broker.url(), str(tmp_path), rounds=2, experts=(2, 4), min_devices=3, round_timeout_s=16)
     data = tmp_path / "dev2.csv"
     with data.open("w", newline="") as f:
         w = csv.writer(f)

@@ -78,8 +78,10 @@ fleet_env = pytest.mark.skipif(not (MosquittoBroker.available() and _pg_availabl
 
 
 def _args():
-    return Namespace(rounds=2, round_timeout=120.0, procs=2, train_s=1.0, connect_rate=200.0, timeout=300.0,
-                     fedmoe=str(Path(sys.executable).parent / "fedmoe"))
+    # ack_wait: the NATS cluster re-sends the chunks a SIGKILLed worker held unacknowledged after 10 s, not 30 s
+    # (the restarted worker gets them then; on Mosquitto its session has them at once)
+    return Namespace(rounds=2, round_timeout=120.0, procs=1, train_s=1.0, connect_rate=200.0, timeout=300.0,
+                     fedmoe=str(Path(sys.executable).parent / "fedmoe"), ack_wait="10s")
 
 
 def _exactly_once(s: dict, per_round: int) -> None:
@@ -137,7 +139,8 @@ def test_uplinks_spread_devices_over_live_workers_and_leave_a_dead_one(tmp_path,
 @pytest.mark.parametrize("broker", ["mosquitto", "nats-cluster"])
 def test_worker_sigkill_mid_round_then_restart_applies_each_update_once(tmp_path, broker):
     """Worker w0 is SIGKILLed as soon as the first update of round 1 is taken (others are
-    mid-upload, some chunks in w0's hands) and restarted 2 s later under its id. On Mosquitto
+    mid-upload, some chunks in w0's hands) and restarted under its id at the next check, a
+    second later (the new process is seconds from connecting: its share waits at the broker). On Mosquitto
     (MQTT 5) and on the 3-node NATS cluster (MQTT 3.1.1: no shared subscriptions; each device
     sends to the worker its assignment names, and w0's session keeps its share)."""
     pytest.importorskip("aiomqtt")
@@ -157,7 +160,7 @@ def test_worker_sigkill_mid_round_then_restart_applies_each_update_once(tmp_path
             pool.procs[0].send_signal(signal.SIGKILL)
             pool.procs[0].wait(10)
             state["killed"] = time.time()
-        elif state["killed"] and not state["restarted"] and time.time() - state["killed"] > 2:
+        elif state["killed"] and not state["restarted"]:
             pool.start(0)
             state["restarted"] = True
 
