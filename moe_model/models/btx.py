@@ -212,6 +212,45 @@ def train_steps(model: nn.Module, params: Sequence[nn.Parameter], next_batch: Ca
     return losses
 
 
+def train_branches(model: nn.Module, seed_state: dict[str, torch.Tensor], names: Sequence[str], store: "BranchStore",
+                   trainable: Callable[[str], bool], batches: Callable[[int, str], Callable[[], Batch]],
+                   loss_fn: LossFn, steps: int, lr: float, seed: int) -> tuple[dict[str, list[float]], float]:
+    """Stage 1 of Branch-Train-MiX (Sukhbaatar et al. 2024, arXiv:2403.07816, Sec. 2.1): one
+    branch per domain, each trained from ``seed_state`` alone, its trained tensors kept in
+    ``store`` (a finished branch of the same settings is reused, not trained again).
+
+    Args:
+        model: the dense model, loaded with ``seed_state`` before each branch.
+        trainable: parameter name -> whether the branch trains it (and ``store`` keeps it).
+        batches: ``(domain index, domain name)`` -> that branch's batch source (called after
+            the branch's seed is set: ``seed + 1000 * index``).
+        loss_fn, steps, lr: as :func:`train_steps`.
+
+    Returns:
+        ``({domain: loss per step}, seconds)``.
+
+    Raises:
+        ValueError: as :func:`train_steps`.
+    """
+    t0 = time.perf_counter()
+    losses: dict[str, list[float]] = {}
+    for d, name in enumerate(names):
+        saved = store.load(name)
+        if saved is not None:
+            log.info("branch %s: reusing %s", name, store.root)
+            losses[name] = saved["losses"]
+            continue
+        model.load_state_dict(seed_state)
+        for k, p in model.named_parameters():
+            p.requires_grad_(trainable(k))
+        seed_everything(seed + 1000 * d)
+        next_batch = batches(d, name)
+        losses[name] = train_steps(model, [p for p in model.parameters() if p.requires_grad], next_batch, loss_fn,
+                                   steps, lr, f"branch {d + 1}/{len(names)} {name}")
+        store.save(name, {k: p for k, p in model.named_parameters() if p.requires_grad}, losses[name])
+    return losses, time.perf_counter() - t0
+
+
 class BranchStore:
     """Per-domain branch checkpoints in a work directory, so a rerun skips finished branches.
 

@@ -197,24 +197,15 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
     head_losses = saved["losses"]
 
     ffn = tuple(f"bert.encoder.layer.{i}.{m}." for i in moe_layers for m in ("intermediate.dense", "output.dense"))
-    t_branches = time.perf_counter()
-    branch_losses = {}
-    for d, name in enumerate(names):
-        saved = store.load(name)
-        if saved is None:
-            dense.load_state_dict(seed_state)
-            params = trainable(lambda k: "decoder" not in k and (train == "all" or k.startswith(ffn) or
-                                                                 k.startswith("cls.")))
-            btx.seed_everything(seed + 1000 * d)
-            one = MaskedSampler([btx.BlockSampler(blocks[name], seed * 7919 + d)], tok, seed * 31 + d, device)
-            losses = btx.train_steps(dense, params, lambda: one(batch_size), mlm_loss, branch_steps, lr,
-                                     f"branch {d + 1}/{len(names)} {name}")
-            store.save(name, {k: p for k, p in dense.named_parameters() if p.requires_grad}, losses)
-            saved = store.load(name)
-        else:
-            log.info("branch %s: reusing %s", name, store.root)
-        branch_losses[name] = saved["losses"]
-    t_branches = time.perf_counter() - t_branches
+
+    def batches(d: int, name: str):
+        one = MaskedSampler([btx.BlockSampler(blocks[name], seed * 7919 + d)], tok, seed * 31 + d, device)
+        return lambda: one(batch_size)
+
+    branch_losses, t_branches = btx.train_branches(
+        dense, seed_state, names, store,
+        lambda k: "decoder" not in k and (train == "all" or k.startswith(ffn) or k.startswith("cls.")), batches,
+        mlm_loss, branch_steps, lr, seed)
 
     branches = [{**seed_state, **store.load(n)["state"]} for n in names]
     shared = btx.average_states([{k: v for k, v in b.items() if not k.startswith(ffn)} for b in branches])

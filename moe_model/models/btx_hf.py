@@ -131,25 +131,14 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
                 "split": (record or {}).get("split"), "seed": seed}
     store = btx.BranchStore(work, settings)
     ffn_prefixes = tuple(f"model.layers.{i}.mlp." for i in moe_layers)
-    t_branches = time.perf_counter()
-    branch_losses = {}
-    for d, name in enumerate(names):
-        saved = store.load(name)
-        if saved is None:
-            dense.load_state_dict(seed_state)
-            for k, p in dense.named_parameters():
-                p.requires_grad_(train == "all" or k.startswith(ffn_prefixes))
-            btx.seed_everything(seed + 1000 * d)
-            sampler = btx.BlockSampler(blocks[name], seed * 7919 + d)
-            losses = btx.train_steps(dense, [p for p in dense.parameters() if p.requires_grad],
-                                     lambda: {"input_ids": sampler.batch(batch_size).to(device)}, lm_loss,
-                                     branch_steps, lr, f"branch {d + 1}/{len(names)} {name}")
-            store.save(name, {k: p for k, p in dense.named_parameters() if p.requires_grad}, losses)
-            saved = store.load(name)
-        else:
-            log.info("branch %s: reusing %s", name, store.root)
-        branch_losses[name] = saved["losses"]
-    t_branches = time.perf_counter() - t_branches
+
+    def batches(d: int, name: str):
+        sampler = btx.BlockSampler(blocks[name], seed * 7919 + d)
+        return lambda: {"input_ids": sampler.batch(batch_size).to(device)}
+
+    branch_losses, t_branches = btx.train_branches(
+        dense, seed_state, names, store, lambda k: train == "all" or k.startswith(ffn_prefixes), batches, lm_loss,
+        branch_steps, lr, seed)
 
     branches = [store.load(n)["state"] for n in names]
     experts = [{**seed_state, **b} for b in branches]
