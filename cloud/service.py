@@ -359,9 +359,13 @@ class Aggregator:
                 self._resume()
             if self.initial is None:
                 self._pump(0.5)  # answer the hellos already there (`registered`) before the evaluation
+                log.info("evaluating the initial global model (hellos are answered after it)")
+                t0 = time.monotonic()
                 self.initial = self.engine.evaluate()
                 self.store.put_json("initial_evaluation", self.initial)
-                log.info("initial accuracy: %s", self.initial["accuracy"])
+                acc = self.initial.get("accuracy")
+                log.info("initial accuracy: %s (evaluated in %.0f s)", "-" if acc is None else f"{acc:.4f}",
+                         time.monotonic() - t0)
             if not resumed:
                 self._wait_for_devices()
             idle_since = None

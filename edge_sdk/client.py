@@ -237,6 +237,7 @@ class EdgeClient:
         """Why :meth:`run` returned early, if it did for a problem (no aggregator answered, the
         hello was refused); None otherwise."""
         self._answered = False
+        self._registered = False  # the first `registered` is logged; the answers to resent hellos are not
         self._hellos_sent = 0
         self.device_id = T.check_id(device_id, "device id")
         self.model_dir = None if model_dir is None else str(model_dir)
@@ -428,8 +429,10 @@ class EdgeClient:
             log.info("%s: stop command received%s; leaving", self.device_id, f" ({msg.reason})" if msg.reason else "")
             self._stop = True
             return
-        if msg.command == "registered":
-            log.info("%s: registered with the aggregator of %s", self.device_id, self.topics.federation)
+        if msg.command == "registered":  # one per hello sent: the resends of a slow answer bring several
+            if not self._registered:
+                log.info("%s: registered with the aggregator of %s", self.device_id, self.topics.federation)
+            self._registered = True
             return
         if msg.command not in COMMANDS:
             log.debug("%s: ignoring unknown command %r (newer protocol minor version)", self.device_id, msg.command)

@@ -160,6 +160,20 @@ def did_you_mean(e, model) -> str:
     return "; ".join(hints)
 
 
+def invalid_config(e, model, config: str | None, given: dict) -> "UsageError":
+    """The one-line :class:`UsageError` for a ValidationError ``e`` of ``model`` loaded from
+    the file ``config`` (None: options only) with the command-line values ``given``: a field
+    set on the command line is named as its option (``--dashboard-token``), one from the file
+    by its name, both after the file's name; near misses get a "did you mean"."""
+    from .options import explain, flag
+
+    def name(loc: tuple) -> str:
+        return "" if not loc else flag(loc[0]) if loc[0] in given or not config else str(loc[0])
+
+    hint = did_you_mean(e, model)
+    return UsageError((f"{config}: " if config else "") + explain(e, name) + (f" ({hint})" if hint else ""))
+
+
 def _builtin_eval_data(cfg) -> dict[str, list[tuple[str, str]]]:
     """Items of each task whose ``eval_data`` is ``builtin:NAME``: the held-out test split
     of built-in data set NAME that ``fedmoe simulate`` evaluates on (80/20, seed 0;
@@ -194,6 +208,7 @@ def _builtin_eval_data(cfg) -> dict[str, list[tuple[str, str]]]:
 
 def _aggregator(args: argparse.Namespace) -> int:
     import yaml
+    from pydantic import ValidationError
 
     from cloud.config import AggregatorConfig
 
@@ -207,6 +222,8 @@ def _aggregator(args: argparse.Namespace) -> int:
         _check_names(cfg)
         eval_data = _builtin_eval_data(cfg)
         cfg.check_paths(eval_given=eval_data)
+    except ValidationError as e:  # fields named as options, unless they come from the file
+        raise invalid_config(e, AggregatorConfig, args.config, overrides) from None
     except (OSError, ValueError, yaml.YAMLError) as e:
         from protocol.messages import error_summary
 
@@ -247,7 +264,7 @@ def _device(args: argparse.Namespace) -> int:
     from edge_sdk.config import DeviceConfig
     from pydantic import ValidationError
 
-    from .options import explain, flag, given, schema_options
+    from .options import given, schema_options
 
     where = f"{args.config}: " if args.config else ""
     settings = given(args, schema_options(DeviceConfig))
@@ -259,12 +276,7 @@ def _device(args: argparse.Namespace) -> int:
         client = cfg.check_paths().client()
         client.check_budget()  # before joining: a budget below the device's own baseline can never be used
     except ValidationError as e:  # fields named as options, unless they come from the file
-
-        def name(loc: tuple) -> str:
-            return "" if not loc else flag(loc[0]) if loc[0] in settings or not args.config else str(loc[0])
-
-        hint = did_you_mean(e, DeviceConfig)
-        raise UsageError(where + explain(e, name) + (f" ({hint})" if hint else "")) from None
+        raise invalid_config(e, DeviceConfig, args.config, settings) from None
     except (OSError, ValueError, yaml.YAMLError) as e:
         from protocol.messages import error_summary
 

@@ -118,15 +118,21 @@ def comma_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+_SECRET = object()  # the value of a secret field (a token, a password): never echoed in an error
+
+
 def _got(value: Any) -> str:
-    return "" if isinstance(value, (dict, BaseModel)) else f" (got {value!r})"
+    return "" if value is _SECRET or isinstance(value, (dict, BaseModel)) else f" (got {value!r})"
 
 
 def phrase(error: Mapping[str, Any], name: str) -> str:
     """One pydantic error (an item of ``ValidationError.errors()``) as a sentence about
     ``name`` (the option or field it concerns; empty for errors of the whole config, whose
-    message is then taken as it is)."""
+    message is then taken as it is). The value given is quoted, except a secret's (a field
+    named for a token, a password or a secret)."""
     kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
+    if any(w in str((error.get("loc") or ("",))[-1]).lower() for w in ("token", "password", "secret")):
+        got = _SECRET
     msg = str(error["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
     if not name:
         return msg

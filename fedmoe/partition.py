@@ -78,7 +78,9 @@ def partition(labels: Sequence[int], num_clients: int, scheme: str, seed: int, m
     """Indices of ``labels`` per client under ``scheme`` (see :func:`parse_partition`).
 
     Raises:
-        ValueError: unknown scheme, or ``classes:k`` with k above the class count.
+        ValueError: unknown scheme, ``classes:k`` with k above the class count, or no
+            Dirichlet draw in 1000 giving every client ``min_size`` samples (or its fair share
+            ``len(labels) // num_clients`` where that is smaller).
     """
     name, arg = parse_partition(scheme)
     y = np.asarray(labels)
@@ -98,7 +100,10 @@ def partition(labels: Sequence[int], num_clients: int, scheme: str, seed: int, m
                     parts[k].extend(part.tolist())
             if min(len(p) for p in parts) >= min(min_size, len(y) // num_clients):
                 return [sorted(p) for p in parts]
-        raise ValueError(f"could not draw a Dirichlet({arg}) partition with {min_size}+ samples per client")
+        raise ValueError(
+            f"could not draw a Dirichlet({arg}) partition of {len(y)} samples over {num_clients} clients "
+            f"with at least {min(min_size, len(y) // num_clients)} samples each (1000 draws): "
+            "use fewer clients, a larger alpha, or iid")
     k = int(arg)
     if k > len(classes):
         raise ValueError(f"classes:{k} but the data has only {len(classes)} classes")

@@ -165,6 +165,17 @@ def test_a_mistyped_config_key_gets_did_you_mean(tmp_path, capsys):
     assert "roundz: did you mean 'rounds'?" in err and "model.num_expert: did you mean 'model.num_experts'?" in err
 
 
+def test_a_bad_option_is_named_as_the_option_and_a_secret_is_not_echoed(tmp_path, capsys):
+    from fedmoe.cli import main
+
+    rc = main(["aggregator", "--config", str(_agg_yaml(tmp_path)), "--broker", "mqtt://127.0.0.1:1",
+               "--dashboard", "0.0.0.0:0", "--dashboard-token", "hunter2-short"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--dashboard-token: String should have at least 16 characters" in err
+    assert "hunter2" not in err
+
+
 @pytest.mark.parametrize("extra, expected", [
     ({"strategy": {"name": "composed", "params": {"objectives": [{"name": "load_balanse", "params": {"alpha": 0.1}}]}}},
      "strategy.params.objectives: unknown objective term 'load_balanse' (did you mean 'load_balance'?)"),

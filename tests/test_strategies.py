@@ -130,3 +130,10 @@ def test_dirichlet_is_skewed_and_iid_is_not():
     assert skew(partition(labels, 6, "dirichlet:0.1", 0)) > skew(partition(labels, 6, "iid", 0)) + 0.2
     with pytest.raises(ValueError):
         parse_partition("zipf:2")
+
+
+def test_an_infeasible_dirichlet_partition_says_what_to_change():
+    labels = [i % 5 for i in range(1747)]  # BBC's training texts over 100 devices: ~17 each, too few for Dir(0.5)
+    with pytest.raises(ValueError, match=r"1747 samples over 100 clients with at least 10 .*fewer clients"):
+        partition(labels, 100, "dirichlet:0.5", seed=0)
+    assert min(len(p) for p in partition(labels, 10, "dirichlet:0.5", seed=0)) >= 10
