@@ -116,6 +116,11 @@ MAX_NOTICES = 100
 """Notices :attr:`EdgeClient.notices` keeps (the newest)."""
 
 
+class RoundStopped(Exception):
+    """Raised between training steps when the device must stop (:meth:`EdgeClient.stop`, or a
+    ``stop`` command it will act on): the round is left unfinished and acknowledged as failed."""
+
+
 @dataclass
 class _Held:
     key: tuple
@@ -489,8 +494,9 @@ class EdgeClient:
                 f"headroom): not even one expert per layer fits; give a larger budget")
 
     def stop(self) -> None:
-        """Ask ``run()`` to return within about a second (after the round it is training,
-        if any); safe to call from another thread, and before or after ``run()``."""
+        """Ask ``run()`` to return within about a second; a round in training is left after
+        its current step (and acknowledged as failed). Safe to call from another thread, and
+        before or after ``run()``."""
         self._stop = True
 
     def close(self) -> None:
@@ -538,6 +544,20 @@ class EdgeClient:
                                  "%s: rejected message on %s: %s", self.device_id, clip(m.topic), clip(str(e), 300))
         return True
 
+    def _check_stop(self, *_: object) -> None:
+        """Between training steps: take in what arrived (a ``stop`` from the cloud stays
+        queued for :meth:`run`) and raise :class:`RoundStopped` when this device was asked to
+        stop (:meth:`stop`, a signal) or the aggregator said it stops and
+        ``on_aggregator_stop`` is ``exit``: training on would only delay leaving."""
+        while self._pump(0):
+            pass
+        for msg in self._inbox.controls:
+            if isinstance(msg, Command) and msg.command == "stop" and not (
+                    msg.reason and self.on_aggregator_stop == "wait"):
+                raise RoundStopped(f"stop command received{f' ({msg.reason})' if msg.reason else ''}")
+        if self._stop:
+            raise RoundStopped("asked to stop")
+
     def _next_control(self, timeout: float) -> Any:
         deadline = time.monotonic() + timeout
         while not self._inbox.controls:
@@ -562,6 +582,9 @@ class EdgeClient:
         self._last_round = (a.round, a.attempt)
         try:
             self._train_round(a)
+        except RoundStopped as e:  # the cloud goes away or this device is stopped: the round is not finished
+            log.info("%s: round %d left unfinished: %s", self.device_id, a.round, e)
+            self._ack(a.round, False, f"device stopping: {e}", attempt=a.attempt)
         except (TimeoutError, CodecError, KeyError, ValueError) as e:
             log.error("%s: round %d failed: %s", self.device_id, a.round, e)
             self._ack(a.round, False, f"round failed on device: {e}", attempt=a.attempt)
@@ -635,7 +658,7 @@ class EdgeClient:
 
         stats = ActivationStats(model.model.moe_blocks(), a.model.num_experts, hidden=a.train.collect_hidden)
         result = train_local(model, train_items, a.train, terms=[t for t in terms if t.adds_loss], stats=stats,
-                             seed=self.seed * 100_003 + a.round, progress=meter.mark,
+                             seed=self.seed * 100_003 + a.round, progress=lambda *x: (meter.mark(), self._check_stop()),
                              name=f"{self.device_id} round {a.round}")
         extras = {f"{t.name}.{k}": [float(x) for x in v] for t in terms for k, v in t.statistics().items()}
         # at the training batch size, which the memory plan covers (a causal LM's (B, T, vocab) logits at

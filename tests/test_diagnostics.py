@@ -379,6 +379,28 @@ def test_a_device_told_that_the_aggregator_stops_exits_or_waits_as_configured(on
     assert client._stop
 
 
+@pytest.mark.parametrize("on_stop", ["exit", "wait"])
+def test_a_round_in_training_is_left_at_the_next_step_when_the_device_must_stop(on_stop):
+    from edge_sdk import EdgeClient
+    from edge_sdk.client import RoundStopped
+    from protocol.messages import Command
+
+    client = EdgeClient("mqtt://127.0.0.1:1", "d1", [("a text", "a")] * 4, runtime_bytes=0,
+                        on_aggregator_stop=on_stop)
+    client._check_stop()  # nothing asked: training goes on
+    client._inbox.controls.append(Command(command="stop", reason="aggregator shutting down"))
+    if on_stop == "exit":
+        with pytest.raises(RoundStopped, match="aggregator shutting down"):
+            client._check_stop()
+    else:  # it waits for the aggregator to come back: the round's update is still wanted
+        client._check_stop()
+    assert len(client._inbox.controls) == 1  # left for run() to act on
+    client._inbox.controls.clear()
+    client.stop()  # a signal
+    with pytest.raises(RoundStopped, match="asked to stop"):
+        client._check_stop()
+
+
 def test_a_refused_hello_ends_the_device_with_the_reason():
     from edge_sdk import EdgeClient
     from protocol.messages import Command
