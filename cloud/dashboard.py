@@ -104,7 +104,8 @@ def state(store: Any, registry: Any = None, engine: Any = None, strategy: dict |
     """What the page shows, from the store (and the live service where given).
 
     Returns:
-        ``{"federation", "strategy": {name, params}, "rounds": [{round, status, started,
+        ``{"federation", "strategy": {name, params}, "initial": {accuracy, loss, perplexity}
+        of the global model before round 1 (None until evaluated), "rounds": [{round, status, started,
         accuracy, loss, perplexity, bytes_up, bytes_down, seconds, reported, selected,
         excluded, cv}], "devices": [{device_id, task, online, last_seen, budget_bytes,
         baseline_bytes, experts_held, peak_bytes, last_round, excluded}], "heatmap":
@@ -149,7 +150,9 @@ def state(store: Any, registry: Any = None, engine: Any = None, strategy: dict |
                       "peak_bytes": budget_peak(seen) if seen else None, "last_round": seen.get("round"),
                       "excluded": excluded.get(d)})
     current = getattr(getattr(engine, "current", None), "number", None) if engine is not None else None
-    return {"federation": federation, "strategy": strategy or {}, "rounds": rounds, "devices": table,
+    first = store.get_json("initial_evaluation", None) or {}
+    initial = {k: first.get(k) for k in ("accuracy", "loss", "perplexity")} if first else None
+    return {"federation": federation, "strategy": strategy or {}, "initial": initial, "rounds": rounds, "devices": table,
             "heatmap": heat, "alerts": alerts[-50:], "current_round": current,
             "open_round": open_round(store, engine, events), "events": events[::-1], "now": time.time()}
 

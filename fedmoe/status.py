@@ -118,7 +118,10 @@ def status_text(store_url: str, last: int = 20, as_json: bool = False, events: i
         return json.dumps(view, indent=1, default=str) + "\n"
     devices, done, now = view["devices"], view["completed"], view["now"]
     online = sum(1 for d in devices if d["online"])
-    head = f"{len(devices)} devices registered, {online} online; {done} rounds completed"
+    first = view.get("initial") or {}
+    before = "; before round 1: " + (f"perplexity {_fmt(first['perplexity'], '.1f')}" if first.get("perplexity")
+                                     else f"accuracy {_fmt(first.get('accuracy'))}") if first else ""
+    head = f"{len(devices)} devices registered, {online} online; {done} rounds completed{before}"
     dev = _table(["device", "task", "online", "last seen (UTC)", "budget MiB", "baseline MiB", "experts held",
                   "last peak MiB", "last round", "excluded in last round"], device_rows(devices, now))
     rnd = _table(["round", "started (UTC)", "status", "reported", "accuracy", "loss", "perplexity", "MiB up",

@@ -105,7 +105,7 @@ def test_dashboard_shows_the_open_round_devices_and_events_in_chromium(tmp_path)
     assert seen["dev-c"] == "10 min ago"
     assert [(e[1], e[2], e[3]) for e in events] == [("reject", "dev-c", "2"), ("exclude", "dev-c", "2")]
     assert events[0][4] == "stats rejected: dev-c was not selected in round 2" and events[0][0][:2] == "20"
-    assert charts == {"quality": "1", "loss": "1", "bytes": "2"}  # accuracy and loss apart; MiB up and down
+    assert charts == {"quality": "2", "loss": "2", "bytes": "2"}  # round 0 (initial) and 1, apart; MiB up and down
     # the heatmap's colour scale: "0", the colour ramp, "40 tokens" (the layer's largest count)
     assert scale == "040 tokens"
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000

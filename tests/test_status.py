@@ -29,6 +29,7 @@ def open_round_store(url: str, now: float | None = None) -> dict:
                       "devices": {d: {"experts": {"1": [0, 3]}, "peak_bytes": 384 * MiB, "budget_bytes": 512 * MiB}
                                   for d in ("dev-a", "dev-b")}})
     store.put_json("last_round", 1)
+    store.put_json("initial_evaluation", {"accuracy": 0.193, "loss": 1.61, "per_task": {}})
     store.put_json("current_round", {
         "number": 2, "started": now - 90, "deadline": now - 90 + TIMEOUT_S, "plan_info": {}, "train": {},
         "assignment_seconds": 0.1, "selected": {"dev-a": {"1": [0, 3]}, "dev-b": {"1": [1, 2]}},
@@ -54,7 +55,7 @@ def test_status_shows_the_open_round_last_seen_and_recent_events(tmp_path, capsy
     open_round_store(url)
     assert main(["status", "--store", url]) == 0
     out = capsys.readouterr().out
-    assert "3 devices registered, 2 online; 1 rounds completed" in out
+    assert "3 devices registered, 2 online; 1 rounds completed; before round 1: accuracy 0.193" in out
     head = next(line for line in out.splitlines() if line.startswith("Open round 2:"))
     assert " s of 240 s " in head and "passed" not in head
     assert int(head.split("started ")[1].split(", ")[1].split(" s of")[0]) >= 90

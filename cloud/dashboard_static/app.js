@@ -117,9 +117,11 @@ function render(s) {
   // accuracy (or a causal LM's perplexity) and loss on charts of their own: their scales differ
   const lm = s.rounds.some(r => r.perplexity !== null && r.perplexity !== undefined);
   document.getElementById("quality-title").textContent = lm ? "Perplexity (global model)" : "Accuracy (global model)";
-  line(document.getElementById("chart-quality"), [s.rounds.map(r => [r.round, lm ? r.perplexity : r.accuracy])],
+  // round 0: the global model before training (the aggregator's initial evaluation)
+  const by_round = s.initial ? [{round: 0, ...s.initial}, ...s.rounds] : s.rounds;
+  line(document.getElementById("chart-quality"), [by_round.map(r => [r.round, lm ? r.perplexity : r.accuracy])],
        ["#1f5fa8"]);
-  line(document.getElementById("chart-loss"), [s.rounds.map(r => [r.round, r.loss])], ["#c0392b"], {zero: false});
+  line(document.getElementById("chart-loss"), [by_round.map(r => [r.round, r.loss])], ["#c0392b"], {zero: false});
   // log scale: round 1 carries the base model's shards (hundreds of MiB), later rounds adapters only
   line(document.getElementById("chart-bytes"),
        [s.rounds.map(r => [r.round, r.bytes_up / MiB]), s.rounds.map(r => [r.round, r.bytes_down / MiB])],
