@@ -48,8 +48,8 @@ demo-full: $(STAMP)
 	$(VENV)/bin/fedmoe simulate --out runs/demo-full --strategy fusion_hybrid --small-devices 1
 
 # the docs build first (seconds; a broken link fails), then every test: pytest's summary is the last line.
-# Two pytest-xdist workers: the tests marked slow run one after another on one of them (as in a plain
-# run: federations with timeouts do not compete with each other), the quick ones on the other
+# Two pytest-xdist workers share the tests; those that start a NATS cluster run one after another on
+# one of them (two clusters at once on two cores drop their clients: tests/conftest.py)
 test: $(STAMP)
 	$(MAKE) docs
 	$(PY) -m pytest -q -n 2 --dist loadgroup

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import os
 import posixpath
 import re
 import subprocess
@@ -186,3 +187,22 @@ def test_patterns_catch_what_they_should():
     assert not _exists("results/nothing_{a,b}.md")
     assert _exists("results/poisoning/poisoning[_two].md") and not _exists("results/poisoning/x[_two].md")
     assert _exists("docs/reference/cloud/rounds.md")
+
+
+def test_make_test_runs_the_nats_cluster_tests_on_one_xdist_worker(tmp_path):
+    """`make test` runs ``pytest -n 2 --dist loadgroup``; the tests that start a NATS cluster
+    must share one worker, or two clusters run at once and drop their clients. Two such tests
+    in a scratch ``test_cluster.py``, grouped by this suite's own hook, must land on the same
+    worker."""
+    import sys
+
+    pytest.importorskip("xdist")
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n")
+    (tmp_path / "test_cluster.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    pass\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p",
+                          "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    passed = [line for line in out.splitlines() if "PASSED" in line]
+    assert len(passed) == 2 and all("@nats-cluster" in line for line in passed), out[-2000:]
+    assert len({line.split("]")[0] for line in passed}) == 1, out[-2000:]  # "[gw0] ..." on both
