@@ -198,9 +198,10 @@ def postgres_pids() -> list[int]:
     return [p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("postgres")]
 
 
-def start_broker(kind: str, work: Path, ack_wait: str = "30s"):
+def start_broker(kind: str, work: Path, ack_wait: str | None = None):
     """(broker object, device node list [(host, port)], aggregator URL, protocol, broker pids);
-    ``ack_wait``: the NATS cluster's redelivery time of an unacknowledged QoS 1 message."""
+    ``ack_wait``: the NATS cluster's redelivery time of an unacknowledged QoS 1 message
+    (None: the shipped :data:`fedmoe.natscluster.ACK_WAIT`)."""
     if kind == "mosquitto":
         from fedmoe.broker import MosquittoBroker
 
@@ -208,9 +209,9 @@ def start_broker(kind: str, work: Path, ack_wait: str = "30s"):
             "allow_anonymous true\nmax_connections -1\nmax_queued_messages 0\nmax_queued_bytes 0\n"
             "max_inflight_messages 0\nsys_interval 2\nmemory_limit 0\n")).start()
         return b, [(b.host, b.port)], b.url(), "5", [b.proc.pid]
-    from fedmoe.natscluster import NatsCluster
+    from fedmoe.natscluster import ACK_WAIT, NatsCluster
 
-    c = NatsCluster(work / "nats", ack_wait=ack_wait).start()
+    c = NatsCluster(work / "nats", ack_wait=ack_wait or ACK_WAIT).start()
     return c, [(c.host, p) for p in c.mqtt_ports], c.url, "3.1.1", [p.pid for p in c.procs if p is not None]
 
 
@@ -291,7 +292,7 @@ def run_setting(args, broker_kind: str, n: int, per_round: int, work: Path, work
             f.unlink()
     t0 = time.time()
     devices, keys = provision(n, work)
-    broker, nodes, url, protocol, broker_pids = start_broker(broker_kind, work, getattr(args, "ack_wait", "30s"))
+    broker, nodes, url, protocol, broker_pids = start_broker(broker_kind, work, getattr(args, "ack_wait", None))
     procs, agg, logs, pool = [], None, [], None
     store = fresh_schema(getattr(args, "pg", PG_URL)) if workers else f"sqlite:///{work / 'aggregator.db'}"
     mon = Monitor(nodes[0][0], nodes[0][1], "fleet")

@@ -544,7 +544,7 @@ class EdgeClient:
                                  "%s: rejected message on %s: %s", self.device_id, clip(m.topic), clip(str(e), 300))
         return True
 
-    def _check_stop(self, *_: object) -> None:
+    def _check_stop(self) -> None:
         """Between training steps: take in what arrived (a ``stop`` from the cloud stays
         queued for :meth:`run`) and raise :class:`RoundStopped` when this device was asked to
         stop (:meth:`stop`, a signal) or the aggregator said it stops and

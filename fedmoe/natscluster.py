@@ -50,16 +50,20 @@ mqtt {{
   listen: {host}:{mqtt_port}
   stream_replicas: {replicas}          # sessions, QoS 1 messages and retained messages on every node
   consumer_replicas: {replicas}
-  ack_wait: "{ack_wait}"                 # a QoS 1 message not acknowledged in 30 s is sent again
+  ack_wait: "{ack_wait}"                 # a QoS 1 message not acknowledged in this time is sent again
   max_ack_pending: 1024
 }}
 """
 """Node configuration; ``examples/deploy/nats/node.conf`` is this text with example values."""
 
 
+ACK_WAIT = "30s"
+"""The shipped redelivery time of an unacknowledged QoS 1 message (tests shorten it)."""
+
+
 def node_config(name: str, host: str, client_port: int, monitor_port: int, route_port: int, mqtt_port: int,
                 routes: list[str], store_dir: str, cluster: str = "fedmoe", replicas: int = 3,
-                ack_wait: str = "30s") -> str:
+                ack_wait: str = ACK_WAIT) -> str:
     """The configuration file text of one node (:data:`NODE_TEMPLATE`).
 
     Args:
@@ -92,7 +96,7 @@ class NatsCluster:
     """
 
     def __init__(self, workdir: str | Path, nodes: int = 3, host: str = "127.0.0.1", exe: str | None = None,
-                 users: str | Path | None = None, probe: tuple[str, str] | None = None, ack_wait: str = "30s"):
+                 users: str | Path | None = None, probe: tuple[str, str] | None = None, ack_wait: str = ACK_WAIT):
         self.ack_wait = ack_wait
         self.exe = exe or shutil.which("nats-server") or "/usr/sbin/nats-server"
         if not os.path.exists(self.exe):

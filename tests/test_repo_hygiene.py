@@ -26,6 +26,7 @@ import os
 import posixpath
 import re
 import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -194,8 +195,6 @@ def test_make_test_runs_the_nats_cluster_tests_on_one_xdist_worker(tmp_path):
     must share one worker, or two clusters run at once and drop their clients. Two such tests
     in a scratch ``test_cluster.py``, grouped by this suite's own hook, must land on the same
     worker."""
-    import sys
-
     pytest.importorskip("xdist")
     (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n")
     (tmp_path / "test_cluster.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    pass\n")
