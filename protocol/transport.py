@@ -11,6 +11,11 @@ What it adds to paho (see docs/architecture.md "Known pitfalls"):
 - The broker's Maximum Packet Size from CONNACK is honoured when chunking.
 - Callbacks never block: received messages go to a bounded inbox queue that the
   owner drains with :meth:`Transport.get`.
+- A retained message on a topic none of this client's subscriptions match is dropped
+  (counted in :attr:`Transport.unsolicited`): amqtt 0.12.1 sends a connecting client the
+  retained messages of *every* client's subscriptions (its ``handle_connection`` loops over
+  the broker's whole subscription table). Dropping loses nothing: a broker sends the
+  retained message again to whoever subscribes to a matching filter.
 - Bytes on the wire are counted per PUBLISH packet in both directions
   (fixed header + topic + packet id + properties + payload), for traffic reports.
 - Subscriptions are restored after an automatic reconnect, and a "birth" message
@@ -209,6 +214,8 @@ class Transport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.dropped = 0
+        self.unsolicited = 0
+        """Retained messages dropped because no subscription of this client matches them."""
         self.v5 = protocol != "3.1.1"
         self.broker_max_packet: int | None = None
         self._subs: dict[str, int] = {}
@@ -399,7 +406,22 @@ class Transport:
         client.connect_async(node.host, node.port, keepalive=self.keepalive_s, **self._connect_kwargs)
         log.info("%s: reconnecting to broker node %s:%d", self.client_id, node.host, node.port)
 
+    def _subscribed_to(self, topic: str) -> bool:
+        """Whether a subscription of this client (a shared one by its filter) matches ``topic``."""
+        for sub in list(self._subs):
+            if sub.startswith("$share/") and sub.count("/") >= 2:
+                sub = sub.split("/", 2)[2]
+            if mqtt.topic_matches_sub(sub, topic):
+                return True
+        return False
+
     def _on_message(self, client, userdata, msg) -> None:
+        if msg.retain and not self._subscribed_to(msg.topic):  # amqtt's stray retained message (module docstring)
+            self.unsolicited += 1
+            log.debug("dropped a retained message on %s: no subscription matches it", clip(msg.topic))
+            if self.manual_ack and msg.qos > 0:
+                client.ack(msg.mid, msg.qos)
+            return
         props = {}
         if msg.properties is not None and hasattr(msg.properties, "UserProperty"):
             props = dict(msg.properties.UserProperty)

@@ -103,6 +103,37 @@ def test_no_assignable_device_fails_clearly_instead_of_waiting(mosquitto_url, tm
 
 
 @pytest.mark.parametrize("broker", ["mosquitto", "embedded"])
+def test_a_client_gets_no_retained_message_it_did_not_subscribe_to(broker, request):
+    """amqtt 0.12.1 sends a connecting client the retained messages matching *other*
+    clients' subscriptions; the transport drops them (counted), so a client's inbox holds
+    only what it subscribed to, on either broker."""
+    import uuid
+
+    url = request.getfixturevalue(f"{broker}_url")
+    proto = "3.1.1" if broker == "embedded" else "auto"
+    base = f"test/{uuid.uuid4().hex[:8]}"
+    other, pub = Transport(url, protocol=proto).connect(), Transport(url, protocol=proto).connect()
+    try:
+        assert other.subscribe(f"{base}/+/status", timeout=10) is True
+        pub.publish(f"{base}/dev0/status", b"offline", retain=True)
+        assert other.get(10).payload == b"offline"
+        sub = Transport(url, protocol=proto).connect()
+        try:
+            assert sub.subscribe(f"{base}/mine", timeout=10) is True
+            pub.publish(f"{base}/mine", b"hi")
+            m = sub.get(10)
+            assert m is not None and (m.topic, m.payload) == (f"{base}/mine", b"hi")
+            assert sub.get(0.5) is None
+            assert sub.unsolicited == (1 if broker == "embedded" else 0)
+        finally:
+            sub.close()
+    finally:
+        pub.publish(f"{base}/dev0/status", b"", retain=True)  # clear the retained message
+        other.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("broker", ["mosquitto", "embedded"])
 def test_subscribe_can_wait_for_the_suback(broker, request):
     """With a timeout, subscribe() returns once the broker acknowledged it, so a message
     published right after is delivered; unconnected, it reports False (and subscribes on
