@@ -49,6 +49,10 @@ Fed-MoE's α, gate entropy and relevance W). Over seeds: mean ± std, the 95% St
 rounds to 90% of the best method's final accuracy, paired t-tests (pairs = seeds; "better"
 only where the 95% CI of the paired difference excludes 0).
 
+``benchmarks/configs/fusion_btx.yaml`` runs the same methods where the experts differ: BBC
+News (``bbc``, two categories per client: ``partition: classes:2``) on the MiniLM
+Branch-Train-MiX MoE (``model: {base: runs/btx-minilm, ...}``; docs/btx.md builds it).
+
 The table is the harness's (:mod:`benchmarks.harness`) on ``benchmarks/configs/fusion_table.yaml``
 (methods, ablations, pairs, profiles); this module is its cells (``table: fusion_table``).
 Cells are resumable (``runs/fusion_table/<profile>/s<seed>/<cell>/report.json``; ``--force``
@@ -74,7 +78,12 @@ from benchmarks.common import ROOT, ci_text, diff_text, fmt, marks, verdict
 
 CONFIG = ROOT / "benchmarks" / "configs" / "fusion_table.yaml"
 REQUIRED = ("name", "datasets", "clients", "seeds", "rounds", "samples", "eval_samples", "train", "methods")
-DEFAULTS: dict[str, Any] = {"max_seq_len": 24, "eval_threads": 2}
+DEFAULTS: dict[str, Any] = {"max_seq_len": 24, "eval_threads": 2, "model": None, "partition": "dirichlet:1.0"}
+"""``model``: the text data sets' ``ModelSpec`` fields (e.g. a Branch-Train-MiX checkpoint,
+``{base: runs/btx-minilm, num_experts: 7, moe_layers: [1, 3, 5], ...}``; default the
+upcycled MiniLM with :data:`NUM_EXPERTS` experts); ``partition``: how the clients' data is
+split (``fedmoe.partition`` spec)."""
+DATASETS = ("tweets", "bbc", "fmnist")
 PROFILE_KEYS = ("datasets", "clients", "seeds", "rounds", "max_seq_len", "samples", "eval_samples", "eval_threads",
                 "train")
 METRICS = (("global", "accuracy"), ("local", "local_accuracy"))
@@ -88,8 +97,8 @@ DEFENCES = {"robust": {"name": "none"}, "screening": None}
 
 
 def check(cfg: dict[str, Any]) -> list[str]:
-    """A config's problems: an unknown data set (tweets, fmnist)."""
-    return [f"datasets: unknown {d!r} (tweets, fmnist)" for d in cfg["datasets"] if d not in ("tweets", "fmnist")]
+    """A config's problems: an unknown data set (:data:`DATASETS`)."""
+    return [f"datasets: unknown {d!r} ({', '.join(DATASETS)})" for d in cfg["datasets"] if d not in DATASETS]
 
 
 def settings_of(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -107,6 +116,8 @@ def dataset(name: str, seed: int, cfg: dict[str, Any]) -> tuple[list, list, list
     train, test, labels = cells.load_data(name, seed, cfg["samples"][name], cfg["eval_samples"])
     if name == "fmnist":
         spec = ModelSpec(family="conv-moe", base=None, tokenizer=None, num_experts=NUM_EXPERTS, top_k=2, seed=seed)
+    elif cfg["model"]:
+        spec = ModelSpec(**{"max_seq_len": cfg["max_seq_len"], **cfg["model"]}, seed=seed)
     else:
         spec = ModelSpec(num_experts=NUM_EXPERTS, top_k=2, max_seq_len=cfg["max_seq_len"], seed=seed)
     return train, test, labels, spec
@@ -114,12 +125,12 @@ def dataset(name: str, seed: int, cfg: dict[str, Any]) -> tuple[list, list, list
 
 def budgets_for(spec, batch: int, num_labels: int, clients: int, seed: int, weight_format: str) -> list[int]:
     """Budgets (bytes, model only): even-numbered clients between the memory plans of 2 and
-    3 experts per layer, odd ones the full MoE's plan plus a seeded draw of up to half of
-    (plan(E) − plan(2))."""
+    3 experts per layer, odd ones the full MoE's plan (``spec.num_experts``) plus a seeded
+    draw of up to half of (plan(E) − plan(2))."""
     from moe_model.budget import estimate
 
     plan = lambda k: estimate(spec, k, batch, num_labels, runtime_bytes=0, weight_format=weight_format).total  # noqa
-    two, three, full = plan(2), plan(3), plan(NUM_EXPERTS)
+    two, three, full = plan(2), plan(3), plan(spec.num_experts)
     rng = random.Random(f"fusion_table/budgets/{seed}")
     return [(two + three) // 2 if i % 2 == 0 else full + rng.randint(0, (full - two) // 2) for i in range(clients)]
 
@@ -142,7 +153,7 @@ def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any
         device_data, budgets = [reserved], [10 * 2**30]
     else:
         pool = [train[i] for i in kept]
-        parts = partition([cells.label_id(y, labels) for _, y in pool], clients, "dirichlet:1.0", seed)
+        parts = partition([cells.label_id(y, labels) for _, y in pool], clients, cfg["partition"], seed)
         device_data = [[pool[j] for j in part] for part in parts]
         budgets = budgets_for(spec, tr["batch"], len(labels), clients, seed, fmt_)
     return cells.federate(
@@ -151,7 +162,7 @@ def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any
         train={"max_steps": tr["max_steps"], "batch_size": tr["batch"], "lr": tr["lr"]}, rounds=cfg["rounds"],
         weight_format=fmt_, eval_samples=cfg["eval_samples"], seed=seed, defences=DEFENCES, reserved=reserved,
         eval_threads_n=cfg["eval_threads"], round_timeout_s=900.0,
-        config={"dataset": name, "partition": "dirichlet:1.0"})
+        config={"dataset": name, "partition": cfg["partition"]})
 
 
 # --------------------------------------------------------------------------- output
@@ -161,14 +172,21 @@ def _head(result: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     p = result["profile_config"]
     return [*tables.profile_head("Fed-MoE fusion table", result, "each seed: its own data subset, split, D^r, budgets"
                                                        " and model/device seeds, the same for every method"),
-            "Settings: `<data set> <clients>`, Dirichlet(1.0) label skew. *global* = the method's model on the "
+            f"Settings: `<data set> <clients>`, {_partition_text(cfg['partition'])}. *global* = the method's model on the "
             "held-out test split after the last round (FedAvg/FedProx: the compact model; Avg-MoE: the 2-expert "
             "MoE; Cent-MoE: its 1+K-expert MoE; Fed-MoE: the server MoE, top-1; hybrid: the global MoE, with the "
             "fused server MoE under *fused*); *local* = mean over clients of their latest validation accuracy (own "
             "model after local training). Mean ± std over seeds [95% Student-t CI]. *Rounds to target*: first "
             f"round reaching {cfg['target_fraction']:.0%} of the best method's mean final accuracy (not reached: "
             f"{p['rounds'] + 1}). ▲X / ▼X: significantly above / below X (paired t-test over seeds, uncorrected; "
-            "each setting's Holm-Bonferroni line corrects for the number of its tests).", ""]
+            "each setting's Holm-Bonferroni line corrects for the number of its tests).", "",
+            *([f"Model of the text data sets: `{json.dumps(cfg['model'])}`.", ""] if cfg.get("model") else [])]
+
+
+def _partition_text(spec: str) -> str:
+    """How the clients' data is split, in words (``dirichlet:1.0`` -> "Dirichlet(1.0) label skew")."""
+    kind, _, arg = spec.partition(":")
+    return {"dirichlet": f"Dirichlet({arg}) label skew", "classes": f"{arg} classes per client"}.get(kind, f"`{spec}`")
 
 
 def _sanity(result: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
