@@ -1,0 +1,279 @@
+"""A sub-MoE's training step as an ExecuTorch training program, for devices without Python.
+
+A phone-class device cannot embed CPython and torch; ExecuTorch's C++ runtime runs a
+training step captured ahead of time (``torch.export`` of forward + loss, then
+``torch.export.experimental._export_forward_backward``: the loss is the first output and
+the gradients of the trainable tensors follow; the optimizer runs outside the graph).
+:func:`export_training_program` captures the step of one :class:`moe_model.submoe.SubMoE`
+*shape* (model spec, task, experts held per MoE layer, batch size, sequence length, weight
+format) so that one program serves every device of that shape:
+
+- **Frozen weights are program inputs, not constants.** Every base weight (fp32, or the
+  int8/nf4 data and scales of a quantized linear, dequantized inside the program) and the
+  frozen LoRA ``A`` factors are inputs after the batch, in :attr:`TrainingProgram.frozen`
+  order; the device passes the tensors it already holds from its base shards, so nothing
+  is copied into the program and int8 weights stay int8 in memory.
+- **Experts are named by slot.** The program is exported with experts ``0..n-1`` in each
+  MoE layer; a device holding global experts ``e_0 < e_1 < ...`` puts expert ``e_j`` in slot
+  ``j`` (:func:`slot_of`), for the frozen inputs and the adapter-state keys alike.
+- **The trainable tensors are the program's parameters**: exactly the adapter state a
+  Python device trains and sends (:meth:`SubMoE.trainable`: LoRA ``B``, router rows, task
+  head), each mapped to its adapter-state key in :attr:`TrainingProgram.trainable`.
+- **Static shapes**: every MoE block runs in its dense-dispatch form (every held expert on
+  every token, combined by the zero-padded top-k gates: the function of the sparse
+  dispatch without data-dependent control flow), attention in its eager form (the fused
+  scaled-dot-product attention's backward is not in ExecuTorch's core ATen operator set),
+  and the batch is ``(batch_size, seq_len)``; a device pads a short last batch.
+- **Without dropout**: the step runs the model in evaluation mode, so a program's step is
+  deterministic (ExecuTorch cannot reproduce torch's dropout draws) and a Python device
+  training with dropout off computes the same update.
+- **The task loss only** (``moe_model.objectives.sample_loss`` averaged over the batch);
+  the assignment's extra local terms (FedProx, FedAlign-MoE's) are not in the program.
+
+ExecuTorch (``pip install fedmoe[native]``, ``executorch`` 1.5) marks its training API
+experimental; the program format is tied to the runtime version that reads it
+(:data:`RUNTIME`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from protocol import keys
+from protocol.experts import Experts
+
+from .quant import QuantEmbedding, QuantLinear
+from .submoe import SubMoE
+
+log = logging.getLogger(__name__)
+
+RUNTIME = "executorch-1.5"
+"""The runtime a program is exported for (recorded in its manifest)."""
+
+
+def slot_of(held: dict[int, list[int]]) -> dict[int, dict[int, int]]:
+    """Layer -> {global expert id: slot}: the ``j``-th smallest held id is slot ``j``.
+
+    Raises:
+        ValueError: ``held`` is not a valid expert assignment (:class:`protocol.experts.Experts`).
+    """
+    return {layer: {e: j for j, e in enumerate(ids)} for layer, ids in Experts(held).items()}
+
+
+def slot_shape(held: dict[int, list[int]]) -> dict[int, list[int]]:
+    """The expert set a program for ``held``'s shape is exported with: ``{layer: [0..n-1]}``."""
+    return {layer: list(range(len(ids))) for layer, ids in Experts(held).items()}
+
+
+def to_slots(state: dict[str, torch.Tensor], held: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+    """Adapter-state keys of held global experts renamed to their slots (backbone and head
+    keys unchanged).
+
+    Raises:
+        KeyError: a key names an expert that ``held`` does not hold.
+    """
+    slots = slot_of(held)
+    return {_rekey(k, lambda layer, e: slots[layer][e]): t for k, t in state.items()}
+
+
+def from_slots(state: dict[str, torch.Tensor], held: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_slots`: slot keys back to the held global experts' keys.
+
+    Raises:
+        KeyError: a slot beyond the experts ``held`` holds in that layer.
+    """
+    ids = {layer: list(e) for layer, e in Experts(held).items()}
+    return {_rekey(k, lambda layer, j: ids[layer][j]): t for k, t in state.items()}
+
+
+def _rekey(key: str, f) -> str:
+    k = keys.parse(key)
+    if k.group == "expert":
+        return keys.expert_key(k.layer, f(k.layer, k.expert), k.path)
+    if k.group == "router":
+        return keys.router_key(k.layer, f(k.layer, k.expert))
+    return key
+
+
+@dataclass
+class TrainingProgram:
+    """One exported training step (:func:`export_training_program`).
+
+    Attributes:
+        pte: the ExecuTorch program (bytes). Method ``forward(*batch, *frozen)`` returns
+            ``loss`` (fp32 scalar, mean over the batch, nats), ``logits`` (fp32, ``(B, C)``
+            or ``(B, T, V)``), then the gradients of the trainable tensors.
+        batch: the batch inputs in order, ``{"name", "shape", "dtype"}`` each
+            (``bert-upcycled``/``hf-moe``: ``input_ids``, ``attention_mask`` int64
+            ``(B, T)``, then ``labels`` int64 ``(B,)``, or ``(B, T)`` for causal LM).
+        frozen: the frozen inputs after the batch, in order, ``{"name", "shape",
+            "dtype"}`` each; ``name`` is the module path with experts by slot.
+        trainable: program parameter name -> adapter-state key with experts by slot, in the
+            order of the gradient outputs.
+        shape: what the program serves (model spec, task, labels, experts per layer, batch,
+            sequence length, weight format); :attr:`key` is its digest.
+    """
+
+    pte: bytes
+    batch: list[dict[str, Any]]
+    frozen: list[dict[str, Any]]
+    trainable: dict[str, str]
+    shape: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """sha256 (hex) of the canonical JSON of :attr:`shape`: the cache key of the program."""
+        return shape_key(self.shape)
+
+    @property
+    def sha256(self) -> str:
+        """sha256 (hex) of :attr:`pte`."""
+        return hashlib.sha256(self.pte).hexdigest()
+
+    def manifest(self) -> dict[str, Any]:
+        """Everything but the program bytes, JSON-able (what a device reads beside the ``.pte``)."""
+        return {"runtime": RUNTIME, "key": self.key, "sha256": self.sha256, "bytes": len(self.pte),
+                "shape": self.shape, "batch": self.batch, "frozen": self.frozen, "trainable": self.trainable}
+
+
+def program_shape(model: SubMoE, batch_size: int, seq_len: int, weight_format: str) -> dict[str, Any]:
+    """The shape of ``model``'s training step (what :class:`TrainingProgram.shape` holds)."""
+    return {"spec": model.spec.model_dump(mode="json"), "task": model.task, "num_labels": model.num_labels,
+            "experts_per_layer": {str(layer): len(ids) for layer, ids in model.experts.items()},
+            "batch_size": int(batch_size), "seq_len": int(seq_len), "weight_format": weight_format}
+
+
+def shape_key(shape: dict[str, Any]) -> str:
+    """sha256 (hex) of a program shape's canonical JSON."""
+    return hashlib.sha256(json.dumps(shape, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def frozen_tensors(model: SubMoE) -> dict[str, torch.Tensor]:
+    """Module path -> tensor of every frozen weight of ``model``: parameters that do not
+    train (base weights, frozen LoRA ``A``) and the stored data and scales of quantized
+    linears and embeddings. Architecture constants (position-id buffers) are not weights."""
+    trainable = {id(p) for p in model.trainable().values()}
+    out = {n: p for n, p in model.named_parameters() if id(p) not in trainable}
+    for path, mod in model.named_modules():
+        if isinstance(mod, (QuantLinear, QuantEmbedding)):
+            out.update({f"{path}.{n}": b for n, b in mod.named_buffers(recurse=False) if b is not None})
+    return out
+
+
+class _Step(nn.Module):
+    """``forward(*batch, *frozen) -> (loss, logits)`` over ``model`` with its frozen weights
+    taken from the inputs (``torch.func.functional_call``)."""
+
+    def __init__(self, model: SubMoE, batch_names: list[str], frozen_names: list[str]):
+        super().__init__()
+        self.model = model
+        self.batch_names = batch_names
+        self.frozen_names = frozen_names
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from . import objectives
+
+        nb = len(self.batch_names)
+        batch = dict(zip(self.batch_names[:-1], args[:nb - 1]))
+        labels = args[nb - 1]
+        weights = dict(zip(self.frozen_names, args[nb:]))
+        logits = torch.func.functional_call(self.model, weights, (batch,), strict=False)
+        loss = objectives.sample_loss(self.model.objective, logits, labels).mean()
+        return loss, logits.detach()
+
+
+@contextlib.contextmanager
+def exportable(model: SubMoE) -> Iterator[None]:
+    """``model`` in evaluation mode, dense dispatch and eager attention; restored after."""
+    from transformers import PreTrainedModel
+
+    blocks = list(model.model.moe_blocks().values())
+    before = [b.dense_dispatch for b in blocks]
+    hf = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    attn = [m.config._attn_implementation for m in hf]
+    was_training = model.training
+    model.eval()
+    for b in blocks:
+        b.dense_dispatch = True
+    for m in hf:
+        m.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        for b, d in zip(blocks, before):
+            b.dense_dispatch = d
+        for m, a in zip(hf, attn):
+            m.set_attn_implementation(a)
+        model.train(was_training)
+
+
+def example_batch(model: SubMoE, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """A batch of the program's shape: ``input_ids`` (token 0...), ``attention_mask`` (ones),
+    ``labels`` (zeros; ``(B,)`` for classification, ``(B, T)`` for causal LM), int64."""
+    if model.spec.family == "conv-moe":
+        raise ValueError("conv-moe has no training program (its devices run the Python SDK)")
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.int64)
+    labels = torch.zeros((batch_size, seq_len) if model.objective == "causal-lm" else (batch_size,), dtype=torch.int64)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight_format: str = "fp32"
+                            ) -> TrainingProgram:
+    """Capture ``model``'s training step for its shape (module docstring).
+
+    Args:
+        model: a sub-MoE exported with experts ``0..n-1`` per MoE layer (:func:`slot_shape`);
+            its weights' values are not stored in the program, only their shapes.
+        batch_size: samples per step (B).
+        seq_len: tokens per sample (T).
+        weight_format: the base shards' format (``fp32``, ``int8``, ``nf4``), recorded in
+            the shape.
+
+    Returns:
+        The :class:`TrainingProgram`.
+
+    Raises:
+        ImportError: ExecuTorch missing (``pip install fedmoe[native]``).
+        ValueError: ``model`` holds experts other than its slots, a ``conv-moe`` model, or
+            a full fine-tuning family (its every weight trains: nothing is frozen).
+    """
+    from executorch.exir import ExecutorchBackendConfig, to_edge
+    from torch.export import export
+    from torch.export.experimental import _export_forward_backward
+
+    if dict(model.experts.items()) != slot_shape(dict(model.experts.items())):
+        raise ValueError(f"export the program with experts by slot {slot_shape(dict(model.experts.items()))}, "
+                         f"not {dict(model.experts.items())}")
+    if model.full:
+        raise ValueError(f"{model.spec.family} trains every weight: no frozen base for a shape-generic program")
+    example = example_batch(model, batch_size, seq_len)
+    frozen = frozen_tensors(model)
+    names = list(example)
+    step = _Step(model, names, list(frozen))
+    params = {id(p): k for k, p in model.trainable().items()}
+    with exportable(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = export(step, (*example.values(), *frozen.values()), strict=False)
+        ep = _export_forward_backward(ep)
+        program = to_edge(ep).to_executorch(config=ExecutorchBackendConfig())
+    fqn = dict(step.named_parameters())
+    grads = [s.target for s in ep.graph_signature.output_specs if s.kind.name == "GRADIENT_TO_PARAMETER"]
+    trainable = {name: params[id(fqn[name])] for name in grads}
+    if sorted(trainable.values()) != sorted(params.values()):
+        raise RuntimeError("the exported program's gradients do not cover the adapter state")
+    shape = program_shape(model, batch_size, seq_len, weight_format)
+    describe = lambda n, t: {"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}  # noqa
+    out = TrainingProgram(pte=program.buffer, batch=[describe(n, t) for n, t in example.items()],
+                          frozen=[describe(n, t) for n, t in frozen.items()], trainable=trainable, shape=shape)
+    log.info("exported the training program %s: %d frozen inputs, %d trainable tensors, %.1f KiB",
+             out.key[:12], len(out.frozen), len(trainable), len(out.pte) / 1024)
+    return out

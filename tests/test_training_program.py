@@ -1,0 +1,113 @@
+"""The sub-MoE training step as an ExecuTorch program: one program per shape, run by
+ExecuTorch's runtime, gives torch's loss and gradients for any held experts of that shape."""
+
+import pytest
+import torch
+
+pytest.importorskip("executorch")
+
+from cloud.global_model import GlobalModel  # noqa: E402
+from fedmoe.datasets import bbc_news  # noqa: E402
+from moe_model import objectives  # noqa: E402
+from moe_model.shards import decode_shard  # noqa: E402
+from moe_model.submoe import SubMoE  # noqa: E402
+from moe_model.training_program import (  # noqa: E402
+    export_training_program, exportable, frozen_tensors, from_slots, slot_of, slot_shape, to_slots)
+from tests.conftest import tiny_spec  # noqa: E402
+
+B, T = 4, 24
+
+
+def _load(program):
+    """ExecuTorch's Python runtime (its pybindings) on the program's bytes."""
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+    from executorch.extension.training import TrainingModule
+
+    return TrainingModule(_load_for_executorch_from_buffer(program.pte))
+
+
+def _device_model(gm, held, labels):
+    shards = {sid: decode_shard(gm.shard_bytes[sid])
+              for sid in ["backbone"] + [f"L{layer}.E{e}" for layer, ids in held.items() for e in ids]}
+    model = SubMoE(gm.spec, held, "bbc", len(labels), shards)
+    state = {k: torch.randn_like(v) * 0.1 for k, v in model.adapter_state().items()}  # a trained-looking state
+    model.load_adapter_state(state)
+    return model
+
+
+def _eager(model, batch, labels):
+    """torch's loss and gradients (by adapter key) of the same step (the program's mode)."""
+    with exportable(model):
+        model.zero_grad()
+        loss = objectives.sample_loss(model.objective, model(batch), labels).mean()
+        loss.backward()
+    assert model.training and not any(b.dense_dispatch for b in model.model.moe_blocks().values())  # restored
+    return loss.item(), {k: p.grad.clone() for k, p in model.trainable().items()}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    items, labels = bbc_news()
+    gm = GlobalModel(tiny_spec(upcycle_noise=0.05, max_seq_len=T), {"bbc": labels}, "int8")
+    return gm, labels, items
+
+
+@pytest.mark.slow
+def test_one_program_serves_every_expert_set_of_its_shape(setup):
+    gm, labels, items = setup
+    held_a, held_b = {1: [1, 3]}, {1: [0, 2]}
+    program = export_training_program(_device_model(gm, slot_shape(held_a), labels), B, T, "int8")
+    assert program.shape["experts_per_layer"] == {"1": 2} and len(program.key) == 64
+    assert len(program.pte) < 2**20  # weights are inputs, not baked in
+    batch_inputs = [d["name"] for d in program.batch]
+    assert batch_inputs == ["input_ids", "attention_mask", "labels"]
+    for held in (held_a, held_b):
+        model = _device_model(gm, held, labels)
+        batch, y = model.collate([(x, labels.index(c)) for x, c in items[:B]])
+        ids = torch.zeros(B, T, dtype=torch.int64)
+        mask = torch.zeros(B, T, dtype=torch.int64)
+        n = batch["input_ids"].shape[1]
+        ids[:, :n], mask[:, :n] = batch["input_ids"], batch["attention_mask"]
+        slot_names = {f"experts.{e}.": f"experts.{j}." for e, j in slot_of(held)[1].items()}
+        frozen = {}
+        for name, t in frozen_tensors(model).items():
+            for a, b in slot_names.items():
+                name = name.replace(a, b)
+            frozen[name] = t.detach()
+        assert [f["name"] for f in program.frozen] == list(frozen)
+        tm = _load(program)
+        tm.forward_backward("forward", (ids, mask, y, *frozen.values()))  # first call: the parameters
+        params = tm.named_parameters()
+        state = to_slots(model.adapter_state(), held)
+        for name, key in program.trainable.items():
+            params[name].copy_(state[key])
+        loss, logits = tm.forward_backward("forward", (ids, mask, y, *frozen.values()))
+        grads = from_slots({program.trainable[n]: g for n, g in tm.named_gradients().items()}, held)
+        ref_loss, ref_grads = _eager(model, {"input_ids": ids, "attention_mask": mask}, y)
+        assert logits.shape == (B, len(labels))
+        assert abs(loss.item() - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
+        assert set(grads) == set(ref_grads)
+        for k, g in ref_grads.items():
+            err = ((grads[k] - g).norm() / g.norm().clamp_min(1e-12)).item()
+            assert err < 1e-4, (k, err)
+
+
+def test_slot_keys_round_trip_and_refuse_an_expert_not_held():
+    from protocol import keys
+
+    held = {1: [2, 5], 3: [0]}
+    state = {keys.expert_key(1, 5, "fc1.lora_B"): torch.zeros(1), keys.router_key(1, 2): torch.zeros(1),
+             keys.router_key(3, 0): torch.zeros(1), keys.head_key("bbc", "weight"): torch.zeros(1)}
+    slots = to_slots(state, held)
+    assert keys.expert_key(1, 1, "fc1.lora_B") in slots and keys.router_key(1, 0) in slots
+    assert from_slots(slots, held).keys() == state.keys()
+    with pytest.raises(KeyError):
+        to_slots({keys.router_key(1, 4): torch.zeros(1)}, held)
+    assert slot_shape(held) == {1: [0, 1], 3: [0]}
+
+
+@pytest.mark.slow
+def test_export_refuses_global_expert_ids(setup):
+    gm, labels, _ = setup
+    with pytest.raises(ValueError, match="by slot"):
+        export_training_program(_device_model(gm, {1: [1, 3]}, labels), B, T)
