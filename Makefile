@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 
-.PHONY: install demo demo-full test test-fast docs bench bench-env clean
+.PHONY: install native demo demo-full test test-fast docs bench bench-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,9 +18,17 @@ $(STAMP): pyproject.toml
 	# browser download is not used); they skip, saying so, where it cannot be installed (no root, not Debian)
 	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; } \
 		|| echo "chromium not installed: the dashboard's browser tests will skip"
+	# the native device's C++ build (native/, tests/test_native_trainer.py): a compiler, CMake, nlohmann/json
+	dpkg -s g++ cmake nlohmann-json3-dev >/dev/null 2>&1 || { echo "installing g++ cmake nlohmann-json3-dev (Debian) for the native device's build"; \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q g++ cmake nlohmann-json3-dev; } \
+		|| echo "g++/cmake/nlohmann-json3-dev not installed: the native device's tests will skip"
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# the native (phone-class) device's C++ code (native/) against ExecuTorch's wheel, in build/native
+native: $(STAMP)
+	$(PY) -c "from fedmoe.native import build; print(build())"
 
 # a second environment for benchmarks/peer.py: Flower (the `bench` extra) beside our packages; kept apart
 # from .venv because flwr's dependencies raise a device process's baseline memory

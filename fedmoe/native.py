@@ -1,0 +1,67 @@
+"""Builds the native (phone-class) device's C++ code under ``native/`` with CMake, against
+ExecuTorch's runtime from its Python wheel (``pip install fedmoe[native]``).
+
+:func:`build` configures and builds once per build directory and source state (CMake's own
+dependency tracking makes a second call cheap), and returns the path of ``fedmoe-train``
+(``native/tools/fedmoe_train.cpp``). ``make install`` installs the compiler packages it
+needs (Debian: ``g++ cmake nlohmann-json3-dev``).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "native"
+BUILD = ROOT / "build" / "native"
+PACKAGES = ("g++", "cmake", "nlohmann-json3-dev")
+"""The Debian packages the build needs besides the ``executorch`` wheel."""
+
+
+class NativeBuildError(RuntimeError):
+    """The native code could not be configured or built (the message says why and what to install)."""
+
+
+def executorch_dir() -> Path:
+    """The installed ``executorch`` package's directory (its ``share/cmake`` has the CMake package).
+
+    Raises:
+        NativeBuildError: ExecuTorch is not installed.
+    """
+    try:
+        import executorch
+    except ImportError as e:
+        raise NativeBuildError("ExecuTorch is not installed: pip install 'fedmoe[native]'") from e
+    return Path(list(executorch.__path__)[0])
+
+
+def build(build_dir: str | Path = BUILD, timeout_s: float = 900.0) -> Path:
+    """Configure (first time) and build ``native/``; returns the ``fedmoe-train`` binary.
+
+    Args:
+        build_dir: the CMake build directory (default ``build/native``, git-ignored).
+        timeout_s: limit for each of configure and build (seconds).
+
+    Raises:
+        NativeBuildError: a tool is missing (the Debian packages are named) or CMake failed
+            (its last output lines are in the message).
+    """
+    missing = [t for t in ("cmake", "g++") if shutil.which(t) is None]
+    if missing:
+        raise NativeBuildError(f"{', '.join(missing)} not found: apt-get install {' '.join(PACKAGES)}")
+    build_dir = Path(build_dir)
+    steps = [["cmake", "-S", str(SOURCE), "-B", str(build_dir), f"-DCMAKE_PREFIX_PATH={executorch_dir()}"],
+             ["cmake", "--build", str(build_dir), "-j2"]]
+    for cmd in steps:
+        log.info("native build: %s", " ".join(cmd))
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if r.returncode != 0:
+            tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
+            hint = f" (apt-get install {' '.join(PACKAGES)})" if "nlohmann" in tail else ""
+            raise NativeBuildError(f"{' '.join(cmd[:2])} failed{hint}:\n{tail}")
+    return build_dir / "fedmoe-train"

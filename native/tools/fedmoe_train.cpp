@@ -1,0 +1,96 @@
+// fedmoe-train: runs a sub-MoE training program on files, for tests and benchmarks of the
+// native device's training core (the MQTT device that embeds it is not built yet).
+//
+//   fedmoe-train --program P.pte --manifest M.json --frozen F.safetensors --state S.safetensors
+//                --batches B.safetensors --steps K --lr LR [--weight-decay WD] --out OUT.safetensors
+//
+// B holds input_ids and attention_mask (K, batch, seq) and labels (K, batch[, seq]); step i
+// trains on slice i. Writes the trained adapter state to OUT and prints one JSON line:
+// {"losses": [...], "step_s": [...], "rss_before_model_bytes": n, "peak_rss_bytes": n}.
+// Exit status 2 on bad input (the reason on stderr), 1 on a failed step.
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+
+#include "safetensors.hpp"
+#include "trainer.hpp"
+
+namespace {
+
+long rss_bytes() {  // resident set now (/proc/self/statm)
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * 4096L;
+}
+
+long peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss * 1024L;
+}
+
+fedmoe::TensorView slice(const fedmoe::TensorView& t, int64_t i) {
+  fedmoe::TensorView s{t.dtype, {t.shape.begin() + 1, t.shape.end()}, nullptr, t.nbytes / static_cast<size_t>(t.shape.at(0))};
+  s.data = t.data + static_cast<size_t>(i) * s.nbytes;
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const long rss0 = rss_bytes();
+  std::map<std::string, std::string> a;
+  for (int i = 1; i + 1 < argc; i += 2) a[argv[i]] = argv[i + 1];
+  for (const char* k : {"--program", "--manifest", "--frozen", "--state", "--batches", "--steps", "--lr", "--out"})
+    if (!a.count(k)) {
+      std::cerr << "fedmoe-train: missing " << k << " (see the header of native/tools/fedmoe_train.cpp)\n";
+      return 2;
+    }
+  std::unique_ptr<fedmoe::Trainer> trainer;
+  std::unique_ptr<fedmoe::SafetensorsFile> frozen, batches;
+  int steps = 0;
+  fedmoe::AdamW opt;
+  try {
+    std::ifstream mf(a["--manifest"]);
+    if (!mf) throw std::runtime_error(a["--manifest"] + ": cannot open");
+    const auto manifest = nlohmann::json::parse(mf);
+    steps = std::stoi(a["--steps"]);
+    opt.lr = std::stof(a["--lr"]);
+    if (a.count("--weight-decay")) opt.weight_decay = std::stof(a["--weight-decay"]);
+    trainer = std::make_unique<fedmoe::Trainer>(a["--program"], manifest);
+    frozen = std::make_unique<fedmoe::SafetensorsFile>(a["--frozen"]);
+    trainer->bind_frozen(*frozen);
+    trainer->load_state(fedmoe::SafetensorsFile(a["--state"]));
+    batches = std::make_unique<fedmoe::SafetensorsFile>(a["--batches"]);
+    if (batches->at("input_ids").shape.at(0) < steps) throw std::runtime_error("fewer batches than --steps");
+  } catch (const std::exception& e) {
+    std::cerr << "fedmoe-train: " << e.what() << "\n";
+    return 2;
+  }
+  nlohmann::json out = {{"losses", nlohmann::json::array()}, {"step_s", nlohmann::json::array()}};
+  try {
+    for (int i = 0; i < steps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const float loss = trainer->step({slice(batches->at("input_ids"), i), slice(batches->at("attention_mask"), i),
+                                        slice(batches->at("labels"), i)}, opt);
+      out["losses"].push_back(loss);
+      out["step_s"].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    fedmoe::write_safetensors(a["--out"], trainer->state());
+  } catch (const std::exception& e) {
+    std::cerr << "fedmoe-train: " << e.what() << "\n";
+    return 1;
+  }
+  out["rss_before_model_bytes"] = rss0;
+  out["peak_rss_bytes"] = peak_rss_bytes();
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
