@@ -64,7 +64,7 @@ def run(experts: int, batch: int, seq: int, fmt: str, steps: int) -> dict[str, A
     spec = ModelSpec(max_seq_len=seq)
     gm = GlobalModel(spec, {"bbc": labels}, fmt)
     held = slot_shape({layer: list(range(experts)) for layer in gm.all_experts})
-    shards = {sid: decode_shard(gm.shard_bytes[sid])
+    shards = {sid: decode_shard(gm.shard_bytes[sid], keep_quantized=True)
               for sid in ["backbone"] + [f"L{layer}.E{e}" for layer, ids in held.items() for e in ids]}
     model = SubMoE(spec, held, "bbc", len(labels), shards)
     t0 = time.perf_counter()

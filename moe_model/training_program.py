@@ -216,6 +216,25 @@ def exportable(model: SubMoE) -> Iterator[None]:
         model.train(was_training)
 
 
+@contextlib.contextmanager
+def _hollow_buffers(model: nn.Module, names: list[str]) -> Iterator[None]:
+    """The module's buffers among ``names`` replaced by empty tensors of their dtype while
+    the step is exported: ``torch.export`` lifts every buffer a module owns into the program
+    (as its state) even when ``functional_call`` supplies the value as an input; restored after."""
+    saved = []
+    for name in names:
+        path, _, attr = name.rpartition(".")
+        mod = model.get_submodule(path) if path else model
+        if attr in mod._buffers and mod._buffers[attr] is not None:
+            saved.append((mod, attr, mod._buffers[attr]))
+            mod._buffers[attr] = torch.empty(0, dtype=mod._buffers[attr].dtype)
+    try:
+        yield
+    finally:
+        for mod, attr, t in saved:
+            mod._buffers[attr] = t
+
+
 def example_batch(model: SubMoE, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
     """A batch of the program's shape: ``input_ids`` (token 0...), ``attention_mask`` (ones),
     ``labels`` (zeros; ``(B,)`` for classification, ``(B, T)`` for causal LM), int64."""
@@ -260,7 +279,7 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
     names = list(example)
     step = _Step(model, names, list(frozen))
     params = {id(p): k for k, p in model.trainable().items()}
-    with exportable(model), warnings.catch_warnings():
+    with exportable(model), _hollow_buffers(model, list(frozen)), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = export(step, (*example.values(), *frozen.values()), strict=False)
         ep = _export_forward_backward(ep)

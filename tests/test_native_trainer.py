@@ -41,7 +41,7 @@ def files(tmp_path_factory):
     items, labels = bbc_news()
     gm = GlobalModel(tiny_spec(upcycle_noise=0.05, max_seq_len=T), {"bbc": labels}, "int8")
     held = {1: [0, 1]}
-    shards = {sid: decode_shard(gm.shard_bytes[sid]) for sid in ["backbone", "L1.E0", "L1.E1"]}
+    shards = {sid: decode_shard(gm.shard_bytes[sid], keep_quantized=True) for sid in ["backbone", "L1.E0", "L1.E1"]}
     model = SubMoE(gm.spec, held, "bbc", len(labels), shards)
     model.load_adapter_state({k: torch.randn_like(v) * 0.1 for k, v in model.adapter_state().items()})
     program = export_training_program(model, B, T, "int8")

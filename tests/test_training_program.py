@@ -27,7 +27,7 @@ def _load(program):
 
 
 def _device_model(gm, held, labels):
-    shards = {sid: decode_shard(gm.shard_bytes[sid])
+    shards = {sid: decode_shard(gm.shard_bytes[sid], keep_quantized=True)
               for sid in ["backbone"] + [f"L{layer}.E{e}" for layer, ids in held.items() for e in ids]}
     model = SubMoE(gm.spec, held, "bbc", len(labels), shards)
     state = {k: torch.randn_like(v) * 0.1 for k, v in model.adapter_state().items()}  # a trained-looking state
