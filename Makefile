@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
+EXECUTORCH := 'executorch>=1.5.1,<1.6'
+EXECUTORCH_DEPS := flatbuffers ruamel.yaml tabulate
 
 .PHONY: install native demo demo-full test test-fast docs bench bench-env clean
 
@@ -18,6 +20,10 @@ $(STAMP): pyproject.toml
 	# browser download is not used); they skip, saying so, where it cannot be installed (no root, not Debian)
 	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; } \
 		|| echo "chromium not installed: the dashboard's browser tests will skip"
+	# ExecuTorch (moe_model/training_program.py, native/) without its declared dependencies: the export and
+	# the runtime use none of torchao (peft imports it whenever installed, and its import logs warnings and
+	# tries CUDA kernels on every device), coremltools, pandas or its test tools; they need these three
+	$(PY) -m pip install -q --no-deps $(EXECUTORCH) && $(PY) -m pip install -q $(EXECUTORCH_DEPS)
 	# the native device's C++ build (native/, tests/test_native_trainer.py): a compiler, CMake, nlohmann/json
 	dpkg -s g++ cmake nlohmann-json3-dev >/dev/null 2>&1 || { echo "installing g++ cmake nlohmann-json3-dev (Debian) for the native device's build"; \
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q g++ cmake nlohmann-json3-dev; } \

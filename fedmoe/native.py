@@ -1,5 +1,5 @@
 """Builds the native (phone-class) device's C++ code under ``native/`` with CMake, against
-ExecuTorch's runtime from its Python wheel (``pip install fedmoe[native]``).
+ExecuTorch's runtime from its Python wheel (:data:`INSTALL`; ``make install`` runs it).
 
 :func:`build` configures and builds once per build directory and source state (CMake's own
 dependency tracking makes a second call cheap), and returns the path of ``fedmoe-train``
@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "native"
 BUILD = ROOT / "build" / "native"
+INSTALL = "pip install --no-deps 'executorch>=1.5.1,<1.6' && pip install flatbuffers ruamel.yaml tabulate"
+"""How ExecuTorch is installed: without its declared dependencies (torchao, coremltools, pandas
+and test tools, which neither the export nor the runtime uses; torchao, once installed, is
+imported by peft in every process and logs warnings)."""
 PACKAGES = ("g++", "cmake", "nlohmann-json3-dev")
 """The Debian packages the build needs besides the ``executorch`` wheel."""
 
@@ -36,7 +40,7 @@ def executorch_dir() -> Path:
     try:
         import executorch
     except ImportError as e:
-        raise NativeBuildError("ExecuTorch is not installed: pip install 'fedmoe[native]'") from e
+        raise NativeBuildError(f"ExecuTorch is not installed: {INSTALL}") from e
     return Path(list(executorch.__path__)[0])
 
 

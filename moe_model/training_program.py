@@ -30,8 +30,8 @@ format) so that one program serves every device of that shape:
 - **The task loss only** (``moe_model.objectives.sample_loss`` averaged over the batch);
   the assignment's extra local terms (FedProx, FedAlign-MoE's) are not in the program.
 
-ExecuTorch (``pip install fedmoe[native]``, ``executorch`` 1.5) marks its training API
-experimental; the program format is tied to the runtime version that reads it
+ExecuTorch (``executorch`` 1.5, installed as ``fedmoe.native.INSTALL`` says; ``make install``
+does) marks its training API experimental; the program format is tied to the runtime version that reads it
 (:data:`RUNTIME`).
 """
 
@@ -261,7 +261,7 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
         The :class:`TrainingProgram`.
 
     Raises:
-        ImportError: ExecuTorch missing (``pip install fedmoe[native]``).
+        ImportError: ExecuTorch missing (``fedmoe.native.INSTALL``).
         ValueError: ``model`` holds experts other than its slots, a ``conv-moe`` model, or
             a full fine-tuning family (its every weight trains: nothing is frozen).
     """
