@@ -116,7 +116,8 @@ class TrainingProgram:
             (``bert-upcycled``/``hf-moe``: ``input_ids``, ``attention_mask`` int64
             ``(B, T)``, then ``labels`` int64 ``(B,)``, or ``(B, T)`` for causal LM).
         frozen: the frozen inputs after the batch, in order, ``{"name", "shape",
-            "dtype"}`` each; ``name`` is the module path with experts by slot.
+            "dtype"}`` each, and ``"source"`` (:func:`frozen_sources`) when exported with the
+            stored shards; ``name`` is the module path with experts by slot.
         trainable: program parameter name -> adapter-state key with experts by slot, in the
             order of the gradient outputs.
         shape: what the program serves (model spec, task, labels, experts per layer, batch,
@@ -166,6 +167,51 @@ def frozen_tensors(model: SubMoE) -> dict[str, torch.Tensor]:
     for path, mod in model.named_modules():
         if isinstance(mod, (QuantLinear, QuantEmbedding)):
             out.update({f"{path}.{n}": b for n, b in mod.named_buffers(recurse=False) if b is not None})
+    return out
+
+
+def frozen_sources(model: SubMoE, stored: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:
+    """Where a device finds each frozen input (:func:`frozen_tensors`) among what it holds.
+
+    Args:
+        model: a sub-MoE with experts by slot, built from ``stored`` (each shard's tensors as
+            stored, ``protocol.codec.decode_tensors(..., dequantize=False)``, held with
+            ``moe_model.shards.held_tensors(..., keep_quantized=True)``), so that every base
+            weight *is* a stored tensor.
+        stored: shard id (``backbone``, ``L{layer}.E{slot}``) -> stored tensors.
+
+    Returns:
+        Frozen input name -> ``{"shard": "backbone", "tensor": stored name}``, ``{"layer": l,
+        "slot": j, "tensor": stored name}`` (the expert in slot ``j`` of MoE layer ``l``: the
+        device's ``j``-th smallest held id there), or ``{"lora_a": adapter-state key with the
+        expert by slot}`` (a frozen LoRA ``A``, drawn from the shared seed by torch: it has to
+        reach a device that cannot run torch as data).
+
+    Raises:
+        ValueError: a frozen input is none of these (e.g. a dequantized copy of a stored
+            tensor: a weight format whose tensors the program cannot take as stored).
+    """
+    from .shards import block_paths
+
+    index = {}
+    for sid, tensors in stored.items():
+        for name, t in tensors.items():
+            index[(t.data_ptr(), tuple(t.shape), t.dtype)] = (sid, name)
+    paths = block_paths(model.model)
+    out: dict[str, dict[str, Any]] = {}
+    for name, t in frozen_tensors(model).items():
+        hit = index.get((t.data_ptr(), tuple(t.shape), t.dtype))
+        if hit is not None:
+            sid, tensor = hit
+            if sid.startswith("L"):
+                layer, slot = sid[1:].split(".E")
+                out[name] = {"layer": int(layer), "slot": int(slot), "tensor": tensor}
+            else:
+                out[name] = {"shard": sid, "tensor": tensor}
+        elif ".lora_A." in name:
+            out[name] = {"lora_a": model._canonical(name.removeprefix("model."), paths)}
+        else:
+            raise ValueError(f"frozen input {name} is not a stored shard tensor (dequantized or copied)")
     return out
 
 
@@ -245,8 +291,8 @@ def example_batch(model: SubMoE, batch_size: int, seq_len: int) -> dict[str, tor
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight_format: str = "fp32"
-                            ) -> TrainingProgram:
+def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight_format: str = "fp32",
+                            stored: dict[str, dict[str, torch.Tensor]] | None = None) -> TrainingProgram:
     """Capture ``model``'s training step for its shape (module docstring).
 
     Args:
@@ -256,14 +302,17 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
         seq_len: tokens per sample (T).
         weight_format: the base shards' format (``fp32``, ``int8``, ``nf4``), recorded in
             the shape.
+        stored: the stored shard tensors ``model`` was built from; each frozen input then
+            records its ``source`` (:func:`frozen_sources`).
 
     Returns:
         The :class:`TrainingProgram`.
 
     Raises:
         ImportError: ExecuTorch missing (``fedmoe.native.INSTALL``).
-        ValueError: ``model`` holds experts other than its slots, a ``conv-moe`` model, or
-            a full fine-tuning family (its every weight trains: nothing is frozen).
+        ValueError: ``model`` holds experts other than its slots, a ``conv-moe`` model, a
+            full fine-tuning family (its every weight trains: nothing is frozen), or a
+            frozen input that ``stored`` does not hold (:func:`frozen_sources`).
     """
     from executorch.exir import ExecutorchBackendConfig, to_edge
     from torch.export import export
@@ -276,6 +325,7 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
         raise ValueError(f"{model.spec.family} trains every weight: no frozen base for a shape-generic program")
     example = example_batch(model, batch_size, seq_len)
     frozen = frozen_tensors(model)
+    sources = frozen_sources(model, stored) if stored is not None else {}
     names = list(example)
     step = _Step(model, names, list(frozen))
     params = {id(p): k for k, p in model.trainable().items()}
@@ -292,7 +342,8 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
     shape = program_shape(model, batch_size, seq_len, weight_format)
     describe = lambda n, t: {"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}  # noqa
     out = TrainingProgram(pte=program.buffer, batch=[describe(n, t) for n, t in example.items()],
-                          frozen=[describe(n, t) for n, t in frozen.items()], trainable=trainable, shape=shape)
+                          frozen=[{**describe(n, t), **({"source": sources[n]} if n in sources else {})}
+                                  for n, t in frozen.items()], trainable=trainable, shape=shape)
     log.info("exported the training program %s: %d frozen inputs, %d trainable tensors, %.1f KiB",
              out.key[:12], len(out.frozen), len(trainable), len(out.pte) / 1024)
     return out

@@ -58,7 +58,12 @@ def files(tmp_path_factory):
         ids[i, :, :n], mask[i, :, :n] = b["input_ids"], b["attention_mask"]
     ys = torch.stack([y for _, y in batches])
     save_file({"input_ids": ids, "attention_mask": mask, "labels": ys}, str(d / "batches.safetensors"))
-    # the Python device's update on the same batches: AdamW, the program's mode (no dropout)
+    return d, start, *_python_update(model, held, ids, mask, ys)
+
+
+def _python_update(model, held, ids, mask, ys):
+    """The Python device's update on the same batches (AdamW, the program's mode: no
+    dropout): (trained adapter state with experts by slot, losses)."""
     opt = torch.optim.AdamW(list(model.trainable().values()), lr=LR, weight_decay=WD)
     losses = []
     with exportable(model):
@@ -69,7 +74,14 @@ def files(tmp_path_factory):
             loss.backward()
             opt.step()
             losses.append(loss.item())
-    return d, start, to_slots(model.adapter_state(), held), losses
+    return to_slots(model.adapter_state(), held), losses
+
+
+def _relative_error(out, start, ref):
+    delta = torch.cat([(out[k] - start[k]).flatten() for k in sorted(ref)])
+    ref_delta = torch.cat([(ref[k] - start[k]).flatten() for k in sorted(ref)])
+    assert ref_delta.norm() > 0
+    return ((delta - ref_delta).norm() / ref_delta.norm()).item()
 
 
 def _run(binary, d, **over):
@@ -88,11 +100,59 @@ def test_native_update_equals_the_python_devices(binary, files):
     assert report["losses"] == pytest.approx(ref_losses, rel=1e-4)
     out = load_file(str(d / "out.safetensors"))
     assert out.keys() == ref.keys()
-    delta = torch.cat([(out[k] - start[k]).flatten() for k in sorted(ref)])
-    ref_delta = torch.cat([(ref[k] - start[k]).flatten() for k in sorted(ref)])
-    assert ref_delta.norm() > 0
-    assert ((delta - ref_delta).norm() / ref_delta.norm()).item() < 1e-3
+    assert _relative_error(out, start, ref) < 1e-3
     assert 0 < report["peak_rss_bytes"] < 2**30
+
+
+def test_a_device_binds_its_frozen_inputs_from_its_own_shards(binary, files):
+    """A device holding experts {1: [1, 3]} (slots 0, 1) of the same shape trains with the
+    same program from the base shards it downloaded, as stored (int8), plus its LoRA A factors."""
+    from moe_model.shards import MAX_SHARD_BYTES, held_tensors
+    from moe_model.training_program import export_training_program as export
+    from protocol.codec import decode_tensors, inspect_header
+
+    d = files[0]
+    items, labels = bbc_news()
+    gm = GlobalModel(tiny_spec(upcycle_noise=0.05, max_seq_len=T), {"bbc": labels}, "int8")
+
+    def build(held):
+        sids = ["backbone"] + [f"L1.E{e}" for e in held[1]]
+        stored = {sid: decode_tensors(gm.shard_bytes[sid], MAX_SHARD_BYTES, dequantize=False) for sid in sids}
+        shards = {sid: held_tensors(t, inspect_header(gm.shard_bytes[sid], MAX_SHARD_BYTES)[1], True)
+                  for sid, t in stored.items()}
+        return SubMoE(gm.spec, held, "bbc", len(labels), shards), stored
+
+    slot_model, slot_stored = build({1: [0, 1]})
+    program = export(slot_model, B, T, "int8", stored=slot_stored)
+    (d / "p2.pte").write_bytes(program.pte)
+    (d / "m2.json").write_text(json.dumps(program.manifest()))
+    held = {1: [1, 3]}
+    device, _ = build(held)
+    (d / "shards").mkdir(exist_ok=True)
+    for sid in ["backbone", "L1.E1", "L1.E3"]:
+        (d / "shards" / f"{sid}.safetensors").write_bytes(gm.shard_bytes[sid])
+    frozen = {n.replace("experts.1.", "experts.0.").replace("experts.3.", "experts.1."): t
+              for n, t in frozen_tensors(device).items()}
+    save_file({f["source"]["lora_a"]: frozen[f["name"]].contiguous() for f in program.frozen if "lora_a" in f["source"]},
+              str(d / "lora_a.safetensors"))
+    device.load_adapter_state({k: torch.randn_like(v) * 0.1 for k, v in device.adapter_state().items()})
+    start = to_slots(device.adapter_state(), held)
+    save_file(start, str(d / "state2.safetensors"))
+    b = load_file(str(d / "batches.safetensors"))
+    ref, ref_losses = _python_update(device, held, b["input_ids"], b["attention_mask"], b["labels"])
+    r = subprocess.run([str(binary), "--program", str(d / "p2.pte"), "--manifest", str(d / "m2.json"),
+                        "--shards", str(d / "shards"), "--held", json.dumps(held), "--lora-a", str(d / "lora_a.safetensors"),
+                        "--state", str(d / "state2.safetensors"), "--batches", str(d / "batches.safetensors"),
+                        "--steps", str(STEPS), "--lr", str(LR), "--weight-decay", str(WD), "--out", str(d / "out2.safetensors")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert _relative_error(load_file(str(d / "out2.safetensors")), start, ref) < 1e-3
+    r = subprocess.run([str(binary), "--program", str(d / "p2.pte"), "--manifest", str(d / "m2.json"),
+                        "--shards", str(d / "shards"), "--held", '{"1": [1, 2]}', "--lora-a", str(d / "lora_a.safetensors"),
+                        "--state", str(d / "state2.safetensors"), "--batches", str(d / "batches.safetensors"),
+                        "--steps", "1", "--lr", "0.1", "--out", str(d / "out3.safetensors")], capture_output=True, text=True)
+    assert r.returncode == 2 and "L1.E2.safetensors: cannot open" in r.stderr
 
 
 def test_native_trainer_refuses_bad_input_with_a_reason(binary, files, tmp_path):

@@ -111,3 +111,44 @@ def test_export_refuses_global_expert_ids(setup):
     gm, labels, _ = setup
     with pytest.raises(ValueError, match="by slot"):
         export_training_program(_device_model(gm, {1: [1, 3]}, labels), B, T)
+
+
+def _stored(gm, sids):
+    from moe_model.shards import MAX_SHARD_BYTES
+    from protocol.codec import decode_tensors
+
+    return {sid: decode_tensors(gm.shard_bytes[sid], MAX_SHARD_BYTES, dequantize=False) for sid in sids}
+
+
+def _from_stored(gm, held, labels, stored):
+    from moe_model.shards import MAX_SHARD_BYTES, held_tensors
+    from protocol.codec import inspect_header
+
+    shards = {sid: held_tensors(t, inspect_header(gm.shard_bytes[sid], MAX_SHARD_BYTES)[1], True)
+              for sid, t in stored.items()}
+    return SubMoE(gm.spec, held, "bbc", len(labels), shards)
+
+
+@pytest.mark.slow
+def test_the_manifest_says_where_each_frozen_input_is_in_a_devices_shards(setup):
+    gm, labels, _ = setup
+    slot_model_stored = _stored(gm, ["backbone", "L1.E0", "L1.E1"])
+    program = export_training_program(_from_stored(gm, {1: [0, 1]}, labels, slot_model_stored), B, T, "int8",
+                                      stored=slot_model_stored)
+    held = {1: [1, 3]}
+    stored = _stored(gm, ["backbone", "L1.E1", "L1.E3"])
+    device = _from_stored(gm, held, labels, stored)
+    frozen = {n.replace("experts.1.", "experts.0.").replace("experts.3.", "experts.1."): t
+              for n, t in frozen_tensors(device).items()}
+    kinds = set()
+    for spec in program.frozen:
+        src = spec["source"]
+        if "lora_a" in src:
+            kinds.add("lora_a")
+            assert ".lora_A" in src["lora_a"] and ".lora_A." in spec["name"]
+            continue
+        sid = src.get("shard") or f"L{src['layer']}.E{held[src['layer']][src['slot']]}"
+        t = stored[sid][src["tensor"]]
+        kinds.add(str(t.dtype))
+        assert torch.equal(t, frozen[spec["name"]]), spec["name"]
+    assert kinds >= {"lora_a", "torch.int8", "torch.float32"}  # int8 weights are passed as stored

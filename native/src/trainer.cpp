@@ -79,6 +79,37 @@ void Trainer::bind_frozen(const SafetensorsFile& file) {
   }
 }
 
+void Trainer::bind_frozen(const std::map<std::string, SafetensorsFile>& shards,
+                          const std::map<int, std::vector<int>>& held, const SafetensorsFile& lora_a) {
+  frozen_.clear();
+  for (const auto& spec : manifest_.at("frozen")) {
+    const auto name = spec.at("name").get<std::string>();
+    if (!spec.contains("source")) throw std::runtime_error("manifest has no source for frozen input " + name);
+    const auto& src = spec.at("source");
+    const TensorView* t = nullptr;
+    if (src.contains("lora_a")) {
+      t = &lora_a.at(src.at("lora_a").get<std::string>());
+    } else {
+      std::string sid = "backbone";
+      if (src.contains("layer")) {
+        const auto layer = src.at("layer").get<int>();
+        const auto slot = src.at("slot").get<size_t>();
+        auto it = held.find(layer);
+        if (it == held.end() || slot >= it->second.size())
+          throw std::runtime_error("frozen input " + name + ": no held expert in its slot");
+        sid = "L" + std::to_string(layer) + ".E" + std::to_string(it->second[slot]);
+      } else {
+        sid = src.at("shard").get<std::string>();
+      }
+      auto sh = shards.find(sid);
+      if (sh == shards.end()) throw std::runtime_error("frozen input " + name + ": shard " + sid + " not held");
+      t = &sh->second.at(src.at("tensor").get<std::string>());
+    }
+    check_like(*t, spec, "frozen input");
+    frozen_.push_back(*t);
+  }
+}
+
 void Trainer::load_state(const SafetensorsFile& state) {
   pending_.clear();
   for (const auto& n : names_) {

@@ -35,6 +35,15 @@ class Trainer {
   /// or shape differs from the manifest's.
   void bind_frozen(const SafetensorsFile& file);
 
+  /// Binds every frozen input from where the manifest's `source` says it is (no copy: the
+  /// files must outlive the Trainer): a base shard's stored tensor (`shards` by shard id:
+  /// "backbone", "L{layer}.E{global id}", where slot j of a layer is `held[layer][j]`, the
+  /// j-th smallest held id), or a frozen LoRA A factor (`lora_a`, by the source's key, experts
+  /// by slot). Throws when the manifest has no sources, a shard or tensor is missing, or a
+  /// dtype or shape differs.
+  void bind_frozen(const std::map<std::string, SafetensorsFile>& shards,
+                   const std::map<int, std::vector<int>>& held, const SafetensorsFile& lora_a);
+
   /// Sets the trainable parameters from an adapter state (keys with experts by slot).
   /// Applied before the next step; throws when a key is missing or a shape differs.
   void load_state(const SafetensorsFile& state);

@@ -4,12 +4,18 @@
 //   fedmoe-train --program P.pte --manifest M.json --frozen F.safetensors --state S.safetensors
 //                --batches B.safetensors --steps K --lr LR [--weight-decay WD] --out OUT.safetensors
 //
+// or, as a device holds its weights, instead of --frozen: --shards DIR (the base shards as
+// DIR/<shard id>.safetensors), --held '{"1": [1, 3]}' (global expert ids per MoE layer) and
+// --lora-a A.safetensors (the frozen LoRA A factors, keys with experts by slot); the manifest's
+// sources say which stored tensor each frozen input is.
+//
 // B holds input_ids and attention_mask (K, batch, seq) and labels (K, batch[, seq]); step i
 // trains on slice i. Writes the trained adapter state to OUT and prints one JSON line:
 // {"losses": [...], "step_s": [...], "rss_before_model_bytes": n, "peak_rss_bytes": n}.
 // Exit status 2 on bad input (the reason on stderr), 1 on a failed step.
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -49,13 +55,14 @@ int main(int argc, char** argv) {
   const long rss0 = rss_bytes();
   std::map<std::string, std::string> a;
   for (int i = 1; i + 1 < argc; i += 2) a[argv[i]] = argv[i + 1];
-  for (const char* k : {"--program", "--manifest", "--frozen", "--state", "--batches", "--steps", "--lr", "--out"})
+  for (const char* k : {"--program", "--manifest", "--state", "--batches", "--steps", "--lr", "--out"})
     if (!a.count(k)) {
       std::cerr << "fedmoe-train: missing " << k << " (see the header of native/tools/fedmoe_train.cpp)\n";
       return 2;
     }
   std::unique_ptr<fedmoe::Trainer> trainer;
-  std::unique_ptr<fedmoe::SafetensorsFile> frozen, batches;
+  std::unique_ptr<fedmoe::SafetensorsFile> frozen, batches, lora_a;
+  std::map<std::string, fedmoe::SafetensorsFile> shards;
   int steps = 0;
   fedmoe::AdamW opt;
   try {
@@ -66,8 +73,27 @@ int main(int argc, char** argv) {
     opt.lr = std::stof(a["--lr"]);
     if (a.count("--weight-decay")) opt.weight_decay = std::stof(a["--weight-decay"]);
     trainer = std::make_unique<fedmoe::Trainer>(a["--program"], manifest);
-    frozen = std::make_unique<fedmoe::SafetensorsFile>(a["--frozen"]);
-    trainer->bind_frozen(*frozen);
+    if (a.count("--frozen")) {
+      frozen = std::make_unique<fedmoe::SafetensorsFile>(a["--frozen"]);
+      trainer->bind_frozen(*frozen);
+    } else {
+      if (!a.count("--shards") || !a.count("--held") || !a.count("--lora-a"))
+        throw std::runtime_error("--frozen, or --shards, --held and --lora-a, are needed");
+      std::map<int, std::vector<int>> held;
+      const auto held_json = nlohmann::json::parse(a["--held"]);  // kept alive: items() refers to it
+      if (!held_json.is_object()) throw std::runtime_error("--held is not a JSON object {layer: [ids]}");
+      for (const auto& [layer, ids] : held_json.items()) {
+        auto& h = held[std::stoi(layer)] = ids.get<std::vector<int>>();
+        std::sort(h.begin(), h.end());  // slot j = the j-th smallest held id
+        for (int e : h) {
+          const auto sid = "L" + layer + ".E" + std::to_string(e);
+          shards.emplace(sid, fedmoe::SafetensorsFile(a["--shards"] + "/" + sid + ".safetensors"));
+        }
+      }
+      shards.emplace("backbone", fedmoe::SafetensorsFile(a["--shards"] + "/backbone.safetensors"));
+      lora_a = std::make_unique<fedmoe::SafetensorsFile>(a["--lora-a"]);
+      trainer->bind_frozen(shards, held, *lora_a);
+    }
     trainer->load_state(fedmoe::SafetensorsFile(a["--state"]));
     batches = std::make_unique<fedmoe::SafetensorsFile>(a["--batches"]);
     if (batches->at("input_ids").shape.at(0) < steps) throw std::runtime_error("fewer batches than --steps");
