@@ -36,6 +36,16 @@ def key_seed(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
+def lora_a_init(seed: int, key: str, shape: tuple[int, int]) -> torch.Tensor:
+    """The frozen LoRA ``A`` factor of adapter-state key ``key`` (FFA-LoRA, Sun et al. 2024,
+    "Improving LoRA in Privacy-preserving Federated Learning", arXiv:2403.12313): fp32
+    ``(rank, in_features)`` uniform in ±1/sqrt(in_features), drawn from a generator seeded by
+    ``(seed, key)``, identical on every machine that runs torch."""
+    gen = torch.Generator().manual_seed(key_seed(seed, key))
+    bound = 1.0 / math.sqrt(shape[1])
+    return torch.rand(shape, generator=gen) * 2 * bound - bound
+
+
 def _lora_name(local: str) -> str:
     """``fc1.lora_B.default.weight`` -> ``fc1.lora_B``."""
     return local.replace(".default.weight", "").replace(".default", "")
@@ -165,11 +175,8 @@ class SubMoE(nn.Module):
         inject_adapter_in_model(cfg, self.model)
         for name, p in self.model.named_parameters():
             if ".lora_A." in name:
-                key = self._canonical(name, block_paths(self.model))
-                gen = torch.Generator().manual_seed(key_seed(lora.seed, key))
-                bound = 1.0 / math.sqrt(p.shape[1])
                 with torch.no_grad():
-                    p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
+                    p.copy_(lora_a_init(lora.seed, self._canonical(name, block_paths(self.model)), tuple(p.shape)))
 
     def _canonical(self, name: str, paths: dict[str, int]) -> str | None:
         if name.startswith("head."):

@@ -50,6 +50,7 @@ from torch import nn
 
 from protocol import keys
 from protocol.experts import Experts
+from protocol.messages import ModelSpec
 
 from .quant import QuantEmbedding, QuantLinear
 from .submoe import SubMoE
@@ -146,10 +147,13 @@ class TrainingProgram:
                 "shape": self.shape, "batch": self.batch, "frozen": self.frozen, "trainable": self.trainable}
 
 
-def program_shape(model: SubMoE, batch_size: int, seq_len: int, weight_format: str) -> dict[str, Any]:
-    """The shape of ``model``'s training step (what :class:`TrainingProgram.shape` holds)."""
-    return {"spec": model.spec.model_dump(mode="json"), "task": model.task, "num_labels": model.num_labels,
-            "experts_per_layer": {str(layer): len(ids) for layer, ids in model.experts.items()},
+def program_shape(spec: ModelSpec, task: str, num_labels: int, held: dict[int, list[int]], batch_size: int,
+                  seq_len: int, weight_format: str) -> dict[str, Any]:
+    """The shape of a training step (what :class:`TrainingProgram.shape` holds): the model
+    spec, task, classes, experts per MoE layer of ``held``, batch size, sequence length and
+    weight format."""
+    return {"spec": spec.model_dump(mode="json"), "task": task, "num_labels": int(num_labels),
+            "experts_per_layer": {str(layer): len(ids) for layer, ids in Experts(held).items()},
             "batch_size": int(batch_size), "seq_len": int(seq_len), "weight_format": weight_format}
 
 
@@ -339,7 +343,7 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
     trainable = {name: params[id(fqn[name])] for name in grads}
     if sorted(trainable.values()) != sorted(params.values()):
         raise RuntimeError("the exported program's gradients do not cover the adapter state")
-    shape = program_shape(model, batch_size, seq_len, weight_format)
+    shape = program_shape(model.spec, model.task, model.num_labels, model.experts, batch_size, seq_len, weight_format)
     describe = lambda n, t: {"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}  # noqa
     out = TrainingProgram(pte=program.buffer, batch=[describe(n, t) for n, t in example.items()],
                           frozen=[{**describe(n, t), **({"source": sources[n]} if n in sources else {})}

@@ -152,3 +152,29 @@ def test_the_manifest_says_where_each_frozen_input_is_in_a_devices_shards(setup)
         kinds.add(str(t.dtype))
         assert torch.equal(t, frozen[spec["name"]]), spec["name"]
     assert kinds >= {"lora_a", "torch.int8", "torch.float32"}  # int8 weights are passed as stored
+
+
+@pytest.mark.slow
+def test_the_cloud_builds_each_shape_once_and_gives_a_device_its_lora_a(setup, tmp_path):
+    from cloud.programs import ProgramCache
+
+    gm, labels, _ = setup
+    cache = ProgramCache(gm, tmp_path)
+    m1 = cache.get("bbc", {1: [1, 3]}, B, T)
+    m2 = cache.get("bbc", {1: [0, 2]}, B, T)  # same shape: the same program
+    assert m1 == m2 and cache.built == 1 and cache.path(m1["key"]).stat().st_size == m1["bytes"]
+    assert ProgramCache(gm, tmp_path).get("bbc", {1: [2, 3]}, B, T) == m1  # found again after a restart
+    assert cache.get("bbc", {1: [1]}, B, T)["key"] != m1["key"] and cache.built == 2  # another shape
+    held = {1: [1, 3]}
+    device = _from_stored(gm, held, labels, _stored(gm, ["backbone", "L1.E1", "L1.E3"]))
+    frozen = {n.replace("experts.1.", "experts.0.").replace("experts.3.", "experts.1."): t
+              for n, t in frozen_tensors(device).items()}
+    lora_a = cache.lora_a(m1, held)
+    assert lora_a
+    for f in m1["frozen"]:
+        if "lora_a" in f["source"]:
+            assert torch.equal(lora_a[f["source"]["lora_a"]], frozen[f["name"]])
+    with pytest.raises(ValueError):
+        cache.get("bbc", {1: [0, 1, 2, 3, 4]}, B, T)
+    with pytest.raises(KeyError):
+        cache.get("tweets", held, B, T)

@@ -1,0 +1,119 @@
+"""Training programs for native devices, built by the cloud on demand and cached by shape.
+
+A native (phone-class) device trains with an ExecuTorch training program
+(:mod:`moe_model.training_program`) instead of the Python SDK. One program serves every
+device of a *shape* (task, experts held per MoE layer, batch size, sequence length, the
+global model's spec and weight format), so the cloud builds each shape once, the first time
+a device of that shape needs it, and keeps it in ``directory`` as ``{key}.pte`` and
+``{key}.json`` (the manifest; ``key`` = sha256 of the shape), where a restarted aggregator
+finds it again. :meth:`ProgramCache.lora_a` gives the frozen LoRA ``A`` factors a device of
+a given expert set needs as data (drawn by torch from the shared seed, which a device
+without torch cannot reproduce).
+
+Serving programs to devices (an assignment field, content-addressed like the base shards)
+is not built yet (docs/phone-devices.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from moe_model.shards import MAX_SHARD_BYTES, held_tensors, shards_for
+from moe_model.submoe import SubMoE, lora_a_init
+from moe_model.training_program import TrainingProgram, export_training_program, from_slots, program_shape, \
+    shape_key, slot_shape
+from protocol.codec import decode_tensors, inspect_header
+from protocol.experts import Experts
+
+from .global_model import GlobalModel
+
+log = logging.getLogger(__name__)
+
+
+class ProgramCache:
+    """Training programs of one global model by shape (module docstring).
+
+    Args:
+        model: the global model (its spec, tasks and primary-format base shards).
+        directory: where programs are kept (created).
+
+    Attributes:
+        built: programs exported by this instance (a cached one is not counted).
+    """
+
+    def __init__(self, model: GlobalModel, directory: str | Path):
+        self.model = model
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.built = 0
+
+    def _slot_model(self, task: str, held: dict[int, list[int]]) -> tuple[SubMoE, dict[str, dict[str, torch.Tensor]]]:
+        """A sub-MoE of ``held``'s shape with experts by slot, built from the stored shards."""
+        gm = self.model
+        slots = slot_shape(held)
+        stored = {sid: decode_tensors(gm.shard_bytes[sid], MAX_SHARD_BYTES, dequantize=False)
+                  for sid in shards_for(slots)}
+        shards = {sid: held_tensors(t, inspect_header(gm.shard_bytes[sid], MAX_SHARD_BYTES)[1], True)
+                  for sid, t in stored.items()}
+        return SubMoE(gm.spec, slots, task, len(gm.tasks[task]), shards), stored
+
+    def get(self, task: str, held: dict[int, list[int]], batch_size: int, seq_len: int) -> dict:
+        """The manifest of the program for a device holding ``held`` (layer -> global expert
+        ids) for ``task`` at ``batch_size`` x ``seq_len``; built and stored the first time.
+        The program's bytes are :meth:`path` ``(manifest["key"])``.
+
+        Raises:
+            KeyError: unknown task. ValueError: ``held`` is not a valid expert set of the
+            model, or the model cannot have a program (``moe_model.training_program``).
+            ImportError: ExecuTorch missing.
+        """
+        held = Experts(held)
+        if any(layer not in self.model.all_experts or len(ids) > len(self.model.all_experts[layer])
+               for layer, ids in held.items()):
+            raise ValueError(f"experts {dict(held)} are not a sub-MoE of the model's {dict(self.model.all_experts)}")
+        if task not in self.model.tasks:
+            raise KeyError(f"unknown task {task!r}; the model has {sorted(self.model.tasks)}")
+        key = shape_key(program_shape(self.model.spec, task, len(self.model.tasks[task]), held, batch_size, seq_len,
+                                      self.model.weight_format))
+        manifest_path = self.directory / f"{key}.json"
+        if manifest_path.exists() and self.path(key).exists():
+            return json.loads(manifest_path.read_text())
+        model, stored = self._slot_model(task, held)
+        t0 = time.perf_counter()
+        log.info("building the training program for %s, experts per layer %s, batch %d x %d (once per shape)",
+                 task, {layer: len(ids) for layer, ids in held.items()}, batch_size, seq_len)
+        program: TrainingProgram = export_training_program(model, batch_size, seq_len, self.model.weight_format,
+                                                           stored=stored)
+        self.path(key).write_bytes(program.pte)
+        manifest_path.write_text(json.dumps(program.manifest(), indent=1))
+        self.built += 1
+        log.info("training program %s built in %.1f s (%.0f KiB)", key[:12], time.perf_counter() - t0,
+                 len(program.pte) / 1024)
+        return program.manifest()
+
+    def path(self, key: str) -> Path:
+        """The ``.pte`` file of the program with this key."""
+        return self.directory / f"{key}.pte"
+
+    def lora_a(self, manifest: dict, held: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+        """The frozen LoRA ``A`` factors a device holding ``held`` passes to the program of
+        ``manifest``, keyed as the manifest's sources name them (experts by slot): fp32
+        ``(rank, in_features)`` each (``moe_model.submoe.lora_a_init`` of the held global
+        expert's key).
+
+        Raises:
+            KeyError: ``held`` does not fill a slot the program has.
+        """
+        seed = self.model.spec.lora.seed
+        out = {}
+        for f in manifest["frozen"]:
+            key = f.get("source", {}).get("lora_a")
+            if key is not None:
+                (global_key,) = from_slots({key: None}, held)
+                out[key] = lora_a_init(seed, global_key, tuple(f["shape"]))
+        return out
