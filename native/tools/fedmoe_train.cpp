@@ -13,8 +13,6 @@
 // trains on slice i. Writes the trained adapter state to OUT and prints one JSON line:
 // {"losses": [...], "step_s": [...], "rss_before_model_bytes": n, "peak_rss_bytes": n}.
 // Exit status 2 on bad input (the reason on stderr), 1 on a failed step.
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -37,10 +35,17 @@ long rss_bytes() {  // resident set now (/proc/self/statm)
   return resident * 4096L;
 }
 
+// Peak resident set of this program: VmHWM of /proc/self/status (getrusage's ru_maxrss
+// would carry a larger parent's peak over fork and exec).
 long peak_rss_bytes() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return u.ru_maxrss * 1024L;
+  long kib = 0;
+  if (FILE* f = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof line, f))
+      if (std::sscanf(line, "VmHWM: %ld kB", &kib) == 1) break;
+    std::fclose(f);
+  }
+  return kib * 1024L;
 }
 
 fedmoe::TensorView slice(const fedmoe::TensorView& t, int64_t i) {
