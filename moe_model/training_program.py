@@ -30,7 +30,7 @@ format) so that one program serves every device of that shape:
 - **The task loss only** (``moe_model.objectives.sample_loss`` averaged over the batch);
   the assignment's extra local terms (FedProx, FedAlign-MoE's) are not in the program.
 
-ExecuTorch (``executorch`` 1.5, installed as ``fedmoe.native.INSTALL`` says; ``make install``
+ExecuTorch (``executorch`` 1.5, installed as docs/phone-devices.md says; ``make install``
 does) marks its training API experimental; the program format is tied to the runtime version that reads it
 (:data:`RUNTIME`).
 """
@@ -313,7 +313,7 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
         The :class:`TrainingProgram`.
 
     Raises:
-        ImportError: ExecuTorch missing (``fedmoe.native.INSTALL``).
+        ImportError: ExecuTorch missing (docs/phone-devices.md says how to install it).
         ValueError: ``model`` holds experts other than its slots, a ``conv-moe`` model, a
             full fine-tuning family (its every weight trains: nothing is frozen), or a
             frozen input that ``stored`` does not hold (:func:`frozen_sources`).
