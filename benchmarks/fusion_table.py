@@ -219,7 +219,7 @@ LAYOUT = tables.Layout(
                   lambda t, st: f"{diff_text(t['local'])} | {verdict(t['local'])}"],
     all_ok="- Every round of every cell closed `ok`; no client was excluded or failed.",
     sanity=_sanity,
-    tail=lambda result, cfg: ["", "Per-round tables of every cell: `runs/fusion_table/<profile>/s<seed>/<cell>/"
+    tail=lambda result, cfg: ["", f"Per-round tables of every cell: `runs/{cfg['name']}/<profile>/s<seed>/<cell>/"
                                   "rounds.md` (not committed).", ""])
 
 
