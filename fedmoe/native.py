@@ -9,6 +9,7 @@ needs (Debian: ``g++ cmake nlohmann-json3-dev``).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import shutil
 import subprocess
@@ -51,6 +52,9 @@ def build(build_dir: str | Path = BUILD, timeout_s: float = 900.0) -> Path:
         build_dir: the CMake build directory (default ``build/native``, git-ignored).
         timeout_s: limit for each of configure and build (seconds).
 
+    Two processes that build the same directory at once take turns (an exclusive ``flock``
+    on ``build_dir/.lock``).
+
     Raises:
         NativeBuildError: a tool is missing (the Debian packages are named) or CMake failed
             (its last output lines are in the message).
@@ -59,6 +63,13 @@ def build(build_dir: str | Path = BUILD, timeout_s: float = 900.0) -> Path:
     if missing:
         raise NativeBuildError(f"{', '.join(missing)} not found: apt-get install {' '.join(PACKAGES)}")
     build_dir = Path(build_dir)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".lock", "a") as lock:  # two processes building at once (pytest workers) take turns
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(build_dir, timeout_s)
+
+
+def _build(build_dir: Path, timeout_s: float) -> Path:
     steps = [["cmake", "-S", str(SOURCE), "-B", str(build_dir), f"-DCMAKE_PREFIX_PATH={executorch_dir()}"],
              ["cmake", "--build", str(build_dir), "-j2"]]
     for cmd in steps:
