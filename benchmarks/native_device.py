@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.python_worker:
-        held = {int(k): v for k, v in json.loads((WORK / "manifest.json").read_text())["shape"]["experts_per_layer"].items()}
+        from protocol.experts import layers_from_json
+
+        held = layers_from_json(json.loads((WORK / "manifest.json").read_text())["shape"]["experts_per_layer"])
         print(json.dumps(python_worker(WORK, {layer: list(range(n)) for layer, n in held.items()}, args.steps, args.lr)))
         return 0
     r = run(args.experts, args.batch, args.seq, args.steps, args.lr)

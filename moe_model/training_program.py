@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from protocol import keys
-from protocol.experts import Experts
+from protocol.experts import Experts, layers_to_json
 from protocol.messages import ModelSpec
 
 from .quant import QuantEmbedding, QuantLinear
@@ -153,7 +153,7 @@ def program_shape(spec: ModelSpec, task: str, num_labels: int, held: dict[int, l
     spec, task, classes, experts per MoE layer of ``held``, batch size, sequence length and
     weight format."""
     return {"spec": spec.model_dump(mode="json"), "task": task, "num_labels": int(num_labels),
-            "experts_per_layer": {str(layer): len(ids) for layer, ids in Experts(held).items()},
+            "experts_per_layer": layers_to_json({layer: len(ids) for layer, ids in Experts(held).items()}),
             "batch_size": int(batch_size), "seq_len": int(seq_len), "weight_format": weight_format}
 
 
