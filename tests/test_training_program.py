@@ -178,3 +178,46 @@ def test_the_cloud_builds_each_shape_once_and_gives_a_device_its_lora_a(setup, t
         cache.get("bbc", {1: [0, 1, 2, 3, 4]}, B, T)
     with pytest.raises(KeyError):
         cache.get("tweets", held, B, T)
+
+
+@pytest.mark.slow
+def test_nf4_weights_stay_packed_and_the_step_equals_torchs(setup):
+    """nf4 base shards: the program takes the packed uint8 data and absmax as stored and
+    dequantizes inside; loss and gradients equal torch's on the same quantized weights."""
+    _, labels, items = setup
+    gm = GlobalModel(tiny_spec(upcycle_noise=0.05, max_seq_len=T), {"bbc": labels}, "nf4")
+    slot_stored = _stored(gm, ["backbone", "L1.E0", "L1.E1"])
+    program = export_training_program(_from_stored(gm, {1: [0, 1]}, labels, slot_stored), B, T, "nf4",
+                                      stored=slot_stored)
+    assert "uint8" in {f["dtype"] for f in program.frozen}
+    held = {1: [1, 3]}
+    stored = _stored(gm, ["backbone", "L1.E1", "L1.E3"])
+    model = _from_stored(gm, held, labels, stored)
+    model.load_adapter_state({k: torch.randn_like(v) * 0.1 for k, v in model.adapter_state().items()})
+    batch, y = model.collate([(x, labels.index(c)) for x, c in items[:B]])
+    ids, mask = torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, T, dtype=torch.int64)
+    n = batch["input_ids"].shape[1]
+    ids[:, :n], mask[:, :n] = batch["input_ids"], batch["attention_mask"]
+    frozen = []
+    for f in program.frozen:
+        src = f["source"]
+        if "lora_a" in src:  # the device's own LoRA A (what the cloud's ProgramCache.lora_a sends)
+            frozen.append(None)
+            continue
+        sid = src.get("shard") or f"L{src['layer']}.E{held[src['layer']][src['slot']]}"
+        frozen.append(stored[sid][src["tensor"]])
+    by_slot = {n.replace("experts.1.", "experts.0.").replace("experts.3.", "experts.1."): t
+               for n, t in frozen_tensors(model).items()}
+    frozen = [t if t is not None else by_slot[f["name"]].detach() for t, f in zip(frozen, program.frozen)]
+    tm = _load(program)
+    tm.forward_backward("forward", (ids, mask, y, *frozen))
+    params = tm.named_parameters()
+    state = to_slots(model.adapter_state(), held)
+    for name, key in program.trainable.items():
+        params[name].copy_(state[key])
+    loss, _ = tm.forward_backward("forward", (ids, mask, y, *frozen))
+    grads = from_slots({program.trainable[n]: g for n, g in tm.named_gradients().items()}, held)
+    ref_loss, ref_grads = _eager(model, {"input_ids": ids, "attention_mask": mask}, y)
+    assert abs(loss.item() - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
+    for k, g in ref_grads.items():
+        assert ((grads[k] - g).norm() / g.norm().clamp_min(1e-12)).item() < 1e-4, k
