@@ -285,6 +285,32 @@ def _hollow_buffers(model: nn.Module, names: list[str]) -> Iterator[None]:
             mod._buffers[attr] = t
 
 
+def _replace_empty_permuted(ep) -> None:
+    """Rewrite ``aten.empty_permuted(size, layout)`` (which autograd puts in some backward
+    graphs, e.g. a Hugging Face MoE's, and which is outside ExecuTorch's core operator set) as
+    ``aten.permute(aten.empty(size in layout order), inverse layout)``: the same shape and
+    strides. In place on the exported program's graph."""
+    graph = ep.graph_module.graph
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.empty_permuted.default:
+            continue
+        size, layout = node.args[0], node.args[1]
+        inverse = [0] * len(layout)
+        for i, d in enumerate(layout):
+            inverse[d] = i
+        with graph.inserting_before(node):
+            empty = graph.call_function(torch.ops.aten.empty.memory_format, ([size[d] for d in layout],),
+                                        dict(node.kwargs))
+            empty.meta = dict(node.meta)
+            new = empty
+            if list(layout) != list(range(len(layout))):
+                new = graph.call_function(torch.ops.aten.permute.default, (empty, inverse))
+                new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    ep.graph_module.recompile()
+
+
 def example_batch(model: SubMoE, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
     """A batch of the program's shape: ``input_ids`` (token 0...), ``attention_mask`` (ones),
     ``labels`` (zeros; ``(B,)`` for classification, ``(B, T)`` for causal LM), int64."""
@@ -337,6 +363,7 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
         warnings.simplefilter("ignore")
         ep = export(step, (*example.values(), *frozen.values()), strict=False)
         ep = _export_forward_backward(ep)
+        _replace_empty_permuted(ep)
         program = to_edge(ep).to_executorch(config=ExecutorchBackendConfig())
     fqn = dict(step.named_parameters())
     grads = [s.target for s in ep.graph_signature.output_specs if s.kind.name == "GRADIENT_TO_PARAMETER"]

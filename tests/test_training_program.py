@@ -1,12 +1,15 @@
 """The sub-MoE training step as an ExecuTorch program: one program per shape, run by
 ExecuTorch's runtime, gives torch's loss and gradients for any held experts of that shape."""
 
+import tempfile
+
 import pytest
 import torch
 
 pytest.importorskip("executorch")
 
 from cloud.global_model import GlobalModel  # noqa: E402
+from cloud.programs import ProgramCache  # noqa: E402
 from fedmoe.datasets import bbc_news  # noqa: E402
 from moe_model import objectives  # noqa: E402
 from moe_model.shards import decode_shard  # noqa: E402
@@ -120,13 +123,13 @@ def _stored(gm, sids):
     return {sid: decode_tensors(gm.shard_bytes[sid], MAX_SHARD_BYTES, dequantize=False) for sid in sids}
 
 
-def _from_stored(gm, held, labels, stored):
+def _from_stored(gm, held, labels, stored, task="bbc"):
     from moe_model.shards import MAX_SHARD_BYTES, held_tensors
     from protocol.codec import inspect_header
 
     shards = {sid: held_tensors(t, inspect_header(gm.shard_bytes[sid], MAX_SHARD_BYTES)[1], True)
               for sid, t in stored.items()}
-    return SubMoE(gm.spec, held, "bbc", len(labels), shards)
+    return SubMoE(gm.spec, held, task, labels if isinstance(labels, int) else len(labels), shards)
 
 
 @pytest.mark.slow
@@ -156,8 +159,6 @@ def test_the_manifest_says_where_each_frozen_input_is_in_a_devices_shards(setup)
 
 @pytest.mark.slow
 def test_the_cloud_builds_each_shape_once_and_gives_a_device_its_lora_a(setup, tmp_path):
-    from cloud.programs import ProgramCache
-
     gm, labels, _ = setup
     cache = ProgramCache(gm, tmp_path)
     m1 = cache.get("bbc", {1: [1, 3]}, B, T)
@@ -180,35 +181,33 @@ def test_the_cloud_builds_each_shape_once_and_gives_a_device_its_lora_a(setup, t
         cache.get("tweets", held, B, T)
 
 
-@pytest.mark.slow
-def test_nf4_weights_stay_packed_and_the_step_equals_torchs(setup):
-    """nf4 base shards: the program takes the packed uint8 data and absmax as stored and
-    dequantizes inside; loss and gradients equal torch's on the same quantized weights."""
-    _, labels, items = setup
-    gm = GlobalModel(tiny_spec(upcycle_noise=0.05, max_seq_len=T), {"bbc": labels}, "nf4")
-    slot_stored = _stored(gm, ["backbone", "L1.E0", "L1.E1"])
-    program = export_training_program(_from_stored(gm, {1: [0, 1]}, labels, slot_stored), B, T, "nf4",
+def _check_device_step(gm, task, num_labels, held, texts, fmt):
+    """Export the program of ``held``'s shape (experts by slot, with sources), run it in
+    ExecuTorch for a device holding ``held`` whose frozen inputs come from its own stored
+    shards (its LoRA A from its model), and compare loss and gradients with torch's."""
+    from moe_model.shards import shards_for
+
+    slots = slot_shape(held)
+    slot_stored = _stored(gm, shards_for(slots))
+    program = export_training_program(_from_stored(gm, slots, num_labels, slot_stored, task), B, T, fmt,
                                       stored=slot_stored)
-    assert "uint8" in {f["dtype"] for f in program.frozen}
-    held = {1: [1, 3]}
-    stored = _stored(gm, ["backbone", "L1.E1", "L1.E3"])
-    model = _from_stored(gm, held, labels, stored)
+    stored = _stored(gm, shards_for(held))
+    model = _from_stored(gm, held, num_labels, stored, task)
     model.load_adapter_state({k: torch.randn_like(v) * 0.1 for k, v in model.adapter_state().items()})
-    batch, y = model.collate([(x, labels.index(c)) for x, c in items[:B]])
+    batch, y = model.collate(texts[:B])
     ids, mask = torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, T, dtype=torch.int64)
     n = batch["input_ids"].shape[1]
     ids[:, :n], mask[:, :n] = batch["input_ids"], batch["attention_mask"]
+    if y.dim() == 2:  # causal LM: next-token targets, padding ignored
+        y2 = torch.full((B, T), -100, dtype=torch.int64)
+        y2[:, :n] = y
+        y = y2
+    lora_a = ProgramCache(gm, tempfile.mkdtemp()).lora_a(program.manifest(), held)  # what the cloud sends
     frozen = []
     for f in program.frozen:
         src = f["source"]
-        if "lora_a" in src:  # the device's own LoRA A (what the cloud's ProgramCache.lora_a sends)
-            frozen.append(None)
-            continue
-        sid = src.get("shard") or f"L{src['layer']}.E{held[src['layer']][src['slot']]}"
-        frozen.append(stored[sid][src["tensor"]])
-    by_slot = {n.replace("experts.1.", "experts.0.").replace("experts.3.", "experts.1."): t
-               for n, t in frozen_tensors(model).items()}
-    frozen = [t if t is not None else by_slot[f["name"]].detach() for t, f in zip(frozen, program.frozen)]
+        sid = src.get("shard") or (f"L{src['layer']}.E{held[src['layer']][src['slot']]}" if "layer" in src else None)
+        frozen.append(lora_a[src["lora_a"]] if sid is None else stored[sid][src["tensor"]])
     tm = _load(program)
     tm.forward_backward("forward", (ids, mask, y, *frozen))
     params = tm.named_parameters()
@@ -221,3 +220,30 @@ def test_nf4_weights_stay_packed_and_the_step_equals_torchs(setup):
     assert abs(loss.item() - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
     for k, g in ref_grads.items():
         assert ((grads[k] - g).norm() / g.norm().clamp_min(1e-12)).item() < 1e-4, k
+    return program
+
+
+@pytest.mark.slow
+def test_nf4_weights_stay_packed_and_the_step_equals_torchs(setup):
+    """nf4 base shards: the program takes the packed uint8 data and absmax as stored and
+    dequantizes inside; loss and gradients equal torch's on the same quantized weights."""
+    _, labels, items = setup
+    gm = GlobalModel(tiny_spec(upcycle_noise=0.05, max_seq_len=T), {"bbc": labels}, "nf4")
+    program = _check_device_step(gm, "bbc", len(labels), {1: [1, 3]}, [(x, labels.index(c)) for x, c in items],
+                                 "nf4")
+    assert "uint8" in {f["dtype"] for f in program.frozen}
+
+
+@pytest.mark.slow
+def test_a_hugging_face_moe_step_equals_torchs(tmp_path):
+    """A Qwen3-MoE (``hf-moe``, causal LM, int8): exported (its backward's ``empty_permuted``
+    rewritten for ExecuTorch) and run for a device holding other experts than the slots'."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_hf_moe import FAMILIES, TEXTS, _spec, _tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(FAMILIES["qwen3_moe"]()).save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    gm = GlobalModel(_spec(tmp_path, max_seq_len=T), {"lm": ["a", "b"]}, "int8")
+    _check_device_step(gm, "lm", 2, {0: [1, 3], 1: [0, 2]}, TEXTS * 2, "int8")
