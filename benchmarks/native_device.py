@@ -105,7 +105,7 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float) -> dict[str, 
     from fedmoe.datasets import bbc_news
     from fedmoe.native import build
     from moe_model.shards import shards_for
-    from moe_model.training_program import from_slots, to_slots
+    from moe_model.training_program import from_slots, pad_batch, to_slots
     from protocol.messages import ModelSpec
 
     binary = build()
@@ -128,14 +128,9 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float) -> dict[str, 
     save_file({k: v.contiguous() for k, v in state.items()}, str(WORK / "global_state.safetensors"))
     save_file({k: v.contiguous() for k, v in to_slots(state, held).items()}, str(WORK / "state.safetensors"))
     model = gm.models["bbc"]
-    ids = torch.zeros(steps, batch, seq, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    ys = torch.zeros(steps, batch, dtype=torch.int64)
-    for i in range(steps):
-        b, y = model.collate([(x, labels.index(c)) for x, c in items[i * batch:(i + 1) * batch]])
-        n = b["input_ids"].shape[1]
-        ids[i, :, :n], mask[i, :, :n], ys[i] = b["input_ids"], b["attention_mask"], y
-    save_file({"input_ids": ids, "attention_mask": mask, "labels": ys}, str(WORK / "batches.safetensors"))
+    batches = [pad_batch(*model.collate([(x, labels.index(c)) for x, c in items[i * batch:(i + 1) * batch]]), seq)
+               for i in range(steps)]
+    save_file({k: torch.stack([b[k] for b in batches]) for k in batches[0]}, str(WORK / "batches.safetensors"))
     (WORK / "setup.json").write_text(json.dumps({"spec": spec.model_dump(mode="json"), "shards": sids, "task": "bbc",
                                                  "num_labels": len(labels)}))
     native = subprocess.run(

@@ -34,6 +34,8 @@ from typing import Any
 
 from benchmarks.common import ROOT, write_result
 
+WORK = ROOT / "runs" / "training_program"
+
 
 def _median_s(f, steps: int) -> float:
     f()  # warm-up (first-call allocations)
@@ -52,11 +54,11 @@ def run(experts: int, batch: int, seq: int, fmt: str, steps: int) -> dict[str, A
     from executorch.extension.training import TrainingModule
 
     from cloud.global_model import GlobalModel
+    from cloud.programs import ProgramCache
     from fedmoe.datasets import bbc_news
     from moe_model import objectives
-    from moe_model.shards import decode_shard
-    from moe_model.submoe import SubMoE
-    from moe_model.training_program import exportable, export_training_program, frozen_tensors, slot_shape
+    from moe_model.training_program import exportable, export_training_program, frozen_tensors, pad_batch, \
+        slot_shape
     from protocol.messages import ModelSpec
 
     torch.manual_seed(0)
@@ -64,16 +66,12 @@ def run(experts: int, batch: int, seq: int, fmt: str, steps: int) -> dict[str, A
     spec = ModelSpec(max_seq_len=seq)
     gm = GlobalModel(spec, {"bbc": labels}, fmt)
     held = slot_shape({layer: list(range(experts)) for layer in gm.all_experts})
-    shards = {sid: decode_shard(gm.shard_bytes[sid], keep_quantized=True)
-              for sid in ["backbone"] + [f"L{layer}.E{e}" for layer, ids in held.items() for e in ids]}
-    model = SubMoE(spec, held, "bbc", len(labels), shards)
+    model = ProgramCache(gm, WORK).model_for("bbc", held)[0]
     t0 = time.perf_counter()
     program = export_training_program(model, batch, seq, fmt)
     export_s = time.perf_counter() - t0
-    b, y = model.collate([(x, labels.index(c)) for x, c in items[:batch]])
-    ids = torch.zeros(batch, seq, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    ids[:, :b["input_ids"].shape[1]], mask[:, :b["input_ids"].shape[1]] = b["input_ids"], b["attention_mask"]
+    padded = pad_batch(*model.collate([(x, labels.index(c)) for x, c in items[:batch]]), seq)
+    ids, mask, y = padded["input_ids"], padded["attention_mask"], padded["labels"]
     inputs = (ids, mask, y, *[t.detach() for t in frozen_tensors(model).values()])
     tm = TrainingModule(_load_for_executorch_from_buffer(program.pte))
     et_step = lambda: tm.forward_backward("forward", inputs)  # noqa: E731

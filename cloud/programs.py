@@ -23,11 +23,10 @@ from pathlib import Path
 
 import torch
 
-from moe_model.shards import MAX_SHARD_BYTES, held_tensors, shards_for
+from moe_model.shards import held_tensors, shards_for, stored_tensors
 from moe_model.submoe import SubMoE, lora_a_init
 from moe_model.training_program import TrainingProgram, export_training_program, from_slots, program_shape, \
     shape_key, slot_shape
-from protocol.codec import decode_tensors, inspect_header
 from protocol.experts import Experts
 
 from .global_model import GlobalModel
@@ -52,15 +51,20 @@ class ProgramCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.built = 0
 
-    def _slot_model(self, task: str, held: dict[int, list[int]]) -> tuple[SubMoE, dict[str, dict[str, torch.Tensor]]]:
-        """A sub-MoE of ``held``'s shape with experts by slot, built from the stored shards."""
+    def model_for(self, task: str, experts: dict[int, list[int]]) -> tuple[SubMoE, dict[str, dict[str, torch.Tensor]]]:
+        """The sub-MoE holding ``experts`` (layer -> global ids) for ``task``, built as a
+        device builds it from the primary-format base shards (quantized weights kept as
+        stored), and those stored shard tensors by shard id (what
+        ``moe_model.training_program.frozen_sources``
+        finds the frozen inputs in).
+
+        Raises:
+            KeyError: unknown task or expert.
+        """
         gm = self.model
-        slots = slot_shape(held)
-        stored = {sid: decode_tensors(gm.shard_bytes[sid], MAX_SHARD_BYTES, dequantize=False)
-                  for sid in shards_for(slots)}
-        shards = {sid: held_tensors(t, inspect_header(gm.shard_bytes[sid], MAX_SHARD_BYTES)[1], True)
-                  for sid, t in stored.items()}
-        return SubMoE(gm.spec, slots, task, len(gm.tasks[task]), shards), stored
+        raw = {sid: stored_tensors(gm.shard_bytes[sid]) for sid in shards_for(experts)}
+        shards = {sid: held_tensors(t, meta, True) for sid, (t, meta) in raw.items()}
+        return SubMoE(gm.spec, experts, task, len(gm.tasks[task]), shards), {sid: t for sid, (t, _) in raw.items()}
 
     def get(self, task: str, held: dict[int, list[int]], batch_size: int, seq_len: int) -> dict:
         """The manifest of the program for a device holding ``held`` (layer -> global expert
@@ -83,7 +87,7 @@ class ProgramCache:
         manifest_path = self.directory / f"{key}.json"
         if manifest_path.exists() and self.path(key).exists():
             return json.loads(manifest_path.read_text())
-        model, stored = self._slot_model(task, held)
+        model, stored = self.model_for(task, slot_shape(held))
         t0 = time.perf_counter()
         log.info("building the training program for %s, experts per layer %s, batch %d x %d (once per shape)",
                  task, {layer: len(ids) for layer, ids in held.items()}, batch_size, seq_len)

@@ -110,8 +110,18 @@ def decode_shard(data: bytes, keep_quantized: bool = False) -> dict[str, Any]:
     Raises:
         protocol.codec.CodecError: malformed or non-finite.
     """
+    return held_tensors(*stored_tensors(data), keep_quantized)
+
+
+def stored_tensors(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """One shard's tensors as stored (quantized data and their scales or absmax as they are,
+    ``protocol.codec.decode_tensors`` with ``dequantize=False``) and its header metadata.
+
+    Raises:
+        protocol.codec.CodecError: malformed, compressed (PROTOCOL.md 6.5a) or non-finite.
+    """
     _, meta = inspect_header(data, MAX_SHARD_BYTES)  # refuses a compressed payload (PROTOCOL.md 6.5a)
-    return held_tensors(decode_tensors(data, MAX_SHARD_BYTES, dequantize=False), meta, keep_quantized)
+    return decode_tensors(data, MAX_SHARD_BYTES, dequantize=False), meta
 
 
 def held_tensors(stored: dict[str, torch.Tensor], metadata: dict[str, str], keep_quantized: bool) -> dict[str, Any]:
@@ -324,5 +334,5 @@ class ShardCache:
 
 __all__ = [
     "BACKBONE", "ShardCache", "block_paths", "decode_shard", "encode_shard", "join_shards", "parse_shard_id",
-    "shards_for", "split_base",
+    "shards_for", "split_base", "stored_tensors",
 ]

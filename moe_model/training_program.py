@@ -195,7 +195,7 @@ def frozen_sources(model: SubMoE, stored: dict[str, dict[str, torch.Tensor]]) ->
         ValueError: a frozen input is none of these (e.g. a dequantized copy of a stored
             tensor: a weight format whose tensors the program cannot take as stored).
     """
-    from .shards import block_paths
+    from .shards import BACKBONE, block_paths, parse_shard_id
 
     index = {}
     for sid, tensors in stored.items():
@@ -207,11 +207,11 @@ def frozen_sources(model: SubMoE, stored: dict[str, dict[str, torch.Tensor]]) ->
         hit = index.get((t.data_ptr(), tuple(t.shape), t.dtype))
         if hit is not None:
             sid, tensor = hit
-            if sid.startswith("L"):
-                layer, slot = sid[1:].split(".E")
-                out[name] = {"layer": int(layer), "slot": int(slot), "tensor": tensor}
-            else:
+            if sid == BACKBONE:
                 out[name] = {"shard": sid, "tensor": tensor}
+            else:
+                layer, slot = parse_shard_id(sid)
+                out[name] = {"layer": layer, "slot": slot, "tensor": tensor}
         elif ".lora_A." in name:
             out[name] = {"lora_a": model._canonical(name.removeprefix("model."), paths)}
         else:
@@ -319,6 +319,28 @@ def example_batch(model: SubMoE, batch_size: int, seq_len: int) -> dict[str, tor
     ids = torch.zeros(batch_size, seq_len, dtype=torch.int64)
     labels = torch.zeros((batch_size, seq_len) if model.objective == "causal-lm" else (batch_size,), dtype=torch.int64)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def pad_batch(batch: dict[str, torch.Tensor], labels: torch.Tensor, seq_len: int) -> dict[str, torch.Tensor]:
+    """A collated batch (``SubMoE.collate``) padded on the right to the program's sequence
+    length: ``input_ids`` with 0, ``attention_mask`` with 0, causal-LM ``labels`` ``(B, T)``
+    with ``moe_model.objectives.IGNORE`` (classification labels ``(B,)`` as they are); int64.
+
+    Raises:
+        ValueError: the batch is longer than ``seq_len``.
+    """
+    from .objectives import IGNORE
+
+    b, n = batch["input_ids"].shape
+    if n > seq_len:
+        raise ValueError(f"a batch of {n} tokens does not fit a program of {seq_len}")
+    out = {"input_ids": torch.zeros(b, seq_len, dtype=torch.int64),
+           "attention_mask": torch.zeros(b, seq_len, dtype=torch.int64),
+           "labels": torch.full((b, seq_len), IGNORE, dtype=torch.int64) if labels.dim() == 2 else labels}
+    out["input_ids"][:, :n], out["attention_mask"][:, :n] = batch["input_ids"], batch["attention_mask"]
+    if labels.dim() == 2:
+        out["labels"][:, :n] = labels
+    return out
 
 
 def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight_format: str = "fp32",

@@ -13,12 +13,13 @@ pytest.importorskip("executorch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from cloud.global_model import GlobalModel  # noqa: E402
+from cloud.programs import ProgramCache  # noqa: E402
 from fedmoe.datasets import bbc_news  # noqa: E402
 from fedmoe.native import NativeBuildError, build  # noqa: E402
 from moe_model import objectives  # noqa: E402
-from moe_model.shards import decode_shard  # noqa: E402
-from moe_model.submoe import SubMoE  # noqa: E402
-from moe_model.training_program import export_training_program, exportable, frozen_tensors, to_slots  # noqa: E402
+from moe_model.shards import shards_for  # noqa: E402
+from moe_model.training_program import (  # noqa: E402
+    export_training_program, exportable, frozen_tensors, pad_batch, to_slots)
 from tests.conftest import tiny_spec  # noqa: E402
 
 B, T, STEPS, LR, WD = 4, 24, 3, 5e-3, 0.01
@@ -41,8 +42,7 @@ def files(tmp_path_factory):
     items, labels = bbc_news()
     gm = GlobalModel(tiny_spec(upcycle_noise=0.05, max_seq_len=T), {"bbc": labels}, "int8")
     held = {1: [0, 1]}
-    shards = {sid: decode_shard(gm.shard_bytes[sid], keep_quantized=True) for sid in ["backbone", "L1.E0", "L1.E1"]}
-    model = SubMoE(gm.spec, held, "bbc", len(labels), shards)
+    model = ProgramCache(gm, d / "programs").model_for("bbc", held)[0]
     model.load_adapter_state({k: torch.randn_like(v) * 0.1 for k, v in model.adapter_state().items()})
     program = export_training_program(model, B, T, "int8")
     (d / "p.pte").write_bytes(program.pte)
@@ -50,15 +50,11 @@ def files(tmp_path_factory):
     save_file({k: t.contiguous() for k, t in frozen_tensors(model).items()}, str(d / "frozen.safetensors"))
     start = to_slots(model.adapter_state(), held)
     save_file(start, str(d / "state.safetensors"))
-    batches = [model.collate([(x, labels.index(c)) for x, c in items[i * B:(i + 1) * B]]) for i in range(STEPS)]
-    ids = torch.zeros(STEPS, B, T, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for i, (b, _) in enumerate(batches):
-        n = b["input_ids"].shape[1]
-        ids[i, :, :n], mask[i, :, :n] = b["input_ids"], b["attention_mask"]
-    ys = torch.stack([y for _, y in batches])
-    save_file({"input_ids": ids, "attention_mask": mask, "labels": ys}, str(d / "batches.safetensors"))
-    return d, start, *_python_update(model, held, ids, mask, ys)
+    batches = [pad_batch(*model.collate([(x, labels.index(c)) for x, c in items[i * B:(i + 1) * B]]), T)
+               for i in range(STEPS)]
+    stacked = {k: torch.stack([b[k] for b in batches]) for k in batches[0]}
+    save_file(stacked, str(d / "batches.safetensors"))
+    return d, start, *_python_update(model, held, stacked["input_ids"], stacked["attention_mask"], stacked["labels"])
 
 
 def _python_update(model, held, ids, mask, ys):
@@ -88,8 +84,8 @@ def _run(binary, d, **over):
     args = {"--program": d / "p.pte", "--manifest": d / "m.json", "--frozen": d / "frozen.safetensors",
             "--state": d / "state.safetensors", "--batches": d / "batches.safetensors", "--steps": STEPS,
             "--lr": LR, "--weight-decay": WD, "--out": d / "out.safetensors", **over}
-    return subprocess.run([str(binary), *[str(x) for kv in args.items() for x in kv]], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([str(binary), *[str(x) for kv in args.items() if kv[1] is not None for x in kv]],
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_native_update_equals_the_python_devices(binary, files):
@@ -107,51 +103,34 @@ def test_native_update_equals_the_python_devices(binary, files):
 def test_a_device_binds_its_frozen_inputs_from_its_own_shards(binary, files):
     """A device holding experts {1: [1, 3]} (slots 0, 1) of the same shape trains with the
     same program from the base shards it downloaded, as stored (int8), plus its LoRA A factors."""
-    from moe_model.shards import MAX_SHARD_BYTES, held_tensors
-    from moe_model.training_program import export_training_program as export
-    from protocol.codec import decode_tensors, inspect_header
-
     d = files[0]
-    items, labels = bbc_news()
+    _, labels = bbc_news()
     gm = GlobalModel(tiny_spec(upcycle_noise=0.05, max_seq_len=T), {"bbc": labels}, "int8")
-
-    def build(held):
-        sids = ["backbone"] + [f"L1.E{e}" for e in held[1]]
-        stored = {sid: decode_tensors(gm.shard_bytes[sid], MAX_SHARD_BYTES, dequantize=False) for sid in sids}
-        shards = {sid: held_tensors(t, inspect_header(gm.shard_bytes[sid], MAX_SHARD_BYTES)[1], True)
-                  for sid, t in stored.items()}
-        return SubMoE(gm.spec, held, "bbc", len(labels), shards), stored
-
-    slot_model, slot_stored = build({1: [0, 1]})
-    program = export(slot_model, B, T, "int8", stored=slot_stored)
+    cache = ProgramCache(gm, d / "programs2")
+    slot_model, slot_stored = cache.model_for("bbc", {1: [0, 1]})
+    program = export_training_program(slot_model, B, T, "int8", stored=slot_stored)
     (d / "p2.pte").write_bytes(program.pte)
     (d / "m2.json").write_text(json.dumps(program.manifest()))
     held = {1: [1, 3]}
-    device, _ = build(held)
+    device = cache.model_for("bbc", held)[0]
     (d / "shards").mkdir(exist_ok=True)
-    for sid in ["backbone", "L1.E1", "L1.E3"]:
+    for sid in shards_for(held):
         (d / "shards" / f"{sid}.safetensors").write_bytes(gm.shard_bytes[sid])
-    frozen = {n.replace("experts.1.", "experts.0.").replace("experts.3.", "experts.1."): t
-              for n, t in frozen_tensors(device).items()}
-    save_file({f["source"]["lora_a"]: frozen[f["name"]].contiguous() for f in program.frozen if "lora_a" in f["source"]},
-              str(d / "lora_a.safetensors"))
+    save_file(cache.lora_a(program.manifest(), held), str(d / "lora_a.safetensors"))  # what the cloud sends
     device.load_adapter_state({k: torch.randn_like(v) * 0.1 for k, v in device.adapter_state().items()})
     start = to_slots(device.adapter_state(), held)
     save_file(start, str(d / "state2.safetensors"))
     b = load_file(str(d / "batches.safetensors"))
     ref, ref_losses = _python_update(device, held, b["input_ids"], b["attention_mask"], b["labels"])
-    r = subprocess.run([str(binary), "--program", str(d / "p2.pte"), "--manifest", str(d / "m2.json"),
-                        "--shards", str(d / "shards"), "--held", json.dumps(held), "--lora-a", str(d / "lora_a.safetensors"),
-                        "--state", str(d / "state2.safetensors"), "--batches", str(d / "batches.safetensors"),
-                        "--steps", str(STEPS), "--lr", str(LR), "--weight-decay", str(WD), "--out", str(d / "out2.safetensors")],
-                       capture_output=True, text=True, timeout=300)
+    from_shards = {"--program": d / "p2.pte", "--manifest": d / "m2.json", "--frozen": None, "--shards": d / "shards",
+                   "--held": json.dumps(held), "--lora-a": d / "lora_a.safetensors", "--state": d / "state2.safetensors",
+                   "--out": d / "out2.safetensors"}
+    r = _run(binary, d, **from_shards)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["losses"] == pytest.approx(ref_losses, rel=1e-4)
     assert _relative_error(load_file(str(d / "out2.safetensors")), start, ref) < 1e-3
-    r = subprocess.run([str(binary), "--program", str(d / "p2.pte"), "--manifest", str(d / "m2.json"),
-                        "--shards", str(d / "shards"), "--held", '{"1": [1, 2]}', "--lora-a", str(d / "lora_a.safetensors"),
-                        "--state", str(d / "state2.safetensors"), "--batches", str(d / "batches.safetensors"),
-                        "--steps", "1", "--lr", "0.1", "--out", str(d / "out3.safetensors")], capture_output=True, text=True)
+    r = _run(binary, d, **{**from_shards, "--held": '{"1": [1, 2]}', "--steps": 1, "--lr": 0.1,
+                           "--out": d / "out3.safetensors"})
     assert r.returncode == 2 and "L1.E2.safetensors: cannot open" in r.stderr
 
 
