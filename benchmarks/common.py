@@ -14,6 +14,18 @@ ROOT = Path(__file__).resolve().parent.parent
 """The repository root (benchmarks write under ``runs/`` and ``results/`` there)."""
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit`` in the main thread, as Ctrl-C raises
+    ``KeyboardInterrupt``: the benchmark's ``finally`` blocks then stop the brokers,
+    aggregators and devices it started instead of leaving them running."""
+    import signal
+
+    def _exit(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def rel(path: str | Path) -> str:
     """``path`` relative to the repository root where it lies inside it (results record no
     machine's absolute paths), else as given."""

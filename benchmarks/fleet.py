@@ -49,7 +49,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import fmt, heavy_lock, module_command, module_env, write_result
+from benchmarks.common import fmt, heavy_lock, module_command, module_env, stop_on_sigterm, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -663,7 +663,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="300 devices, 100 updates per round, 2 rounds: Mosquitto "
                     "(one process, 1 and 2 workers), the NATS cluster (one process, 1 and 2 workers) (< 5 min)")
@@ -688,9 +688,10 @@ def main() -> int:
     ap.add_argument("--work", default=str(ROOT / "runs" / "fleet"))
     ap.add_argument("--out", default=str(ROOT / "results" / "fleet"))
     ap.add_argument("--lock")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    stop_on_sigterm()
     profile = "quick" if args.quick else "full"
     sizes = [int(x) for x in (args.sizes if args.sizes is not None else
                               ("300" if args.quick else "1000,10000")).split(",") if x]

@@ -171,6 +171,8 @@ class Aggregator:
         else:
             self.engine.restore()
         self.updates = Reassembler(config.max_update_bytes)
+        self._kept: dict[tuple[str, int, str], set[str]] = {}
+        """(device, round, upload id) -> store keys of its chunks kept (:meth:`_keep_chunk`)."""
         if self.role == "all":
             self._reload_chunks()
         self.near_miss: NearMissHellos | None = None
@@ -398,6 +400,7 @@ class Aggregator:
                         self.metrics.on_record(record, self.engine.persist_seconds)
                     self.updates = Reassembler(self.cfg.max_update_bytes)
                     self.store.delete_prefix("chunks/")
+                    self._kept.clear()
                     if self.verification is not None:
                         self.verification.prune(self.engine.completed + 1)
             if self._stop.is_set():
@@ -666,15 +669,22 @@ class Aggregator:
             self._keep_chunk(device_id, payload)
 
     # Chunks of an incomplete update are acknowledged to the broker, so they are kept in
-    # the store until the update completes: a restarted aggregator reloads them.
+    # the store until the update completes: a restarted aggregator reloads them. The keys
+    # kept are remembered (``_kept``), so a completed update deletes exactly those, and
+    # one that kept none costs no query.
     def _keep_chunk(self, device_id: str, payload: bytes) -> None:
         header, _ = parse_chunk(payload, self.cfg.max_update_bytes)
         if self.updates.progress(device_id, header.round, header.id)[0] and header.n > 1:
-            self.store.put_blob(f"chunks/{header.round}/{device_id}/{header.id}/{header.seq}", payload)
+            key = f"chunks/{header.round}/{device_id}/{header.id}/{header.seq}"
+            self.store.put_blob(key, payload)
+            self._kept.setdefault((device_id, header.round, header.id), set()).add(key)
 
     def _forget_chunks(self, device_id: str, round_: int, transfer_id: str) -> None:
-        if self.store.blob_keys(f"chunks/{round_}/{device_id}/{transfer_id}/"):
-            self.store.delete_prefix(f"chunks/{round_}/{device_id}/{transfer_id}/")
+        keys = self._kept.pop((device_id, round_, transfer_id), None)
+        if keys:
+            with self.store.transaction():
+                for key in keys:
+                    self.store.delete(key)
 
     def _reload_chunks(self) -> None:
         """Feed the chunks of incomplete updates kept in the store back into reassembly."""
@@ -685,6 +695,8 @@ class Aggregator:
                 continue
             try:
                 self.updates.add(device_id, self.store.get_blob(key))
+                _, _, _, transfer_id, _ = key.split("/", 4)
+                self._kept.setdefault((device_id, int(rnd), transfer_id), set()).add(key)
             except ChunkError as e:
                 log.warning("dropped stored chunk %s: %s", key, e)
 

@@ -107,3 +107,35 @@ def test_pending_transfers_bounded():
     for i in range(10):
         r.add("d", chunks_of(os.urandom(9000), f"t{i}")[0])
     assert len(r._pending) == 3
+
+
+def test_a_chunk_parsed_again_is_not_hashed_again_but_a_corrupted_copy_still_fails():
+    data = os.urandom(10_000)
+    msgs = chunks_of(data)
+    first = parse_chunk(msgs[1], 1 << 20)
+    assert parse_chunk(msgs[1], 1 << 20) is first  # the same message object: the remembered result
+    bad = bytearray(msgs[1])
+    bad[-1] ^= 0xFF
+    with pytest.raises(ChunkError, match="corrupted"):  # other bytes with the same header are checked
+        parse_chunk(bytes(bad), 1 << 20)
+    with pytest.raises(ChunkError, match="exceeds limit"):  # the same object under a smaller limit
+        parse_chunk(msgs[1], 100)
+    mutable = bytearray(msgs[2])
+    parse_chunk(mutable, 1 << 20)
+    mutable[-1] ^= 0xFF  # a mutable payload is never remembered
+    with pytest.raises(ChunkError, match="corrupted"):
+        parse_chunk(mutable, 1 << 20)
+
+
+def test_one_blob_split_for_many_transfers_keeps_each_header_right():
+    data = os.urandom(9_000)
+    a, sha_a = split_blob(data, PAYLOAD, "ta", "state", 1)
+    b, sha_b = split_blob(data, PAYLOAD, "tb", "state", 2)  # hashes reused, headers its own
+    assert sha_a == sha_b and len(a) == len(b)
+    r = Reassembler(1 << 20)
+    assert [r.add("d", m) for m in b][-1].data == data
+    assert parse_chunk(b[0], 1 << 20)[0].id == "tb" and parse_chunk(b[0], 1 << 20)[0].round == 2
+    other = os.urandom(9_000)
+    c, sha_c = split_blob(other, PAYLOAD, "tc", "state", 2)
+    r = Reassembler(1 << 20)
+    assert sha_c != sha_a and [r.add("d", m) for m in c][-1].data == other

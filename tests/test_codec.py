@@ -179,3 +179,22 @@ def test_nf4_packs_router_rows_only_when_asked():
         assert torch.equal(out["short"], t["short"])  # less than a block stays fp32
     # the row's 768 fp32 bytes become 96 packed + 12 absmax + its header entries
     assert len(encode_tensors(t, "nf4", vectors=True)) < len(encode_tensors(t, "nf4")) - 4 * 3 * NF4_BLOCK // 2
+
+
+def test_state_blobs_encode_one_state_once_and_never_serve_a_stale_one():
+    from cloud.rounds.dispatch import StateBlobs
+    from protocol.codec import decode_tensors, encode_tensors
+
+    cache = StateBlobs()
+    state = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4)}
+    first = cache.encode(state, "fp32")
+    assert first == encode_tensors(state, "fp32")
+    copy = {k: v.clone() for k, v in state.items()}  # other tensors, same content: the same bytes object
+    assert cache.encode(copy, "fp32") is first
+    assert cache.encode(state, "int8") is not first  # another format
+    copy["b"][0] = 2.0  # changed content: encoded again
+    changed = cache.encode(copy, "fp32")
+    assert changed is not first and decode_tensors(changed, 1 << 20)["b"][0].item() == 2.0
+    for i in range(StateBlobs.SIZE + 2):  # bounded
+        cache.encode({"x": torch.full((2,), float(i))}, "fp32")
+    assert len(cache._kept) == StateBlobs.SIZE

@@ -22,7 +22,7 @@ from ..strategies.base import Strategy
 from ..strategy import Experts
 from ..workers import Coordinator
 from .closing import Closing
-from .dispatch import Dispatch
+from .dispatch import Dispatch, StateBlobs
 from .eligibility import Eligibility
 from .intake import Intake
 from .plan import PlanChecks
@@ -93,6 +93,8 @@ class RoundEngine(Eligibility, PlanChecks, Dispatch, Intake, Closing, Recovery):
         URL (``by_url``), else as retained messages."""
         self._notice_log = LogLimiter(log, "failed notices", per_key=3, total=10, interval_s=60.0)
         """Failed notice publishes are logged rate-limited (a broker outage must not flood the log)."""
+        self._state_blobs = StateBlobs()
+        """Encoded adapter states sent this round, by content (devices sent the same state share one)."""
         self.plan_error: str | None = None
         """Why the strategy could not configure the waiting round (it raised), if so."""
         self.persist_seconds: float | None = None
