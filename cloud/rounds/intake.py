@@ -225,11 +225,10 @@ class Intake(EngineState):
     def _maybe_report(self, rnd: OpenRound, device_id: str) -> None:
         if rnd.reported(device_id):
             st = rnd.stats[device_id]
-            log.info("round %d: update from %s accepted (%d/%d)", rnd.number, device_id,
-                     sum(rnd.reported(d) for d in rnd.selected), len(rnd.selected))
+            reported = sum(rnd.reported(d) for d in rnd.selected)  # O(selected) per report: once
+            log.info("round %d: update from %s accepted (%d/%d)", rnd.number, device_id, reported, len(rnd.selected))
             self.progress("report", rnd.number, {"device": device_id, "val_accuracy": st.val_accuracy,
-                                                 "reported": sum(rnd.reported(d) for d in rnd.selected),
-                                                 "selected": len(rnd.selected)})
+                                                 "reported": reported, "selected": len(rnd.selected)})
         elif device_id in rnd.stats and device_id in rnd.updates:
             st = rnd.stats[device_id]
             self.reject(device_id, rnd.number, "stats reference an update other than the one received", kind="stats",
