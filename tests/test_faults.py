@@ -217,8 +217,14 @@ def test_device_sigkill_will_marks_offline_round_closes_with_quorum_and_device_r
     statuses = [json.loads(p)["state"] for tp, p in obs.seen if tp.endswith("/status") and p]
     assert "offline" in statuses                                    # the Last Will
     assert events["offline_in_round"] == 1
-    assert r1["status"] == "ok" and set(r1["devices"]) == {"dev0", "dev1"}
-    assert r1["failures"] == {"dev2": "no update before the deadline"}
+    assert r1["status"] == "ok" and {"dev0", "dev1"} <= set(r1["devices"])
+    sent_r1 = [tp for tp, p in obs.seen if tp.endswith("/assignment") and p and json.loads(p)["round"] == 1]
+    if "dev2" in r1["devices"]:
+        # killed before it acknowledged: the aggregator re-sent round 1's assignment, and the
+        # restarted dev2 reported before the deadline (seen in a loaded full test run)
+        assert len(sent_r1) >= 2
+    else:
+        assert r1["failures"] == {"dev2": "no update before the deadline"}
     assert r2["status"] == "ok" and set(r2["devices"]) == {"dev0", "dev1", "dev2"}   # rejoined
 
 
