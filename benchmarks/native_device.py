@@ -2,8 +2,9 @@
 device on the same training: memory before any model, peak memory, the experts' share of it,
 step time, and the update's agreement.
 
-One shape of the demo model (all-MiniLM-L6-v2 upcycled, int8 base shards, ``--experts`` of
-its experts in each MoE layer, batch ``--batch`` x ``--seq`` tokens), the same ``--steps``
+One shape of a model (:data:`MODELS`: the demo model, all-MiniLM-L6-v2 upcycled, or a
+Qwen3-MoE whose experts are most of its weights; int8 base shards, ``--experts`` of its
+experts in each MoE layer, batch ``--batch`` x ``--seq`` tokens), the same ``--steps``
 AdamW steps on the same BBC News batches, each side in a fresh process:
 
 - native: ``build/native/fedmoe-train`` with the cloud's training program
@@ -22,6 +23,7 @@ program's mode (no dropout), as ``tests/test_native_trainer.py`` does.
 
     python -m benchmarks.native_device                  # 2 experts per MoE layer, B 8, T 64, 5 steps
     python -m benchmarks.native_device --experts 4
+    python -m benchmarks.native_device --model qwen3-moe --experts 16 --batch 4 --name native_qwen3moe
 
 Writes ``results/native/native_device.{json,md,png}`` (``--name`` changes the stem).
 """
@@ -95,7 +97,27 @@ def python_worker(work: Path, held: dict[int, list[int]], steps: int, lr: float)
             "step_s": times}
 
 
-def run(experts: int, batch: int, seq: int, steps: int, lr: float) -> dict[str, Any]:
+MODELS = ("demo", "qwen3-moe")
+"""``demo``: the demo model (MiniLM upcycled, BBC News topics); ``qwen3-moe``: the peer
+benchmark's random-init Qwen3-MoE (:func:`benchmarks.peer.make_checkpoint`: 64 experts in
+each of 8 layers, experts 89% of the weights, SmolLM2's tokenizer), causal LM on BBC News
+texts: a model whose experts, not its dense part, decide what a device can hold."""
+
+
+def spec_for(model: str, seq: int):
+    """The ``ModelSpec`` of a :data:`MODELS` name at sequence length ``seq``."""
+    from protocol.messages import ModelSpec
+
+    if model == "demo":
+        return ModelSpec(max_seq_len=seq)
+    from benchmarks.peer import CHECKPOINT, make_checkpoint
+
+    ckpt = make_checkpoint(ROOT / "runs" / "qwen3-moe")
+    return ModelSpec(family="hf-moe", base=str(ckpt), tokenizer=None, num_experts=CHECKPOINT["num_experts"],
+                     top_k=CHECKPOINT["num_experts_per_tok"], max_seq_len=seq, objective="causal-lm")
+
+
+def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: str = "demo") -> dict[str, Any]:
     """Both sides on one shape (module docstring)."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -106,12 +128,11 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float) -> dict[str, 
     from fedmoe.native import build
     from moe_model.shards import shards_for
     from moe_model.training_program import from_slots, pad_batch, to_slots
-    from protocol.messages import ModelSpec
 
     binary = build()
     WORK.mkdir(parents=True, exist_ok=True)
     items, labels = bbc_news()
-    spec = ModelSpec(max_seq_len=seq)
+    spec = spec_for(model_name, seq)
     gm = GlobalModel(spec, {"bbc": labels}, "int8")
     held = {layer: list(range(experts)) for layer in gm.all_experts}
     cache = ProgramCache(gm, WORK / "programs")
@@ -147,10 +168,16 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float) -> dict[str, 
     out = from_slots(load_file(str(WORK / "native_out.safetensors")), held)
     moved = sum((out[k] - state[k]).norm().item() ** 2 for k in state) ** 0.5
     expert_bytes = sum(len(gm.shard_bytes[s]) for s in sids if s != "backbone")
-    return {"experts_per_layer": experts, "moe_layers": sorted(held), "batch": batch, "seq_len": seq, "steps": steps,
+    return {"model": model_name, "family": spec.family, "objective": spec.objective, "num_experts": spec.num_experts,
+            "experts_per_layer": experts, "moe_layers": sorted(held), "batch": batch, "seq_len": seq, "steps": steps,
             "lr": lr, "weight_format": "int8", "program_bytes": manifest["bytes"], "export_s": export_s,
             "expert_shard_bytes": expert_bytes, "backbone_shard_bytes": len(gm.shard_bytes["backbone"]),
             "native": nat, "python": pyr, "native_update_norm": moved}
+
+
+MODEL_TEXT = {"demo": "Demo model (all-MiniLM-L6-v2 upcycled, BBC News topics)",
+              "qwen3-moe": "Random-init Qwen3-MoE (the peer benchmark's: experts 89% of the weights; causal LM on "
+                           "BBC News texts)"}
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -168,8 +195,8 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join([
         "# The native training core against the Python device", "",
         f"Measured {r['date']} on {r['machine']}. {r['note']}", "", f"Command: `{r['command']}`", "",
-        f"Demo model (all-MiniLM-L6-v2 upcycled), int8 base shards, {r['experts_per_layer']} experts in each of the "
-        f"MoE layers {r['moe_layers']}, batch {r['batch']} x {r['seq_len']} tokens, {r['steps']} AdamW steps (lr "
+        f"{MODEL_TEXT[r.get('model', 'demo')]}, int8 base shards, {r['experts_per_layer']} of its "
+        f"{r.get('num_experts', 4)} experts in each of the MoE layers {r['moe_layers']}, batch {r['batch']} x {r['seq_len']} tokens, {r['steps']} AdamW steps (lr "
         f"{r['lr']}) on the same BBC News batches, each side a fresh process. Expert shards "
         f"{mib(r['expert_shard_bytes'])}, backbone shard {mib(r['backbone_shard_bytes'])}; training program "
         f"{r['program_bytes'] / 1024:.0f} KiB, built by the cloud in {r['export_s']:.0f} s.", "",
@@ -205,6 +232,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Command line: see the module docstring."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=MODELS, default="demo", help="the model (default: demo)")
     ap.add_argument("--experts", type=int, default=2, help="experts held per MoE layer (default 2)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
@@ -221,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         held = layers_from_json(json.loads((WORK / "manifest.json").read_text())["shape"]["experts_per_layer"])
         print(json.dumps(python_worker(WORK, {layer: list(range(n)) for layer, n in held.items()}, args.steps, args.lr)))
         return 0
-    r = run(args.experts, args.batch, args.seq, args.steps, args.lr)
+    r = run(args.experts, args.batch, args.seq, args.steps, args.lr, args.model)
     r.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              machine=f"{platform.machine()}, {os.cpu_count()} CPU cores", note=args.note,
              command="python -m benchmarks.native_device " + " ".join(argv if argv is not None else sys.argv[1:]))

@@ -285,13 +285,41 @@ def _hollow_buffers(model: nn.Module, names: list[str]) -> Iterator[None]:
             mod._buffers[attr] = t
 
 
+def _contiguous_strides(size: list[int]) -> list[int]:
+    """Row-major strides of a tensor of ``size`` (elements)."""
+    out, step = [], 1
+    for n in reversed(size):
+        out.append(step)
+        step *= max(int(n), 1)
+    return out[::-1]
+
+
 def _replace_empty_permuted(ep) -> None:
     """Rewrite ``aten.empty_permuted(size, layout)`` (which autograd puts in some backward
     graphs, e.g. a Hugging Face MoE's, and which is outside ExecuTorch's core operator set) as
     ``aten.permute(aten.empty(size in layout order), inverse layout)``: the same shape and
-    strides. In place on the exported program's graph."""
+    strides; and ``aten.new_empty_strided(self, size, stride)`` (also outside it) with
+    contiguous strides as ``aten.empty(size)`` in ``self``'s dtype. In place on the exported
+    program's graph.
+
+    Raises:
+        ValueError: a ``new_empty_strided`` with other strides."""
     graph = ep.graph_module.graph
     for node in list(graph.nodes):
+        if node.target is torch.ops.aten.new_empty_strided.default:
+            # new_empty_strided(self, size, stride) with contiguous strides: empty(size) in self's
+            # dtype (a Qwen3-MoE with tied embeddings has it in its backward; ExecuTorch's
+            # runtime has no empty_strided kernel)
+            size, stride = list(node.args[1]), list(node.args[2])
+            if stride != _contiguous_strides(size):
+                raise ValueError(f"new_empty_strided with non-contiguous strides {stride} for {size}: not exportable")
+            kwargs = {"dtype": node.args[0].meta["val"].dtype, **{k: v for k, v in node.kwargs.items() if v is not None}}
+            with graph.inserting_before(node):
+                new = graph.call_function(torch.ops.aten.empty.memory_format, (size,), kwargs)
+                new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            continue
         if node.target is not torch.ops.aten.empty_permuted.default:
             continue
         size, layout = node.args[0], node.args[1]

@@ -217,3 +217,31 @@ def test_a_hugging_face_moe_step_equals_torchs(tmp_path):
     _tokenizer().save_pretrained(tmp_path)
     gm = GlobalModel(_spec(tmp_path, max_seq_len=T), {"lm": ["a", "b"]}, "int8")
     _check_device_step(gm, "lm", {0: [1, 3], 1: [0, 2]}, TEXTS * 2, "int8")
+
+
+def test_new_empty_strided_is_rewritten_into_the_core_operator_set():
+    """``aten.new_empty_strided`` (in a tied-embedding Qwen3-MoE's backward; ExecuTorch's
+    runtime has no kernel for it or for ``empty_strided``) becomes ``aten.empty`` in the
+    source's dtype when its strides are contiguous, and is refused otherwise."""
+    from moe_model.training_program import _replace_empty_permuted
+
+    class M(torch.nn.Module):
+        def __init__(self, stride):
+            super().__init__()
+            self.stride = stride
+
+        def forward(self, x):
+            y = torch.ops.aten.new_empty_strided.default(x, [2, 3], self.stride)
+            return torch.ops.aten.fill.Scalar(y, 1.0) + x
+
+    x = torch.randn(2, 3, dtype=torch.float64)
+    ep = torch.export.export(M([3, 1]), (x,))
+    ops = lambda: {n.target for n in ep.graph_module.graph.nodes if n.op == "call_function"}  # noqa: E731
+    assert torch.ops.aten.new_empty_strided.default in ops()
+    _replace_empty_permuted(ep)
+    assert torch.ops.aten.new_empty_strided.default not in ops() and torch.ops.aten.empty.memory_format in ops()
+    out = ep.module()(x)
+    assert out.dtype == torch.float64 and torch.equal(out, x + 1.0)
+    bad = torch.export.export(M([1, 2]), (x,))
+    with pytest.raises(ValueError, match="non-contiguous"):
+        _replace_empty_permuted(bad)
