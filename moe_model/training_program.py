@@ -294,7 +294,7 @@ def _contiguous_strides(size: list[int]) -> list[int]:
     return out[::-1]
 
 
-def _replace_empty_permuted(ep) -> None:
+def _core_operator_rewrites(ep) -> None:
     """Rewrite ``aten.empty_permuted(size, layout)`` (which autograd puts in some backward
     graphs, e.g. a Hugging Face MoE's, and which is outside ExecuTorch's core operator set) as
     ``aten.permute(aten.empty(size in layout order), inverse layout)``: the same shape and
@@ -413,7 +413,7 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
         warnings.simplefilter("ignore")
         ep = export(step, (*example.values(), *frozen.values()), strict=False)
         ep = _export_forward_backward(ep)
-        _replace_empty_permuted(ep)
+        _core_operator_rewrites(ep)
         program = to_edge(ep).to_executorch(config=ExecutorchBackendConfig())
     fqn = dict(step.named_parameters())
     grads = [s.target for s in ep.graph_signature.output_specs if s.kind.name == "GRADIENT_TO_PARAMETER"]

@@ -195,6 +195,9 @@ def test_state_blobs_encode_one_state_once_and_never_serve_a_stale_one():
     copy["b"][0] = 2.0  # changed content: encoded again
     changed = cache.encode(copy, "fp32")
     assert changed is not first and decode_tensors(changed, 1 << 20)["b"][0].item() == 2.0
-    for i in range(StateBlobs.SIZE + 2):  # bounded
+    for i in range(StateBlobs.SIZE + 2):  # bounded in number
         cache.encode({"x": torch.full((2,), float(i))}, "fp32")
     assert len(cache._kept) == StateBlobs.SIZE
+    cache.MAX_BYTES = 3000  # and in bytes, the newest kept
+    big = cache.encode({"y": torch.zeros(1000)}, "fp32")
+    assert list(cache._kept.values()) == [big]

@@ -223,7 +223,7 @@ def test_new_empty_strided_is_rewritten_into_the_core_operator_set():
     """``aten.new_empty_strided`` (in a tied-embedding Qwen3-MoE's backward; ExecuTorch's
     runtime has no kernel for it or for ``empty_strided``) becomes ``aten.empty`` in the
     source's dtype when its strides are contiguous, and is refused otherwise."""
-    from moe_model.training_program import _replace_empty_permuted
+    from moe_model.training_program import _core_operator_rewrites
 
     class M(torch.nn.Module):
         def __init__(self, stride):
@@ -238,10 +238,10 @@ def test_new_empty_strided_is_rewritten_into_the_core_operator_set():
     ep = torch.export.export(M([3, 1]), (x,))
     ops = lambda: {n.target for n in ep.graph_module.graph.nodes if n.op == "call_function"}  # noqa: E731
     assert torch.ops.aten.new_empty_strided.default in ops()
-    _replace_empty_permuted(ep)
+    _core_operator_rewrites(ep)
     assert torch.ops.aten.new_empty_strided.default not in ops() and torch.ops.aten.empty.memory_format in ops()
     out = ep.module()(x)
     assert out.dtype == torch.float64 and torch.equal(out, x + 1.0)
     bad = torch.export.export(M([1, 2]), (x,))
     with pytest.raises(ValueError, match="non-contiguous"):
-        _replace_empty_permuted(bad)
+        _core_operator_rewrites(bad)

@@ -31,13 +31,15 @@ _DTYPE_NAMES = {t: name for name, t in EXTRA_DTYPES.items()}
 
 
 class StateBlobs:
-    """:func:`protocol.codec.encode_tensors` with the last :attr:`SIZE` results kept by
-    content: every device holding the same experts is sent the same state, and encoding
-    it (5 ms of 53 per update in the fleet profile, ``results/fleet/profile.md``) once is
-    enough. The key is the sha256 of the tensors' bytes, names, dtypes and shapes and the
-    encoding arguments (about 1 ms per MiB), so a changed tensor is never served stale."""
+    """:func:`protocol.codec.encode_tensors` with the most recent results kept by content
+    (at most :attr:`SIZE` of them and :attr:`MAX_BYTES` in all, the newest always): every
+    device holding the same experts is sent the same state, and encoding it (5 ms of 53 per
+    update in the fleet profile, ``results/fleet/profile.md``) once is enough. The key is
+    the sha256 of the tensors' bytes, names, dtypes and shapes and the encoding arguments
+    (about 1 ms per MiB), so a changed tensor is never served stale."""
 
     SIZE = 8
+    MAX_BYTES = 64 * 2**20
 
     def __init__(self) -> None:
         self._kept: dict[tuple, bytes] = {}
@@ -55,7 +57,8 @@ class StateBlobs:
         if blob is None:
             blob = encode_tensors(tensors, fmt, exact=exact, compress=compress)
         self._kept[key] = blob  # most recently used last
-        while len(self._kept) > self.SIZE:
+        while len(self._kept) > 1 and (len(self._kept) > self.SIZE
+                                       or sum(map(len, self._kept.values())) > self.MAX_BYTES):
             del self._kept[next(iter(self._kept))]
         return blob
 
