@@ -275,9 +275,7 @@ class EdgeClient:
             kw.update(clean_start="first_only", session_expiry_s=3600)
             self.downlink_qos = 0
         self.transport = Transport(
-            # the federation in the client id: the same device id in two federations on one
-            # broker must not take over each other's session (concurrent test federations did)
-            broker, f"dev-{federation}-{device_id}", protocol=protocol, username=username or device_id, password=password,
+            broker, f"dev-{device_id}", protocol=protocol, username=username or device_id, password=password,
             tls=tls, will=(self.topics.up(device_id, "status"), status_offline), **kw,
         )
         if headroom_bytes is None:
