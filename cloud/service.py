@@ -689,13 +689,12 @@ class Aggregator:
     def _reload_chunks(self) -> None:
         """Feed the chunks of incomplete updates kept in the store back into reassembly."""
         for key in self.store.blob_keys("chunks/"):
-            _, rnd, device_id, _, _ = key.split("/", 4)
+            _, rnd, device_id, transfer_id, _ = key.split("/", 4)
             if self.engine.current is None or int(rnd) != self.engine.current.number:
                 self.store.delete(key)
                 continue
             try:
                 self.updates.add(device_id, self.store.get_blob(key))
-                _, _, _, transfer_id, _ = key.split("/", 4)
                 self._kept.setdefault((device_id, int(rnd), transfer_id), set()).add(key)
             except ChunkError as e:
                 log.warning("dropped stored chunk %s: %s", key, e)
