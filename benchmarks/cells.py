@@ -291,6 +291,7 @@ def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], te
                    "method": method, "reserved": len(reserved or ()),
                    "transport": "in-process threads, embedded MQTT broker", **(config or {})},
         "initial_accuracy": initial.get("accuracy"), "initial_per_task": initial.get("per_task"),
+        **({"initial_perplexity": initial["perplexity"]} if initial.get("perplexity") is not None else {}),
         "rounds": records, "wall_seconds": time.time() - t0,
         "phase_seconds": {"setup": t_setup, "rounds": sum(r["seconds"] for r in records)},
         **({"probe": probe.summary()} if probe is not None else {}),

@@ -32,7 +32,7 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 10
+PROTOCOL_MINOR = 11
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
@@ -59,7 +59,9 @@ of 64 or more values (router rows) are packed too (already decodable since minor
 round's update and stats to (``Topics.up(..., partition)``; workers on an MQTT 3.1.1 cluster
 have no shared subscriptions); 10 added the ``Command`` kind ``registered`` (the cloud's
 answer to an accepted hello, so a device can tell that an aggregator of its federation
-heard it) and a ``reason`` on ``stop`` (e.g. ``aggregator shutting down``). A peer ignores unknown fields and
+heard it) and a ``reason`` on ``stop`` (e.g. ``aggregator shutting down``); 11 added the objective
+term ``router_probe`` (the device's activation probabilities over every expert, for FedMoE's
+search from its own data). A peer ignores unknown fields and
 unknown commands of a newer minor version, so the cloud sends objectives and extra
 tensors only to devices that announced minor 2 or later (an older device would silently
 train without them) and the evaluation term only to minor 3 or later."""
@@ -76,6 +78,8 @@ MIN_MINOR_FOR_UPLINK = 9
 MIN_MINOR_FOR_EVALUATION = 3
 """Lowest ``Hello.protocol_minor`` whose SDK has the ``evaluate_received`` term (a minor-2
 device would refuse the whole assignment over the unknown term)."""
+MIN_MINOR_FOR_ROUTER_PROBE = 11
+"""Lowest ``Hello.protocol_minor`` whose SDK has the ``router_probe`` term."""
 MAX_OBJECTIVES = 16
 """Most objective terms one assignment may name."""
 WIRE_CONTEXT = {"unknown_fields": "ignore"}

@@ -16,7 +16,8 @@ from tests.conftest import tiny_spec
 
 
 @pytest.mark.slow
-def test_fedmoe_two_tasks_probe_estimate_search(embedded_url, tmp_path):
+@pytest.mark.parametrize("own_p", [False, True])
+def test_fedmoe_two_tasks_probe_estimate_search(embedded_url, tmp_path, own_p):
     bbc, bbc_labels = bbc_news()
     tw, tw_labels = tweets()
     spec = tiny_spec()
@@ -27,7 +28,7 @@ def test_fedmoe_two_tasks_probe_estimate_search(embedded_url, tmp_path):
         rounds=3, min_devices=3, start_timeout_s=60, round_timeout_s=60,
         train=TrainConfig(max_steps=2, batch_size=8), store=f"sqlite:///{tmp_path}/agg.db",
         clear_retained_on_exit=True, protocol="3.1.1",
-        assignment={"name": "fedmoe", "params": {"probe_steps": 1, "patience": 1}},
+        assignment={"name": "fedmoe", "params": {"probe_steps": 1, "patience": 1, "own_p": own_p}},
         aggregation={"name": "modular"},
     )
     agg = Aggregator(cfg, embedded_url, eval_data={"bbc": bbc[::50][:32], "tweets": tw[::500][:32]})
@@ -49,8 +50,11 @@ def test_fedmoe_two_tasks_probe_estimate_search(embedded_url, tmp_path):
     assert r1["devices"]["b0"]["experts"] == {"1": [0, 1, 2, 3]}
     assert r1["assignment"]["searched"]["b1"]["p"] == "provisional"
     # round 2: probed devices get searched sub-models within alpha of their budget,
-    # b1 is searched again from b0's probe (same task)
-    assert r2["assignment"]["searched"]["b1"]["p"] == "estimated"
+    # b1 is searched again from b0's probe (same task), or with own_p from its own report of
+    # round 1 (the router_probe term: p over all 4 experts, top-2 counted)
+    assert r2["assignment"]["searched"]["b1"]["p"] == ("own" if own_p else "estimated")
+    extras = r1["devices"]["b1"].get("extras") or {}
+    assert (sum(extras.get("router_probe.p.1", [])) == pytest.approx(2.0)) if own_p else not extras
     assert r2["assignment"]["searched"]["b0"]["p"] == "probe"
     assert len(r2["devices"]["b0"]["experts"]["1"]) < 4
     for r in records:

@@ -18,6 +18,14 @@ Stage one, per device, the first time it is selected:
    client-expert map, which lives in this strategy's state (persisted by the round
    engine in the store as ``assignment_state``).
 
+With ``own_p`` (not in the paper; docs/methods/fedmoe.md "Own p"), every device that is not
+probing is asked for the ``router_probe`` objective term (protocol minor 11): it scores its own
+validation tokens against every expert's router row and reports p over all E experts
+(``Stats.extras`` ``router_probe.p.<layer>``). A device's first such report replaces the
+estimated (or provisional) p it was searched with, its sub-model is searched again from it
+the next time it is selected, and its later reports are the p stage two compares. Reports
+that are not E finite, non-negative values per MoE layer summing to at most E are ignored.
+
 Stage two, after every round (:meth:`FedMoE.observe`): expert recommendation
 (:mod:`.recommendation`, eq. 4-6) for devices whose validation score stalled for
 ``patience`` rounds, exploratory (reverted and frozen when the next score does not
@@ -42,6 +50,8 @@ import logging
 import random
 from typing import Any, Callable, Mapping, Sequence
 
+from edge_sdk.objectives.router_probe import RouterProbe
+from protocol.messages import MIN_MINOR_FOR_ROUTER_PROBE, Objective
 from protocol.experts import experts_by_device_from_json, experts_by_device_to_json, layers_from_json, \
     layers_to_json
 
@@ -181,6 +191,26 @@ def _probs_of(result: ClientResult) -> Probs:
     return {ls.layer: list(ls.activation_prob) for ls in result.stats.layers}
 
 
+ROUTER_PROBE = RouterProbe.name
+"""The device-side objective term that measures p over every expert."""
+
+
+def own_probs(extras: Mapping[str, Sequence[float]], layers: Sequence[int], num_experts: int) -> Probs | None:
+    """A device's ``router_probe`` report (``Stats.extras`` ``router_probe.p.<layer>``) as p,
+    or None where it is missing or out of bounds: every MoE layer present with ``num_experts``
+    finite values >= 0 whose sum is in (0, num_experts] (top-k counted shares sum to k)."""
+    import math
+
+    out: Probs = {}
+    for layer in layers:
+        v = extras.get(f"{ROUTER_PROBE}.p.{layer}")
+        if v is None or len(v) != num_experts or not all(math.isfinite(x) and x >= 0 for x in v) \
+                or not 0 < sum(v) <= num_experts * (1 + 1e-6):
+            return None
+        out[layer] = [float(x) for x in v]
+    return out
+
+
 # --------------------------------------------------------------------------- the strategy
 
 
@@ -196,19 +226,26 @@ class FedMoE(AssignmentStrategy):
         similar: K, the number of similar devices consulted (eq. 5).
         stage1: False = "w/o stage 1": no probe, uniform p with a seeded random tie-break.
         stage2: False = "w/o stage 2": no expert recommendation.
+        own_p: ask every device that is not probing for its own p over all experts
+            (``router_probe``) and search its sub-model from that (see the module).
     """
 
     name = "fedmoe"
 
     def __init__(self, layers: list[int], num_experts: int, seed: int = 0, alpha: float = 0.8,
                  probe_steps: int = 5, tol: float = 1e-3, min_experts: int = 1, patience: int = 2,
-                 similar: int = 3, stage1: bool = True, stage2: bool = True, **params: Any):
+                 similar: int = 3, stage1: bool = True, stage2: bool = True, own_p: bool = False, **params: Any):
         super().__init__(layers, num_experts, seed, **params)
         headroom_limit(1, 0, alpha)  # validates alpha
         if probe_steps < 1 or patience < 1 or similar < 1 or not 1 <= min_experts <= num_experts:
             raise ValueError("probe_steps, patience, similar must be >= 1 and 1 <= min_experts <= num_experts")
         self.alpha, self.probe_steps, self.tol, self.min_experts = alpha, probe_steps, tol, min_experts
         self.patience, self.similar, self.stage1, self.stage2 = patience, similar, stage1, stage2
+        self.own_p = bool(own_p)
+        self.own: dict[str, Probs] = {}
+        """device -> its latest own p (``router_probe``), when ``own_p``."""
+        self.own_searched: set[str] = set()
+        """Devices whose sub-model was searched from their own p."""
         self.map: dict[str, Experts] = {}
         """The client-expert map."""
         self.initial: dict[str, Experts] = {}
@@ -283,6 +320,8 @@ class FedMoE(AssignmentStrategy):
                 self.theta[d.device_id], experts = found
                 self.map[d.device_id] = experts
             plan.assignments[d.device_id] = {k: sorted(v) for k, v in experts.items()}
+            if self.own_p and d.device_id not in self._probing and d.protocol_minor >= MIN_MINOR_FOR_ROUTER_PROBE:
+                plan.objectives[d.device_id] = [Objective(name=ROUTER_PROBE)]
         counts = [_count(e) for e in self.map.values()]
         plan.info["experts_mean"] = sum(counts) / len(counts) if counts else None
         plan.info["experts_min"] = min(counts) if counts else None
@@ -295,7 +334,8 @@ class FedMoE(AssignmentStrategy):
 
     def _stage_one(self, d: DeviceView, memory: Callable[[Experts], int], plan: Plan) -> Experts | None:
         dev = d.device_id
-        redo = dev in self.provisional and (self.probes or not self.stage1) and dev not in self.pending
+        redo = dev not in self.pending and (dev in self.provisional and (self.probes or not self.stage1)
+                                            or dev in self.own and dev not in self.own_searched)
         if dev in self.map and not redo:
             return self.map[dev]
         if self.stage1 and dev not in self.probes and d.capacity >= self.num_experts \
@@ -304,7 +344,10 @@ class FedMoE(AssignmentStrategy):
             plan.info["probing"].append(dev)
             plan.train[dev] = {"max_steps": self.probe_steps}
             return self._full()
-        if not self.stage1:
+        if dev in self.own:
+            p, how = self.own[dev], "own"
+            self.own_searched.add(dev)
+        elif not self.stage1:
             p, how = self._uniform(), "uniform (w/o stage 1)"
         elif dev in self.probes:
             p, how = self.probes[dev]["p"], "probe"
@@ -324,7 +367,7 @@ class FedMoE(AssignmentStrategy):
             self.provisional.add(dev)
         else:
             self.provisional.discard(dev)
-            if how == "estimated":
+            if how in ("estimated", "own"):
                 self.p[dev] = p
         plan.info["searched"][dev] = {"theta": round(theta, 4), "experts": _count(experts), "p": how}
         log.info("fedmoe: %s initial sub-model from %s p: theta %.3f, %d experts %s", dev, how, theta,
@@ -338,6 +381,11 @@ class FedMoE(AssignmentStrategy):
             dev = r.device_id
             self.meta.setdefault(dev, {}).update({"task": r.task, "samples": r.num_samples})
             p = _probs_of(r)
+            own = own_probs(r.stats.extras, self.layers, self.num_experts) if self.own_p else None
+            if own is not None:
+                self.own[dev] = p = own
+            elif self.own_p and any(k.startswith(ROUTER_PROBE + ".") for k in r.stats.extras):
+                log.warning("fedmoe: %s's router_probe report is out of bounds; ignored", dev)
             if dev in self._probing:
                 self.probes[dev] = {"task": r.task, "samples": r.num_samples, "p": p}
                 self.p[dev] = p
@@ -397,6 +445,7 @@ class FedMoE(AssignmentStrategy):
             "p": {d: layers_to_json(p) for d, p in self.p.items()}, "meta": self.meta, "best": self.best,
             "stale": self.stale, "pending": self.pending, "frozen": sorted(self.frozen),
             "probing": sorted(self._probing), "history": self.history[-200:],
+            "own": {d: layers_to_json(p) for d, p in self.own.items()}, "own_searched": sorted(self.own_searched),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -410,3 +459,5 @@ class FedMoE(AssignmentStrategy):
         self.stale, self.pending = dict(state.get("stale", {})), dict(state.get("pending", {}))
         self.frozen, self._probing = set(state.get("frozen", [])), set(state.get("probing", []))
         self.history = list(state.get("history", []))
+        self.own = {d: layers_from_json(p) for d, p in state.get("own", {}).items()}
+        self.own_searched = set(state.get("own_searched", []))

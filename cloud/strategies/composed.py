@@ -11,6 +11,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from edge_sdk.objectives.router_probe import ROWS, RouterProbe
+from protocol import keys
+from protocol.messages import Objective
+
 from ..aggregation.base import get_aggregation
 from ..assignment.base import get_assignment
 from ..strategy import Aggregated, ClientResult, DeviceView, Failure, Plan, Setup
@@ -49,7 +55,9 @@ class Composed(Strategy):
         return self.assignment.name
 
     def configure_round(self, round: int, devices: list[DeviceView], model: "GlobalModel") -> Plan:
-        return self.assignment.configure(round, devices)
+        """The assignment part's plan, with the inputs of any ``router_probe`` term it asked for
+        (:func:`with_router_rows`)."""
+        return with_router_rows(self.assignment.configure(round, devices), model)
 
     def for_aggregation(self, result: ClientResult) -> ClientResult:
         """Without its router rows when the router is private (``train.router: private``)."""
@@ -68,6 +76,24 @@ class Composed(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.assignment.load_state_dict(state.get("assignment", {}))
         self.aggregation.load_state_dict(state.get("aggregation", {}))
+
+
+def with_router_rows(plan: Plan, model: "GlobalModel") -> Plan:
+    """``plan`` with every ``router_probe`` objective completed: ``top_k`` (the model's) and the
+    extra tensor ``router_probe.rows``, every expert's global router row, float32 ``(L, E, H)``
+    (L MoE layers ascending, E experts, H hidden size; the device's
+    ``edge_sdk.objectives.router_probe`` scores its tokens against them)."""
+    wanted = [d for d, terms in plan.objectives.items() if any(o.name == RouterProbe.name for o in terms)]
+    if not wanted:
+        return plan
+    E = model.spec.num_experts
+    rows = torch.stack([torch.stack([model.state[keys.router_key(layer, e)].float() for e in range(E)])
+                        for layer in sorted(model.layers)])
+    term = Objective(name=RouterProbe.name, params={"top_k": min(model.spec.top_k, E)})
+    for d in wanted:
+        plan.objectives[d] = [term if o.name == RouterProbe.name else o for o in plan.objectives[d]]
+        plan.tensors[d] = {**plan.tensors.get(d, {}), ROWS: rows}
+    return plan
 
 
 def _without_router(result: ClientResult) -> ClientResult:
