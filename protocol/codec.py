@@ -277,11 +277,11 @@ def encode_tensors(
             out[name] = t.contiguous()
         elif name in exact:
             out[name] = t.to(torch.float32).contiguous()
-        elif fmt == "int8" and t.dim() >= 2:
+        elif fmt == "int8" and t.dim() >= 2 and t.numel():  # an empty tensor (e.g. a 0-wide shared expert) stays fp32
             q, scale = quantize_int8(t, int8_axis(t.shape, scales))
             out[name] = q.contiguous()
             out[name + SCALE_SUFFIX] = scale.contiguous()
-        elif fmt == "nf4" and _packs_nf4(t, vectors):
+        elif fmt == "nf4" and t.numel() and _packs_nf4(t, vectors):
             packed, absmax = quantize_nf4(t)
             out[name] = packed
             out[name + ABSMAX_SUFFIX] = absmax

@@ -31,6 +31,14 @@ def test_round_trip_each_format(fmt):
         assert torch.allclose(out["w"].float(), t["w"], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_an_empty_tensor_round_trips_in_the_quantized_formats(fmt):
+    # a Qwen2-MoE without a shared expert has 0-wide shared-expert weights (shared_expert_intermediate_size 0)
+    t = {"empty": torch.zeros(576, 0), "w": torch.randn(64, 64)}
+    out = decode_tensors(encode_tensors(t, fmt), LIMIT)
+    assert out["empty"].shape == (576, 0) and out["w"].shape == (64, 64)
+
+
 def test_int8_error_bound_per_row():
     w = torch.randn(64, 32) * torch.linspace(0.01, 10, 64)[:, None]
     q, s = quantize_int8(w)
