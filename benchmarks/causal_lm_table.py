@@ -45,7 +45,7 @@ EXTRA = ("experts_held_mean", "devices_trained", "initial_perplexity")
 
 def check(cfg: dict[str, Any]) -> list[str]:
     """The grid's checks, with ``domains`` the only data source and ``model.objective`` causal-lm."""
-    problems = [p for p in harness.check({**cfg, "grid": {k: v for k, v in cfg["grid"].items() if k != "data"}})]
+    problems = harness.check({**cfg, "grid": {k: v for k, v in cfg["grid"].items() if k != "data"}})
     problems += [f"grid.data: {d!r} (this table's one data source is 'domains')"
                  for d in cfg["grid"].get("data", ["domains"]) if d != "domains"]
     if cfg["model"].get("objective") != "causal-lm":

@@ -14,7 +14,8 @@ overrides the hooks it needs (``REQUIRED``, ``DEFAULTS``, ``check``, ``settings_
 ``PROFILE_KEYS``, ``result_fields``, ``STATS``) and keeps the rest of this module's.
 ``fusion_table``, ``fedalign_table`` and ``fedmoe_table`` are such modules (their
 ``python -m benchmarks.<table>`` commands still work and run this harness on
-``benchmarks/configs/<table>.yaml``). Keys every config may have: ``ablations`` (methods
+``benchmarks/configs/<table>.yaml``), and ``causal_lm_table`` (the grid as a causal LM on a
+Branch-Train-MiX build's domains, perplexity the headline). Keys every config may have: ``ablations`` (methods
 run only in ``ablation_setting``, each tested against ``ablations_against``), ``only``
 (method -> the settings it runs in), ``cell_order`` (``setting``: a setting at a time;
 ``seed``: a seed at a time), ``results`` (the results folder, default ``results/evidence``).

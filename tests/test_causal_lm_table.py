@@ -52,10 +52,10 @@ def test_chunks_cap_pieces_per_document_and_drop_short_tails():
 
 def test_config_checks_name_the_problem(tmp_path):
     cfg = harness.load_config("benchmarks/configs/fedmoe_btx_llm.yaml")
-    assert harness.table_of(cfg) is T and list(harness.settings(cfg)) == ["domains 1-domain 7"]
+    assert harness.table_of(cfg) is T and list(harness.settings(cfg)) == ["domains 1-domain 5"]
     bad = tmp_path / "bad.yaml"
     text = open("benchmarks/configs/fedmoe_btx_llm.yaml").read()
-    bad.write_text(text.replace("objective: causal-lm, ", "").replace("  devices: [7]", "  devices: [7]\n  data: [bbc]"))
+    bad.write_text(text.replace("objective: causal-lm, ", "").replace("  devices: [5]", "  devices: [7]\n  data: [bbc]"))
     with pytest.raises(harness.ConfigError, match="this table's one data source is 'domains'.*"
                                                   "objective must be causal-lm"):
         harness.load_config(bad)

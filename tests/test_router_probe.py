@@ -11,7 +11,7 @@ from cloud.assignment import get_assignment
 from cloud.assignment.fedmoe import own_probs
 from cloud.strategies.composed import with_router_rows
 from cloud.strategy import ClientResult, DeviceView, Plan
-from edge_sdk.objectives import TermContext, terms_for
+from edge_sdk.objectives import terms_for
 from edge_sdk.objectives.router_probe import ROWS
 from moe_model.models.moe import moe_blocks
 from moe_model.stats import ActivationStats
