@@ -115,6 +115,11 @@ def test_without_own_p_or_for_an_older_device_nothing_is_asked():
     assert not get_assignment("fedmoe")([1], 4, own_p=True).configure(1, [old]).objectives
 
 
+def test_own_p_must_be_a_boolean():
+    with pytest.raises(ValueError, match="own_p must be true or false"):
+        get_assignment("fedmoe")([1], 4, own_p="false")
+
+
 def test_own_probs_bounds():
     assert own_probs({"router_probe.p.1": [1, 1]}, [1], 2) == {1: [1.0, 1.0]}
     assert own_probs({"router_probe.p.1": [1, 1]}, [1, 3], 2) is None  # a layer missing

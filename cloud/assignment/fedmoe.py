@@ -241,7 +241,9 @@ class FedMoE(AssignmentStrategy):
             raise ValueError("probe_steps, patience, similar must be >= 1 and 1 <= min_experts <= num_experts")
         self.alpha, self.probe_steps, self.tol, self.min_experts = alpha, probe_steps, tol, min_experts
         self.patience, self.similar, self.stage1, self.stage2 = patience, similar, stage1, stage2
-        self.own_p = bool(own_p)
+        if not isinstance(own_p, bool):
+            raise ValueError(f"own_p must be true or false, got {own_p!r}")
+        self.own_p = own_p
         self.own: dict[str, Probs] = {}
         """device -> its latest own p (``router_probe``), when ``own_p``."""
         self.own_searched: set[str] = set()
