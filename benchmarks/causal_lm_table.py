@@ -77,24 +77,18 @@ def domain_items(base: str | Path, seed: int, samples: int, eval_samples: int, c
 
     Raises:
         FileNotFoundError: ``base`` has no ``btx.json`` (not a BTX build).
-        ValueError: the record has no split, or the rebuilt held-out ids differ from it (the data
+        ValueError: see :func:`fedmoe.btx_domains.split_from_record` (no split recorded, or the data
             packages changed since the build).
     """
-    from fedmoe.btx_domains import load_domains
+    from fedmoe.btx_domains import split_from_record
 
     record_path = Path(base) / "btx.json"
     if not record_path.is_file():
         raise FileNotFoundError(f"{record_path} not found: model.base must be a checkpoint built with "
                                 "`fedmoe upcycle --method btx` (docs/btx.md)")
     meta = json.loads(record_path.read_text())
-    split = meta.get("split")
-    if split is None:
-        raise ValueError(f"{record_path} records no held-out split (a build from custom domains?)")
     domains = list(meta["domains"])
-    train, held, record = load_domains(domains, split["seed"], split["heldout"], split["max_heldout"],
-                                       split.get("dedup", False))
-    if record["heldout_ids"] != meta.get("heldout_ids", record["heldout_ids"]):
-        raise ValueError(f"the held-out split rebuilt from the data packages differs from {record_path}'s")
+    train, held = split_from_record(meta)
     rng = random.Random(f"causal_lm_table/{seed}")
     train_items, test_items = [], []
     for name in domains:

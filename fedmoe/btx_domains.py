@@ -10,7 +10,7 @@
 Each domain's documents are shuffled by a seeded generator (``random.Random("btx/<seed>/<name>")``)
 and the first ``heldout`` fraction (at most ``max_heldout`` documents, at least 1) is the held-out
 split, never trained on; :func:`load_domains` returns the split's ids for the checkpoint's
-``btx.json`` and :func:`heldout_from_record` checks them when the split is rebuilt.
+``btx.json`` and :func:`split_from_record` checks them when the split is rebuilt.
 """
 
 from __future__ import annotations
@@ -85,10 +85,11 @@ def load_domains(names: tuple[str, ...] | list[str] = DOMAINS, seed: int = 0, he
     return train, held, record
 
 
-def heldout_from_record(meta: dict) -> dict[str, list[str]]:
-    """The held-out texts of a BTX checkpoint's ``btx.json`` (its domains and split), rebuilt and
-    checked against the recorded ids, less any text that is also in the domain's training split
-    (possible only in a split made without ``dedup``).
+def split_from_record(meta: dict) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The training and held-out texts per domain of a BTX checkpoint's ``btx.json`` (its domains
+    and split), rebuilt and checked against the recorded held-out ids; a held-out text that is
+    also in the domain's training split (possible only in a split made without ``dedup``) is
+    left out of the held-out texts.
 
     Raises:
         ValueError: the record has no split, or the rebuilt ids differ (the data packages changed).
@@ -108,4 +109,13 @@ def heldout_from_record(meta: dict) -> dict[str, list[str]]:
         if len(out[name]) < len(texts):
             log.warning("domain %s: %d held-out documents also occur in its training split; left out",
                         name, len(texts) - len(out[name]))
-    return out
+    return train, out
+
+
+def heldout_from_record(meta: dict) -> dict[str, list[str]]:
+    """The held-out texts of :func:`split_from_record`.
+
+    Raises:
+        ValueError: see :func:`split_from_record`.
+    """
+    return split_from_record(meta)[1]
