@@ -92,6 +92,7 @@ def _result(d, experts, p, extras=None):
     ([0.0, 0.9, 0.1, 1.0], ("own", [1, 3])),  # its own p: experts 1 and 3
     ([0.0, float("nan"), 0.1, 1.0], ("estimated", [2, 3])),  # out of bounds: ignored, big's probe p instead
     ([0.0, 3.0, 0.1, 3.0], ("estimated", [2, 3])),  # sums above E
+    ([0.0, 2.5, 0.0, 0.0], ("estimated", [2, 3])),  # one share above 1: no token counts twice for an expert
 ])
 def test_fedmoe_searches_a_small_device_from_its_own_report(report, expect):
     s = get_assignment("fedmoe")([1], 4, alpha=0.8, probe_steps=3, own_p=True)
@@ -125,4 +126,5 @@ def test_own_probs_bounds():
     assert own_probs({"router_probe.p.1": [1, 1]}, [1, 3], 2) is None  # a layer missing
     assert own_probs({"router_probe.p.1": [0, 0]}, [1], 2) is None
     assert own_probs({"router_probe.p.1": [-0.1, 1]}, [1], 2) is None
+    assert own_probs({"router_probe.p.1": [1.5, 0]}, [1], 2) is None
     assert own_probs({"router_probe.p.1": [1, 1, 0]}, [1], 2) is None

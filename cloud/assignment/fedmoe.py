@@ -24,7 +24,7 @@ validation tokens against every expert's router row and reports p over all E exp
 (``Stats.extras`` ``router_probe.p.<layer>``). A device's first such report replaces the
 estimated (or provisional) p it was searched with, its sub-model is searched again from it
 the next time it is selected, and its later reports are the p stage two compares. Reports
-that are not E finite, non-negative values per MoE layer summing to at most E are ignored.
+that are not E finite values in [0, 1] per MoE layer summing to at most E are ignored.
 
 Stage two, after every round (:meth:`FedMoE.observe`): expert recommendation
 (:mod:`.recommendation`, eq. 4-6) for devices whose validation score stalled for
@@ -198,13 +198,14 @@ ROUTER_PROBE = RouterProbe.name
 def own_probs(extras: Mapping[str, Sequence[float]], layers: Sequence[int], num_experts: int) -> Probs | None:
     """A device's ``router_probe`` report (``Stats.extras`` ``router_probe.p.<layer>``) as p,
     or None where it is missing or out of bounds: every MoE layer present with ``num_experts``
-    finite values >= 0 whose sum is in (0, num_experts] (top-k counted shares sum to k)."""
+    finite values in [0, 1] (each the share of tokens whose top-k includes the expert) whose sum
+    is in (0, num_experts] (top-k counted shares sum to k)."""
     import math
 
     out: Probs = {}
     for layer in layers:
         v = extras.get(f"{ROUTER_PROBE}.p.{layer}")
-        if v is None or len(v) != num_experts or not all(math.isfinite(x) and x >= 0 for x in v) \
+        if v is None or len(v) != num_experts or not all(math.isfinite(x) and 0 <= x <= 1 + 1e-6 for x in v) \
                 or not 0 < sum(v) <= num_experts * (1 + 1e-6):
             return None
         out[layer] = [float(x) for x in v]
