@@ -59,7 +59,9 @@ class RouterProbe(ObjectiveTerm):
         blocks = dict(sorted(moe_blocks(model.model).items()))
         if len(blocks) != self.rows.shape[0] or any(b.router.weight().shape[-1] != self.rows.shape[2]
                                                    for b in blocks.values()):
-            raise ValueError(f"{ROWS} has shape {tuple(self.rows.shape)}; this sub-MoE has {len(blocks)} MoE layers")
+            hidden = next(iter(blocks.values())).router.weight().shape[-1] if blocks else None
+            raise ValueError(f"{ROWS} has shape {tuple(self.rows.shape)}; this sub-MoE has {len(blocks)} MoE layers "
+                             f"of hidden size {hidden}")
         seen: dict[int, torch.Tensor] = {}
         hooks = [b.register_forward_pre_hook(lambda m, args, layer=layer: seen.__setitem__(layer, args[0]))
                  for layer, b in blocks.items()]
