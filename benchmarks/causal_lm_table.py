@@ -5,7 +5,7 @@ device's private text comes from one or a few of the domains the experts were tr
 
 What differs from the grid table:
 
-- **Data** (:func:`domain_items`): the checkpoint's own domains (its ``btx.json``: BBC News
+- **Data** (:func:`fedmoe.btx_domains.domain_items`): the checkpoint's own domains (its ``btx.json``: BBC News
   categories, tweets, Python source), split as the build split them (the held-out documents,
   never trained on by the build, are the test set; their ids are checked against the
   record). Documents are cut into ``chunk_chars``-character pieces (at most
@@ -26,13 +26,12 @@ What differs from the grid table:
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 from typing import Any
 
 from benchmarks import cells, harness, tables
 from benchmarks.common import ci_text, diff_text, fmt, verdict
+from fedmoe import btx_domains
 
 REQUIRED = harness.REQUIRED
 DEFAULTS: dict[str, Any] = {**harness.DEFAULTS, "chunk_chars": 600, "chunks_per_document": 4}
@@ -60,45 +59,6 @@ def settings_of(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return harness.settings_of({**cfg, "grid": {**cfg["grid"], "data": ["domains"]}})
 
 
-def _chunks(text: str, chars: int, most: int) -> list[str]:
-    """Up to ``most`` consecutive ``chars``-character pieces of ``text`` (the last may be shorter
-    but at least half as long; a shorter text is one piece)."""
-    pieces = [text[i:i + chars] for i in range(0, len(text), chars)][:most]
-    return [p for i, p in enumerate(pieces) if i == 0 or len(p) >= chars // 2]
-
-
-def domain_items(base: str | Path, seed: int, samples: int, eval_samples: int, chunk_chars: int = 600,
-                 chunks_per_document: int = 4) -> tuple[list, list, list[str]]:
-    """(training items, test items, domains) of a BTX checkpoint, items ``(text, domain)``.
-
-    Training items come from the build's training split, test items from its held-out split
-    (at most 2 pieces per held-out document); each domain gives ``samples // D`` and
-    ``eval_samples // D`` items (D domains), drawn by ``seed`` (fewer where a domain has fewer).
-
-    Raises:
-        FileNotFoundError: ``base`` has no ``btx.json`` (not a BTX build).
-        ValueError: see :func:`fedmoe.btx_domains.split_from_record` (no split recorded, or the data
-            packages changed since the build).
-    """
-    from fedmoe.btx_domains import split_from_record
-
-    record_path = Path(base) / "btx.json"
-    if not record_path.is_file():
-        raise FileNotFoundError(f"{record_path} not found: model.base must be a checkpoint built with "
-                                "`fedmoe upcycle --method btx` (docs/btx.md)")
-    meta = json.loads(record_path.read_text())
-    domains = list(meta["domains"])
-    train, held = split_from_record(meta)
-    rng = random.Random(f"causal_lm_table/{seed}")
-    train_items, test_items = [], []
-    for name in domains:
-        pool = [p for t in train[name] for p in _chunks(t, chunk_chars, chunks_per_document)]
-        test_pool = [p for t in held[name] for p in _chunks(t, chunk_chars, 2)]
-        train_items += [(p, name) for p in rng.sample(pool, min(len(pool), samples // len(domains)))]
-        test_items += [(p, name) for p in rng.sample(test_pool, min(len(test_pool), eval_samples // len(domains)))]
-    return train_items, test_items, domains
-
-
 def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any], seed: int, out: Path,
              url: str) -> dict[str, Any]:
     """One federation (:func:`cells.federate`) on the checkpoint's domains; returns its report."""
@@ -107,7 +67,7 @@ def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any
     from protocol.messages import ModelSpec
 
     base = cfg["model"]["base"]
-    train, test, domains = domain_items(base, seed, cfg["samples"], cfg["eval_samples"], cfg["chunk_chars"],
+    train, test, domains = btx_domains.domain_items(base, seed, cfg["samples"], cfg["eval_samples"], cfg["chunk_chars"],
                                         cfg["chunks_per_document"])
     parts = partition([domains.index(y) for _, y in train], setting["devices"], setting["partition"], seed)
     spec = ModelSpec(**{**checkpoint_model(base), **{k: v for k, v in cfg["model"].items() if k != "base"},

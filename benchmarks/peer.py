@@ -103,23 +103,27 @@ def checkpoint_facts(ckpt: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------- ours
-def run_ours(args, ckpt: Path, seed: int, method: str, out: Path) -> dict:
-    """One ``fedmoe simulate`` run (resumed: a finished ``report.json`` is read back).
-    ``method``: an assignment strategy, or ``fedalign`` (FedAlign-MoE over
-    ``random_kept``), with ``+ffa`` for FFA-LoRA (B only; A frozen), else LoRA A and B
+def run_ours(args, ckpt: Path, seed: int, method: str, lr: float, out: Path) -> dict:
+    """One ``fedmoe simulate`` run at learning rate ``lr`` (resumed: a finished
+    ``report.json`` is read back). ``method``: an assignment strategy, or ``fedalign``
+    (FedAlign-MoE over ``random_kept``), optionally with ``:k=v;k=v`` assignment parameters
+    (``fedmoe:own_p=true``) and ``+ffa`` for FFA-LoRA (B only; A frozen), else LoRA A and B
     trained, as the peer trains them."""
     from fedmoe.report import budget_peak
 
     report = out / "report.json"
-    assignment, _, ffa = method.partition("+")
+    name, _, ffa = method.partition("+")
+    assignment, _, params = name.partition(":")
     strategy = ["--strategy", "fedalign"] if assignment == "fedalign" else []
     assignment = "random_kept" if assignment == "fedalign" else assignment
+    if params:
+        strategy += ["--assignment-params", params.replace(";", ",")]
     if not report.is_file():
-        cmd = [args.fedmoe, "simulate", "--model", str(ckpt), "--objective", "causal-lm", "--tasks", "bbc",
+        cmd = [args.fedmoe, "simulate", "--model", str(ckpt), "--objective", "causal-lm", "--tasks", args.task,
                "--devices", str(len(args.budgets)), "--rounds", str(args.rounds), "--seed", str(seed),
                "--budgets", ",".join(f"{b}GiB" for b in args.budgets), "--assignment", assignment,
                "--partition", args.partition, "--max-steps", str(args.steps), "--batch-size", str(args.batch_size),
-               "--lr", str(args.lr), "--max-seq-len", str(args.seq_len), "--lora-rank", str(args.rank),
+               "--lr", str(lr), "--max-seq-len", str(args.seq_len), "--lora-rank", str(args.rank),
                "--eval-max-samples", str(args.eval_samples), "--max-samples-per-task", str(args.samples),
                "--gradient-checkpointing", "--weight-format", args.weight_format,
                "--update-precision", args.update_precision, "--update-delta", "--update-error-feedback",
@@ -136,19 +140,22 @@ def run_ours(args, ckpt: Path, seed: int, method: str, out: Path) -> dict:
             rows.append({"round": rd["round"], "device": d, "bytes": v["bytes_up"] + v["bytes_down"],
                          "peak": budget_peak(v), "budget": v.get("budget_bytes"),
                          "experts": sum(len(e) for e in (v.get("experts") or {}).values())})
+    labels = r["config"]["aggregator"]["tasks"][args.task]["labels"]
+    last = (r["rounds"][-1].get("per_task") or {}).get(args.task, {}) if r["rounds"] else {}
     return {"perplexity": [r["initial_perplexity"]] + [rd.get("perplexity") for rd in r["rounds"]],
-            "round_seconds": [rd["seconds"] for rd in r["rounds"]], "rows": rows,
+            "per_label_perplexity": {labels[int(y)]: v["perplexity"] for y, v in (last.get("per_label") or {}).items()},
+            "lr": lr, "round_seconds": [rd["seconds"] for rd in r["rounds"]], "rows": rows,
             "excluded": [rd.get("excluded") or {} for rd in r["rounds"]],
             "devices": r["config"]["devices"], "data_dir": str(out / "data")}
 
 
 # ---------------------------------------------------------------------------- the peer
 def client_job(args, ckpt: Path, variant: str, data: str, seed: int, work: Path, tag: str,
-               adapter_in: Path | None) -> dict:
+               adapter_in: Path | None, lr: float | None = None) -> dict:
     """Run one peer device-round in a fresh process; returns its result (+ the adapter path)."""
     work.mkdir(parents=True, exist_ok=True)
     job = {"checkpoint": str(ckpt), "variant": variant, "rank": args.rank, "alpha": 2.0 * args.rank,
-           "data": data, "split_seed": seed, "seed": seed, "lr": args.lr, "steps": args.steps,
+           "data": data, "split_seed": seed, "seed": seed, "lr": args.lr if lr is None else lr, "steps": args.steps,
            "batch_size": args.batch_size, "max_seq_len": args.seq_len, "threads": args.peer_threads,
            "adapter_in": str(adapter_in) if adapter_in else None,
            "adapter_out": str(work / f"{tag}.npz"), "result": str(work / f"{tag}.json")}
@@ -168,30 +175,33 @@ PEAK_MEASURE = "footprint"
 
 
 def probe(args, ckpt: Path, work: Path) -> dict[str, int]:
-    """Each variant's peak footprint (bytes; what a budget is held against, as for our
-    devices) in one device-round on a 600-text BBC shard."""
+    """Each requested variant's peak footprint (bytes; what a budget is held against, as for
+    our devices) in one device-round on a 600-text BBC shard (kept per checkpoint in
+    ``probe/footprint_peaks.json``; a variant probed before is not probed again)."""
     from edge_sdk.data import write_jsonl
     from fedmoe.simulate import split_task
 
     path = work / "probe" / "footprint_peaks.json"
-    if path.is_file():
-        return json.loads(path.read_text())
+    peaks = json.loads(path.read_text()) if path.is_file() else {}
+    if all(v in peaks for v in args.variants):
+        return peaks
     items, _, train_idx, _ = split_task("bbc", 0)
     (work / "probe").mkdir(parents=True, exist_ok=True)
     write_jsonl(work / "probe" / "data.jsonl", [items[i] for i in train_idx[:600]])
-    peaks = {}
-    for v in VARIANTS:
+    for v in (v for v in args.variants if v not in peaks):
         with heavy_lock(args.lock):
             res = client_job(args, ckpt, v, str(work / "probe" / "data.jsonl"), 0, work / "probe", v.replace("+", "_"),
                              None)
         peaks[v] = res["peak_footprint_bytes"]
         log.info("[peer probe] %s: peak %.0f MiB, %.1f s a step", v, peaks[v] / MiB, res["train_seconds"] / args.steps)
-    path.write_text(json.dumps(peaks))
+        path.write_text(json.dumps(peaks))
     return peaks
 
 
-def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, out: Path) -> dict:
-    """flwr FedAvg over the devices whose budget holds ``variant`` (resumed from ``out``)."""
+def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, lr: float, out: Path) -> dict:
+    """flwr FedAvg over the devices whose budget holds ``variant``, at learning rate ``lr``
+    (resumed from ``out``); the final global adapter's perplexity also per label of the
+    test set (per domain of a BTX checkpoint)."""
     done = out / "result.json"
     if done.is_file():
         return json.loads(done.read_text())
@@ -206,7 +216,8 @@ def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, o
     out.mkdir(parents=True, exist_ok=True)
     devices = ours["devices"]
     fits = [d for d in devices if d["budget_bytes"] >= peak]
-    test = [str(x) for x, _ in load_text_file(Path(ours["data_dir"]) / "test-bbc.jsonl").items][: args.eval_samples]
+    test_items = load_text_file(Path(ours["data_dir"]) / f"test-{args.task}.jsonl").items[: args.eval_samples]
+    test = [str(x) for x, _ in test_items]
     torch.manual_seed(seed)
     torch.set_num_threads(args.peer_threads)
     model, tok = build(str(ckpt), variant, args.rank, 2.0 * args.rank)  # the server's copy: init and evaluation
@@ -227,7 +238,8 @@ def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, o
                 fit_ins = FitIns(params, {"server_round": rnd, "local_steps": args.steps})
                 down = len(serde.fit_ins_to_proto(fit_ins).SerializeToString())
                 with heavy_lock(args.lock):
-                    res = client_job(args, ckpt, variant, d["data"], seed, out, f"{d['device_id']}-r{rnd}", global_npz)
+                    res = client_job(args, ckpt, variant, d["data"], seed, out, f"{d['device_id']}-r{rnd}", global_npz,
+                                     lr)
                 with np.load(res["adapter"]) as z:
                     nds = [z[k] for k in keys]
                 fit_res = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters(nds), res["samples"], {})
@@ -246,7 +258,12 @@ def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, o
             global_npz.unlink()
             log.info("[peer %s s%d] round %d: %d devices, perplexity %.1f, %.0f s", variant, seed, rnd, len(fits),
                      ppl[-1], seconds[-1])
-    result = {"perplexity": ppl,
+    by_label: dict[str, list[str]] = {}
+    for x, y in test_items:
+        by_label.setdefault(str(y), []).append(str(x))
+    per_label = ({y: perplexity(model, tok, texts, args.seq_len)[1] for y, texts in sorted(by_label.items())}
+                 if fits and len(by_label) > 1 else {})
+    result = {"perplexity": ppl, "per_label_perplexity": per_label, "lr": lr,
               "round_seconds": seconds, "rows": rows, "devices_fit": [d["device_id"] for d in fits],
               "probe_peak": peak}
     done.write_text(json.dumps(result))
@@ -302,12 +319,17 @@ def table(result: dict) -> dict:
 
 def markdown(result: dict) -> str:
     t, f = result["table"], result["checkpoint"]
+    what = f"`{result['checkpoint_dir']}`" if result.get("checkpoint_dir") else "random-init Qwen3-MoE"
+    lrs = (f"lr per method below (the best of {', '.join(f'{x:g}' for x in result['lr_sweep'])} on seed "
+           f"{result['seeds'][0]})" if result.get("lr_sweep") else f"lr {result['lr']}")
+    data = ("the BTX checkpoint's text domains" if result.get("task") == "domains"
+            else {"bbc": "BBC News", "tweets": "tweets"}.get(result.get("task", "bbc"), result.get("task")))
     lines = [f"# Ours vs FlowerTune-style peer ({result['profile']})", "",
-             f"Checkpoint: random-init Qwen3-MoE, {f['params'] / 1e6:.0f}M parameters, experts "
-             f"{100 * f['expert_share']:.0f}%, {f['safetensors_bytes'] / MiB:.0f} MiB bf16 safetensors; "
+             f"Checkpoint: {what}, {f['params'] / 1e6:.0f}M parameters, experts "
+             f"{100 * f['expert_share']:.0f}%, {f['safetensors_bytes'] / MiB:.0f} MiB safetensors; "
              f"{len(result['budgets'])} devices, budgets {', '.join(f'{b:g}' for b in result['budgets'])} GiB; "
-             f"BBC News {result['partition']}, {result['rounds']} rounds of {result['steps']} steps, batch "
-             f"{result['batch_size']}, T = {result['seq_len']}, LoRA rank {result['rank']}, lr {result['lr']}; "
+             f"{data} {result['partition']}, {result['rounds']} rounds of {result['steps']} steps, batch "
+             f"{result['batch_size']}, T = {result['seq_len']}, LoRA rank {result['rank']}, {lrs}; "
              f"seeds {result['seeds']}. Ours: updates up as {result['update_precision']} deltas with error "
              f"feedback, adapter state down in {result['state_precision']}"
              + (", both zlib-compressed" if result.get("compression") else "") + ". Peer probe peaks (MiB): "
@@ -327,6 +349,7 @@ def markdown(result: dict) -> str:
             f"{fmt(s['worst_peak_over_budget']['mean'], '.2f')} | {s['over_budget']} of {s['device_rounds']} | "
             f"{'–' if not s['experts_held'] else '-'.join(map(str, s['experts_held']))} | "
             f"{fmt(s['seconds_per_round']['mean'], '.0f')} |")
+    lines += sweep_lines(result) + per_label_lines(result)
     lines += ["", "Paired final perplexity (ours − peer; lower is better; significant where the 95% CI "
               "excludes 0):", ""]
     for k, p in t["pairs"].items():
@@ -339,6 +362,41 @@ def markdown(result: dict) -> str:
               "variant only if the variant's probed peak fits its budget; a variant that fits no device has no "
               "row figures.", ""]
     return "\n".join(lines)
+
+
+def sweep_lines(result: dict) -> list[str]:
+    """The learning-rate sweep's table (final perplexity on the first seed; the chosen rate in
+    bold), or nothing without a sweep."""
+    if not result.get("sweep"):
+        return []
+    rates = [f"{x:g}" for x in result["lr_sweep"]]
+    lines = ["", f"Learning-rate sweep, final held-out perplexity on seed {result['seeds'][0]} (the rate each "
+             "method then runs on every seed in bold):", "",
+             "| method | " + " | ".join(f"lr {r}" for r in rates) + " |", "|---|" + "---|" * len(rates)]
+    for m, by_lr in result["sweep"].items():
+        chosen = f"{result['lr_of'][m]:g}"
+        cells = [(f"**{fmt(by_lr.get(r), '.2f')}**" if r == chosen else fmt(by_lr.get(r), ".2f")) for r in rates]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def per_label_lines(result: dict) -> list[str]:
+    """Final held-out perplexity per label of the test set (per domain of a BTX checkpoint),
+    mean over seeds, or nothing where no run has it."""
+    labels = sorted({y for runs in result["runs"].values() for r in runs.values()
+                     for y in r.get("per_label_perplexity") or {}})
+    if not labels:
+        return []
+    lines = ["", "Final held-out perplexity per domain (mean over seeds):", "",
+             "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for m in result["methods"]:
+        cells = []
+        for y in labels:
+            xs = [result["runs"][str(s)][m].get("per_label_perplexity", {}).get(y) for s in result["seeds"]]
+            xs = [x for x in xs if x is not None]
+            cells.append(fmt(sum(xs) / len(xs), ".2f") if xs else "–")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:
@@ -370,8 +428,8 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-REUSE_KEYS = ("rounds", "budgets", "partition", "steps", "batch_size", "seq_len", "lr", "rank", "samples",
-              "eval_samples")
+REUSE_KEYS = ("rounds", "budgets", "partition", "steps", "batch_size", "seq_len", "lr", "lr_sweep", "task", "rank",
+              "samples", "eval_samples")
 
 
 def reused_peer_runs(args, facts: dict) -> tuple[dict[str, dict], dict[str, int]]:
@@ -382,7 +440,7 @@ def reused_peer_runs(args, facts: dict) -> tuple[dict[str, dict], dict[str, int]
             setting it lacks counts as its default here).
     """
     prior = json.loads(Path(args.reuse_peer).read_text())
-    defaults = {"samples": 900, "eval_samples": 64}
+    defaults = {"samples": 900, "eval_samples": 64, "lr_sweep": [], "task": "bbc"}
     differ = [k for k in REUSE_KEYS if prior.get(k, defaults.get(k)) != getattr(args, k)]
     if prior["checkpoint"]["config"] != facts["config"] or prior["checkpoint"]["params"] != facts["params"]:
         differ.append("checkpoint")
@@ -411,7 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--lr", type=float, default=1e-2, help="learning rate of both sides (without --lr-sweep)")
+    ap.add_argument("--lr-sweep", help="comma-separated learning rates: every method (ours and the peer's) runs each "
+                                       "on the first seed; each uses its best (lowest final perplexity) on every seed")
+    ap.add_argument("--task", default="bbc", help="bbc, tweets, or domains (the text domains of a BTX --checkpoint: "
+                                                  "give --partition classes:1 for one domain per device)")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--samples", type=int, default=900, help="BBC texts shared out (seeded subset)")
     ap.add_argument("--eval-samples", type=int, default=64)
@@ -439,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     args.budgets = [float(b) for b in args.budgets.split(",")]
     args.ours = [m for m in args.ours.split(",") if m]
     args.variants = [v for v in args.variants.split(",") if v]
+    args.lr_sweep = [float(x) for x in args.lr_sweep.split(",")] if args.lr_sweep else []
+    if args.lr_sweep and args.reuse_peer:
+        ap.error("--reuse-peer takes the peer's runs at one learning rate; it cannot serve --lr-sweep")
     for v in args.variants:
         if v not in VARIANTS:
             ap.error(f"unknown peer variant {v!r}; known: {', '.join(VARIANTS)}")
@@ -456,31 +521,57 @@ def main(argv: list[str] | None = None) -> int:
     prior, peaks = reused_peer_runs(args, facts) if args.reuse_peer else ({}, None)
     peaks = peaks or probe(args, ckpt, base)
     runs: dict[str, dict] = {}
-    names = {m: f"ours {m.partition('+')[0]}" + (" FFA-LoRA" if m.endswith("+ffa") else "") for m in args.ours}
+    names = {m: f"ours {m.partition('+')[0].partition(':')[0]}"
+             + (f" ({m.partition('+')[0].partition(':')[2]})" if ":" in m else "")
+             + (" FFA-LoRA" if m.endswith("+ffa") else "") for m in args.ours}
     # run_ours resumes from a finished report.json: the directory names our encoding, so a run is
     # read back only under the encoding it ran with
     encoding = f"{args.update_precision}-{args.state_precision}" + ("-zlib" if args.compression else "")
+    def ours(s: int, m: str, lr: float) -> dict:
+        tag = m.replace(":", "_").replace(";", "_").replace("=", "-")
+        r = run_ours(args, ckpt, s, m, lr, work / f"s{s}" / f"ours-{tag}-{encoding}-lr{lr:g}")
+        r["summary"] = summarise(r, len(args.budgets))
+        log.info("[ours %s s%d lr %g] perplexity %s, %s", m, s, lr, fmt(r["perplexity"][-1], ".1f"), r["summary"])
+        return r
+
+    def peer(s: int, v: str, lr: float, first: dict) -> dict:
+        reused = prior.get(str(s), {}).get(f"peer {v}")
+        r = dict(reused) if reused else run_peer(args, ckpt, s, v, first, peaks[v], lr,
+                                                 work / f"s{s}" / f"peer-{v.replace('+', '_')}-lr{lr:g}")
+        r["summary"] = summarise(r, len(args.budgets))
+        log.info("[peer %s s%d lr %g] %s", v, s, lr, r["summary"])
+        return r
+
+    sweep: dict[str, dict[str, float | None]] = {}
+    lr_of = {**{names[m]: args.lr for m in args.ours}, **{f"peer {v}": args.lr for v in args.variants}}
+    if args.lr_sweep:  # every method at every rate on the first seed; each keeps its best
+        for lr in args.lr_sweep:
+            first = None
+            for m in args.ours:
+                r = ours(seeds[0], m, lr)
+                first = first or r
+                sweep.setdefault(names[m], {})[f"{lr:g}"] = r["summary"]["final_perplexity"]
+            for v in args.variants:
+                sweep.setdefault(f"peer {v}", {})[f"{lr:g}"] = peer(seeds[0], v, lr, first)["summary"]["final_perplexity"]
+        for name, by_lr in sweep.items():
+            done = {float(k): x for k, x in by_lr.items() if x is not None}
+            lr_of[name] = min(done, key=done.get) if done else args.lr_sweep[0]
+        log.info("learning rates chosen on seed %d: %s", seeds[0], lr_of)
     for s in seeds:
         runs[str(s)] = {}
         for m in args.ours:
-            r = run_ours(args, ckpt, s, m, work / f"s{s}" / f"ours-{m}-{encoding}")
-            r["summary"] = summarise(r, len(args.budgets))
-            runs[str(s)][names[m]] = r
-            log.info("[ours %s s%d] perplexity %s, %s", m, s, fmt(r["perplexity"][-1], ".1f"), r["summary"])
+            runs[str(s)][names[m]] = ours(s, m, lr_of[names[m]])
         first = runs[str(s)][names[args.ours[0]]]
         for v in args.variants:
-            reused = prior.get(str(s), {}).get(f"peer {v}")
-            r = dict(reused) if reused else run_peer(args, ckpt, s, v, first, peaks[v],
-                                                     work / f"s{s}" / f"peer-{v.replace('+', '_')}")
-            r["summary"] = summarise(r, len(args.budgets))
-            runs[str(s)][f"peer {v}"] = r
-            log.info("[peer %s s%d] %s", v, s, r["summary"])
+            runs[str(s)][f"peer {v}"] = peer(s, v, lr_of[f"peer {v}"], first)
     result = {"profile": profile, "seeds": seeds, "rounds": args.rounds, "budgets": args.budgets,
               "partition": args.partition, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-              "lr": args.lr, "rank": args.rank, "samples": args.samples, "eval_samples": args.eval_samples,
+              "lr": args.lr, "lr_sweep": args.lr_sweep, "sweep": sweep, "lr_of": lr_of, "task": args.task,
+              "rank": args.rank, "samples": args.samples, "eval_samples": args.eval_samples,
               "update_precision": args.update_precision, "state_precision": args.state_precision,
               "compression": args.compression,
-              "peer_reused_from": args.reuse_peer, "checkpoint": facts, "probe_peaks": peaks,
+              "peer_reused_from": args.reuse_peer, "checkpoint": facts,
+              "checkpoint_dir": str(ckpt) if args.checkpoint else None, "probe_peaks": peaks,
               "peak_measure": PEAK_MEASURE,
               "ours": list(names.values()), "variants": [f"peer {v}" for v in args.variants],
               "methods": list(names.values()) + [f"peer {v}" for v in args.variants], "runs": runs}

@@ -15,6 +15,7 @@ split, never trained on; :func:`load_domains` returns the split's ids for the ch
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import sysconfig
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 BBC = ("business", "entertainment", "politics", "sports", "tech")
 DOMAINS = tuple(f"bbc-{c}" for c in BBC) + ("tweets", "python")
 """Every built-in domain, in the default expert order."""
+TASK = "domains"
+"""The task name under which ``fedmoe simulate --model DIR --tasks domains`` (and the harness's
+causal-LM table) federates a BTX checkpoint's own domains (:func:`domain_items`), the domain
+being each item's label."""
 
 
 def _documents(name: str) -> list[tuple[str, str]]:
@@ -119,3 +124,50 @@ def heldout_from_record(meta: dict) -> dict[str, list[str]]:
         ValueError: see :func:`split_from_record`.
     """
     return split_from_record(meta)[1]
+
+
+def _chunks(text: str, chars: int, most: int) -> list[str]:
+    """Up to ``most`` consecutive ``chars``-character pieces of ``text`` (the last may be shorter
+    but at least half as long; a shorter text is one piece)."""
+    pieces = [text[i:i + chars] for i in range(0, len(text), chars)][:most]
+    return [p for i, p in enumerate(pieces) if i == 0 or len(p) >= chars // 2]
+
+
+def read_record(base: str | Path) -> dict:
+    """The ``btx.json`` of the BTX checkpoint directory ``base`` (its ``domains``, split and
+    build settings).
+
+    Raises:
+        FileNotFoundError: ``base`` has no ``btx.json`` (not a BTX build).
+    """
+    record_path = Path(base) / "btx.json"
+    if not record_path.is_file():
+        raise FileNotFoundError(f"{record_path} not found: the model must be a checkpoint built with "
+                                "`fedmoe upcycle --method btx` (docs/btx.md)")
+    return json.loads(record_path.read_text())
+
+
+def domain_items(base: str | Path, seed: int, samples: int, eval_samples: int, chunk_chars: int = 600,
+                 chunks_per_document: int = 4) -> tuple[list, list, list[str]]:
+    """(training items, test items, domains) of a BTX checkpoint, items ``(text, domain)``.
+
+    Training items come from the build's training split, test items from its held-out split
+    (at most 2 pieces per held-out document); each domain gives ``samples // D`` and
+    ``eval_samples // D`` items (D domains), drawn by ``seed`` (fewer where a domain has fewer).
+
+    Raises:
+        FileNotFoundError: ``base`` has no ``btx.json`` (not a BTX build).
+        ValueError: see :func:`split_from_record` (no split recorded, or the data
+            packages changed since the build).
+    """
+    meta = read_record(base)
+    domains = list(meta["domains"])
+    train, held = split_from_record(meta)
+    rng = random.Random(f"causal_lm_table/{seed}")  # the name the harness's committed tables were drawn with
+    train_items, test_items = [], []
+    for name in domains:
+        pool = [p for t in train[name] for p in _chunks(t, chunk_chars, chunks_per_document)]
+        test_pool = [p for t in held[name] for p in _chunks(t, chunk_chars, 2)]
+        train_items += [(p, name) for p in rng.sample(pool, min(len(pool), samples // len(domains)))]
+        test_items += [(p, name) for p in rng.sample(test_pool, min(len(test_pool), eval_samples // len(domains)))]
+    return train_items, test_items, domains

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import btx_domains
 from .datasets import load_task
 from .sim_config import SimulationConfig, SimulationConfigError
 
@@ -52,6 +53,19 @@ def device_baseline_bytes(data: str | Path | None = None) -> int:
     return int(out.stdout.strip().splitlines()[-1]) + DEFAULT_HEADROOM_BYTES
 
 
+def task_labels(cfg: SimulationConfig, task: str) -> int:
+    """The label count of ``task`` (a task head's size in the memory plan): a built-in task's
+    classes, or the ``domains`` of the BTX checkpoint ``model.base``."""
+    if task == btx_domains.TASK:
+        return len(btx_domains.read_record(cfg.model.base)["domains"])
+    return len(load_task(task)[1])
+
+
+def label_count(cfg: SimulationConfig) -> int:
+    """The largest :func:`task_labels` of ``cfg``'s tasks."""
+    return max(task_labels(cfg, t) for t in cfg.tasks)
+
+
 def auto_budget_range(cfg: SimulationConfig) -> tuple[int, int]:
     """Budgets (bytes) from the plan of 2 experts per layer (fewer if the model has
     fewer) to that of every expert, at ``cfg``'s model, batch size and weight format,
@@ -60,7 +74,7 @@ def auto_budget_range(cfg: SimulationConfig) -> tuple[int, int]:
     from moe_model.budget import estimate
 
     spec, experts, batch = cfg.model, cfg.model.num_experts, cfg.train.batch_size
-    labels = max(len(load_task(t)[1]) for t in cfg.tasks)
+    labels = label_count(cfg)
     base = device_baseline_bytes() + AUTO_BUDGET_MARGIN_BYTES
     lo = estimate(spec, min(2, experts), batch, labels, base, cfg.weight_format).total
     hi = estimate(spec, experts, batch, labels, base, cfg.weight_format).total
@@ -96,7 +110,7 @@ def small_device_budget(cfg: SimulationConfig) -> int:
     from moe_model.budget import estimate
 
     batch = cfg.train.batch_size
-    labels = max(len(load_task(t)[1]) for t in cfg.tasks)
+    labels = label_count(cfg)
     base = device_baseline_bytes()
     full, half = (estimate(cfg.model, 1, b, labels, base, cfg.weight_format).total for b in (batch, batch // 2))
     log.info("small devices: budget %.0f MiB (one expert per layer: %.0f MiB at batch %d, %.0f MiB at batch %d)",
@@ -139,7 +153,7 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
         baseline = device_baseline_bytes(max((d["data"] for d in devices), key=lambda f: Path(f).stat().st_size))
 
     def plan(task: str, experts: int) -> int:
-        return estimate(spec, experts, batch, len(load_task(task)[1]), baseline, cfg.weight_format).total
+        return estimate(spec, experts, batch, task_labels(cfg, task), baseline, cfg.weight_format).total
 
     below = [d for d in devices if d["budget_bytes"] < plan(d["task"], 1)]
     lo_mib = math.ceil(max(plan(t, 1) for t in cfg.tasks) / 2**20)

@@ -19,6 +19,7 @@ from cloud.config import AggregatorConfig, FederationSettings
 from edge_sdk.config import DeviceConfig, DeviceSettings
 from protocol.config import PositiveBytes
 
+from .btx_domains import TASK as DOMAINS_TASK
 from .datasets import TASKS
 from .options import explain
 from .partition import parse_partition
@@ -93,7 +94,9 @@ class SimulationConfig(FederationSettings):
     devices: int = Field(6, ge=1)
     """device processes (at least one per task)"""
     tasks: list[str] = Field(default_factory=lambda: ["bbc"])
-    """built-in tasks (:data:`fedmoe.datasets.TASKS`); devices are split among them"""
+    """built-in tasks (:data:`fedmoe.datasets.TASKS`), or ``domains``: the text domains of a
+    Branch-Train-MiX checkpoint given as ``model.base`` (:func:`fedmoe.btx_domains.domain_items`,
+    the domain as each item's label); devices are split among them"""
     partition: str = "dirichlet:0.5"
     """how each task's training data is split among its devices: iid | dirichlet:ALPHA | classes:K"""
     test_fraction: float = Field(0.2, gt=0, lt=1)
@@ -190,7 +193,8 @@ class SimulationConfig(FederationSettings):
     @classmethod
     def _known_tasks(cls, tasks: list[str]) -> list[str]:
         bad = [] if tasks else ["no task given"]
-        bad += [f"unknown task {t!r} (built-in tasks: {', '.join(sorted(TASKS))})" for t in tasks if t not in TASKS]
+        bad += [f"unknown task {t!r} (built-in tasks: {', '.join(sorted(TASKS))}, or {DOMAINS_TASK} with a BTX "
+                f"checkpoint)" for t in tasks if t not in TASKS and t != DOMAINS_TASK]
         if len(set(tasks)) != len(tasks):
             bad.append(f"a task is named twice ({','.join(tasks)})")
         if bad:
@@ -216,6 +220,9 @@ class SimulationConfig(FederationSettings):
         if self.devices < len(self.tasks):
             bad.append(f"{option_name('devices')} {self.devices} is fewer than the {len(self.tasks)} tasks (at least "
                        f"one device per task)")
+        if DOMAINS_TASK in self.tasks and not (Path(str(self.model.base)) / "btx.json").is_file():
+            bad.append(f"task {DOMAINS_TASK!r} needs {option_name('model.base')} to be a checkpoint built with "
+                       f"`fedmoe upcycle --method btx` (no btx.json in {self.model.base!r})")
         if self.small_devices > self.devices:
             bad.append(f"{option_name('small_devices')} {self.small_devices} is more than {option_name('devices')} "
                        f"{self.devices}")

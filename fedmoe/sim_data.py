@@ -9,6 +9,7 @@ import logging
 import random
 from pathlib import Path
 
+from . import btx_domains
 from .datasets import load_task
 from .partition import drop_test_texts, partition, reserve, split_train_test
 from .sim_budgets import auto_budget_range, device_budgets
@@ -53,6 +54,29 @@ def builtin_test_set(task: str, seed: int = 0, test_fraction: float = 0.2) -> tu
     return [items[i] for i in test_idx], labels
 
 
+DOMAIN_SAMPLES, DOMAIN_EVAL_SAMPLES = 280, 35
+"""Items of the ``domains`` task without ``max_samples_per_task`` / ``eval_max_samples``:
+40 training and 5 test pieces for each of a 7-domain build's domains (a 300M-parameter
+BTX model evaluates 35 pieces in about a minute on 2 CPU cores)."""
+
+
+def split_domains(cfg: SimulationConfig) -> tuple[list[tuple[str, str]], list[str], list[int], list[int]]:
+    """The ``domains`` task of ``cfg`` in :func:`split_task`'s shape: the BTX checkpoint
+    ``cfg.model.base``'s domains and held-out split (:func:`fedmoe.btx_domains.domain_items`),
+    documents cut into pieces of about ``model.max_seq_len`` tokens (5 characters each);
+    ``max_samples_per_task`` training and ``eval_max_samples`` test pieces (defaults
+    :data:`DOMAIN_SAMPLES`, :data:`DOMAIN_EVAL_SAMPLES`), the same number from every domain.
+
+    Raises:
+        FileNotFoundError: ``model.base`` is not a BTX build. ValueError: its split cannot
+            be rebuilt (:func:`fedmoe.btx_domains.split_from_record`).
+    """
+    train, test, labels = btx_domains.domain_items(
+        cfg.model.base, cfg.seed, cfg.max_samples_per_task or DOMAIN_SAMPLES,
+        cfg.eval_max_samples or DOMAIN_EVAL_SAMPLES, chunk_chars=5 * cfg.model.max_seq_len)
+    return train + test, labels, list(range(len(train))), list(range(len(train), len(train) + len(test)))
+
+
 def prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], dict[str, dict]]:
     """Write per-device train files and per-task test files; return device specs and task configs."""
     from cloud.strategies import get_strategy
@@ -68,7 +92,9 @@ def prepare_data(cfg: SimulationConfig, data_dir: Path) -> tuple[list[dict], dic
     budgets = device_budgets(cfg)
     reserve_fraction = get_strategy(cfg.strategy.name).reserve_fraction_of(cfg.strategy.params)
     for t, (task, n_dev) in enumerate(zip(cfg.tasks, per_task)):
-        items, labels, train_idx, test_idx = split_task(task, cfg.seed, cfg.test_fraction, cfg.max_samples_per_task)
+        items, labels, train_idx, test_idx = (
+            split_domains(cfg) if task == btx_domains.TASK
+            else split_task(task, cfg.seed, cfg.test_fraction, cfg.max_samples_per_task))
         test_file = data_dir / f"test-{task}.jsonl"
         write_jsonl(test_file, [items[i] for i in test_idx])
         tasks[task] = {"labels": labels, "eval_data": str(test_file)}

@@ -31,7 +31,8 @@ OPTIONS: dict[str, Option] = {
     "out": Option("out", "output directory (default runs/demo)"),
     "devices": Option("devices"),
     "rounds": Option("rounds"),
-    "tasks": Option("tasks", "comma-separated built-in tasks: bbc, tweets", comma_list),
+    "tasks": Option("tasks", "comma-separated built-in tasks: bbc, tweets; or domains: the text domains and held-out "
+                    "split of a BTX --model (fedmoe upcycle --method btx)", comma_list),
     "partition": Option("partition", "iid | dirichlet:ALPHA | classes:K"),
     "strategy": Option("strategy.name", "federated method (composed: --assignment + --aggregation; default)"),
     "strategy_params": Option("strategy.params", "k=v,... method parameters", _key_values),

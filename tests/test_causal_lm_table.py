@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import causal_lm_table as T
 from benchmarks import harness
-from fedmoe.btx_domains import load_domains
+from fedmoe.btx_domains import _chunks, domain_items, load_domains
 
 DOMAINS = ["bbc-sports", "bbc-tech"]
 
@@ -23,31 +23,31 @@ def btx_dir(tmp_path_factory):
 
 def test_items_come_from_the_builds_split_balanced_and_seeded(btx_dir):
     d, held = btx_dir
-    train, test, labels = T.domain_items(d, 3, samples=40, eval_samples=10, chunk_chars=300)
+    train, test, labels = domain_items(d, 3, samples=40, eval_samples=10, chunk_chars=300)
     assert labels == DOMAINS
     assert [y for _, y in train].count("bbc-tech") == 20 and [y for _, y in test].count("bbc-sports") == 5
     assert all(len(t) <= 300 for t, _ in train + test)
     held_text = {name: "".join(texts) for name, texts in held.items()}
     assert all(t in held_text[y] for t, y in test)  # every test piece is a held-out document's
     assert not any(t in held_text[y] for t, y in train if len(t) > 100)  # no training piece is
-    assert T.domain_items(d, 3, 40, 10, 300) == (train, test, labels)
-    assert T.domain_items(d, 4, 40, 10, 300)[0] != train
+    assert domain_items(d, 3, 40, 10, 300) == (train, test, labels)
+    assert domain_items(d, 4, 40, 10, 300)[0] != train
 
 
 def test_items_refuse_a_directory_that_is_not_a_btx_build_or_whose_split_changed(btx_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="fedmoe upcycle --method btx"):
-        T.domain_items(tmp_path, 0, 10, 10)
+        domain_items(tmp_path, 0, 10, 10)
     record = json.loads((btx_dir[0] / "btx.json").read_text())
     record["heldout_ids"]["bbc-tech"][0] = "not-an-id"
     (tmp_path / "btx.json").write_text(json.dumps(record))
     with pytest.raises(ValueError, match="differs"):
-        T.domain_items(tmp_path, 0, 10, 10)
+        domain_items(tmp_path, 0, 10, 10)
 
 
 def test_chunks_cap_pieces_per_document_and_drop_short_tails():
-    assert T._chunks("a" * 1000, 300, 2) == ["a" * 300] * 2
-    assert T._chunks("a" * 700, 300, 5) == ["a" * 300] * 2  # the 100-character tail is dropped
-    assert T._chunks("short", 300, 4) == ["short"]
+    assert _chunks("a" * 1000, 300, 2) == ["a" * 300] * 2
+    assert _chunks("a" * 700, 300, 5) == ["a" * 300] * 2  # the 100-character tail is dropped
+    assert _chunks("short", 300, 4) == ["short"]
 
 
 def test_config_checks_name_the_problem(tmp_path):

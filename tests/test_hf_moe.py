@@ -263,27 +263,79 @@ def test_cli_model_option_names_a_missing_checkpoint(tmp_path, capsys):
     assert "--model" in err and "does not exist" in err
 
 
-@pytest.mark.slow
-def test_causal_lm_federation_over_mqtt_lowers_perplexity(tmp_path):
-    """``fedmoe simulate --model DIR --objective causal-lm``: an aggregator and two device
-    processes over the embedded broker, 2 rounds; held-out perplexity is reported and falls."""
-    import json
-
-    from fedmoe.cli import main
-
+def _mixtral_checkpoint(d):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(FAMILIES["mixtral"]())
-    model.save_pretrained(tmp_path / "ckpt")
-    _tokenizer().save_pretrained(tmp_path / "ckpt")
+    model.save_pretrained(d)
+    _tokenizer().save_pretrained(d)
+    return d
+
+
+def test_the_clouds_lm_evaluation_gives_each_labels_perplexity_and_their_token_weighted_mean(tmp_path):
+    from cloud.global_model import GlobalModel
+    from cloud.strategies import get_strategy
+    from cloud.strategy import Setup
+
+    spec = _spec(_mixtral_checkpoint(tmp_path / "ckpt"))
+    model = GlobalModel(spec, {"t": ["x", "y"]}, "fp32")
+    items = [("the bank rate market growth shares", 0), ("film music award", 1), ("a team match goal", 1),
+             ("vote minister the bank", 0), ("player award film", 1)]
+    strategy = get_strategy("composed")(Setup(model.layers, E, 0, TrainConfig(), {"t": ["x", "y"]}))
+    got = strategy.evaluate(1, model, {"t": items})["per_task"]["t"]
+    whole = model.evaluate("t", items)  # one evaluation of every item
+    assert got["loss"] == pytest.approx(whole.loss, rel=1e-5) and got["tokens"] == whole.tokens
+    assert got["accuracy"] == pytest.approx(whole.accuracy, rel=1e-5) and got["samples"] == 5
+    for y in (0, 1):
+        part = model.evaluate("t", [i for i in items if i[1] == y])
+        assert got["per_label"][str(y)]["perplexity"] == pytest.approx(part.perplexity, rel=1e-5)
+        assert got["per_label"][str(y)]["tokens"] == part.tokens
+    one_label = strategy.evaluate(1, model, {"t": [i for i in items if i[1] == 0]})["per_task"]["t"]
+    assert "per_label" not in one_label
+
+
+@pytest.mark.slow
+def test_causal_lm_federation_on_btx_domains_over_mqtt_lowers_perplexity(tmp_path):
+    """``fedmoe simulate --model DIR --objective causal-lm --tasks domains``: an aggregator and
+    two device processes over the embedded broker, 2 rounds, on the domains and held-out split
+    the checkpoint's ``btx.json`` records (written here for a random checkpoint); each device
+    holds one domain, held-out perplexity is reported per domain and falls."""
+    import json
+
+    from edge_sdk.data import load_text_file
+    from fedmoe.btx_domains import load_domains
+    from fedmoe.cli import main
+
+    ckpt = _mixtral_checkpoint(tmp_path / "ckpt")
+    domains = ["bbc-sports", "bbc-tech"]
+    _, held, record = load_domains(domains, seed=0)
+    (ckpt / "btx.json").write_text(json.dumps({"domains": domains, **record}))
     out = tmp_path / "run"
-    assert main(["simulate", "--model", str(tmp_path / "ckpt"), "--objective", "causal-lm", "--tasks", "bbc",
-                 "--devices", "2", "--rounds", "2", "--max-samples-per-task", "60", "--lr", "1e-2",
-                 "--budget-range", "600MiB:700MiB", "--out", str(out)]) == 0
+    assert main(["simulate", "--model", str(ckpt), "--objective", "causal-lm", "--tasks", "domains",
+                 "--partition", "classes:1", "--devices", "2", "--rounds", "2", "--max-samples-per-task", "60",
+                 "--eval-max-samples", "8", "--lr", "1e-2", "--budget-range", "600MiB:700MiB",
+                 "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     ppl = [report["initial_perplexity"]] + [r["perplexity"] for r in report["rounds"]]
     assert all(p is not None and p > 1 for p in ppl) and ppl[-1] < ppl[0], ppl
     assert all(len(r["devices"]) == 2 for r in report["rounds"])
+    held_text = {name: "".join(texts) for name, texts in held.items()}
+    test = load_text_file(out / "data" / "test-domains.jsonl").items
+    assert sorted(y for _, y in test) == ["bbc-sports"] * 4 + ["bbc-tech"] * 4
+    assert all(x in held_text[y] for x, y in test)  # the build's held-out documents
+    for dev in ("dev-00", "dev-01"):  # classes:1: one domain per device
+        assert len({y for _, y in load_text_file(out / "data" / f"{dev}.jsonl").items}) == 1
+    per_label = report["rounds"][-1]["per_task"]["domains"]["per_label"]
+    assert set(per_label) == {"0", "1"} and all(v["perplexity"] > 1 for v in per_label.values())
     assert (out / "perplexity.png").exists() and "ppl" in (out / "rounds.md").read_text()
+
+
+def test_the_domains_task_needs_a_btx_checkpoint(tmp_path):
+    from fedmoe.sim_config import SimulationConfig
+
+    with pytest.raises(ValueError, match="no btx.json"):
+        SimulationConfig(tasks=["domains"], model={"base": str(_mixtral_checkpoint(tmp_path / "ckpt"))})
+    with pytest.raises(ValueError, match="or domains with a BTX checkpoint"):
+        SimulationConfig(tasks=["news"])
 
 
 @pytest.mark.parametrize("objective", ["causal-lm", "classification"])

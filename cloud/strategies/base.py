@@ -305,25 +305,52 @@ class Strategy(Registered):
             ``{"accuracy", "loss", "per_task": {task: {"accuracy", "loss", "samples"}}}``;
             the top-level figures are sample-weighted means over tasks (None without data).
             For a ``causal-lm`` model, accuracy is next-token accuracy and each level also
-            has ``perplexity`` (``exp`` of its loss, nats per token).
+            has ``perplexity`` (``exp`` of its loss, nats per token); a task whose items carry
+            more than one label (e.g. the ``domains`` of a BTX checkpoint) also has
+            ``per_label`` (label id -> the same figures and ``tokens``; the task's figures
+            are their token-weighted means, as one evaluation of all items gives).
         """
         lm = model.spec.objective == "causal-lm"
         per_task, n_total, acc, loss = {}, 0, 0.0, 0.0
         for task, items in eval_data.items():
             if not items:
                 continue
-            r = model.evaluate(task, items, batch_size, experts=self.evaluated_experts(model))
-            per_task[task] = {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples,
-                              **({"perplexity": r.perplexity, "tokens": r.tokens} if lm else {})}
-            n_total += r.samples
-            acc += r.accuracy * r.samples
-            loss += r.loss * r.samples
+            if lm:
+                r = _lm_by_label(model, task, items, batch_size, self.evaluated_experts(model))
+            else:
+                e = model.evaluate(task, items, batch_size, experts=self.evaluated_experts(model))
+                r = {"accuracy": e.accuracy, "loss": e.loss, "samples": e.samples}
+            per_task[task] = r
+            n_total += r["samples"]
+            acc += r["accuracy"] * r["samples"]
+            loss += r["loss"] * r["samples"]
         if not n_total:
             return {"accuracy": None, "loss": None, "per_task": {}}
         out = {"accuracy": acc / n_total, "loss": loss / n_total, "per_task": per_task}
         if lm:
             out["perplexity"] = perplexity(out["loss"])
         return out
+
+
+def _lm_by_label(model: "GlobalModel", task: str, items: Sequence[tuple[Any, int]], batch_size: int,
+                 experts: dict[int, list[int]] | None) -> dict[str, Any]:
+    """A causal-LM task's figures (:meth:`Strategy.evaluate`), with ``per_label`` where its
+    items carry more than one label: each label's items evaluated apart, the task's loss and
+    accuracy their means weighted by target tokens."""
+    groups: dict[int, list] = {}
+    for item in items:
+        groups.setdefault(item[1], []).append(item)
+    parts = {y: model.evaluate(task, g, batch_size, experts=experts) for y, g in sorted(groups.items())}
+    if len(parts) == 1:
+        r = next(iter(parts.values()))
+        return {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples, "perplexity": r.perplexity,
+                "tokens": r.tokens}
+    tokens = sum(r.tokens for r in parts.values())
+    loss = sum(r.loss * r.tokens for r in parts.values()) / max(tokens, 1)
+    return {"accuracy": sum(r.accuracy * r.tokens for r in parts.values()) / max(tokens, 1), "loss": loss,
+            "samples": sum(r.samples for r in parts.values()), "perplexity": perplexity(loss), "tokens": tokens,
+            "per_label": {str(y): {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples,
+                                   "perplexity": r.perplexity, "tokens": r.tokens} for y, r in parts.items()}}
 
 
 def get_strategy(name: str) -> type[Strategy]:
