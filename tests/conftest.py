@@ -137,6 +137,10 @@ def pytest_unconfigure(config):
 
 CLUSTER_TEST_FILES = ("test_cluster.py",)
 """Test files whose tests start a NATS cluster: one xdist worker runs them all, in turn."""
+ONE_WORKER_FILES = {"test_native_trainer.py": "native-build", "test_training_program.py": "program-export"}
+"""Test files whose module-scoped fixtures are costly (the native device's CMake build, about
+30 s; an ExecuTorch program export, about 15 s): one xdist worker runs each file's tests, so
+its fixtures are built once instead of on each worker."""
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -153,3 +157,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in CLUSTER_TEST_FILES:
             item.add_marker(pytest.mark.xdist_group("nats-cluster"))
+        elif item.path.name in ONE_WORKER_FILES:
+            item.add_marker(pytest.mark.xdist_group(ONE_WORKER_FILES[item.path.name]))

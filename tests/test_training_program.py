@@ -96,11 +96,20 @@ def setup():
     return gm, labels, [(x, labels.index(c)) for x, c in items]
 
 
+@pytest.fixture(scope="module")
+def slot_program(setup):
+    """The int8 program of two experts in layer 1 (slots ``{1: [0, 1]}``), with the sources of
+    its frozen inputs (one export serves the tests below)."""
+    slot_model, slot_stored = _device(setup[0], {1: [0, 1]})
+    return export_training_program(slot_model, B, T, "int8", stored=slot_stored)
+
+
 @pytest.mark.slow
-def test_one_program_serves_every_expert_set_of_its_shape(setup):
+def test_one_program_serves_every_expert_set_of_its_shape(setup, slot_program):
     gm, labels, items = setup
     held_a, held_b = {1: [1, 3]}, {1: [0, 2]}
-    program = export_training_program(_device(gm, slot_shape(held_a))[0], B, T, "int8")
+    assert slot_shape(held_a) == {1: [0, 1]}
+    program = slot_program
     assert program.shape["experts_per_layer"] == {"1": 2} and len(program.key) == 64
     assert len(program.pte) < 2**20  # weights are inputs, not baked in
     batch_inputs = [d["name"] for d in program.batch]
@@ -135,10 +144,9 @@ def test_export_refuses_global_expert_ids(setup):
 
 
 @pytest.mark.slow
-def test_the_manifest_says_where_each_frozen_input_is_in_a_devices_shards(setup):
+def test_the_manifest_says_where_each_frozen_input_is_in_a_devices_shards(setup, slot_program):
     gm, _, _ = setup
-    slot_model, slot_stored = _device(gm, {1: [0, 1]})
-    program = export_training_program(slot_model, B, T, "int8", stored=slot_stored)
+    program = slot_program
     held = {1: [1, 3]}
     device, stored = _device(gm, held)
     frozen = slot_named(device, held)
