@@ -47,7 +47,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.common import fmt, heavy_lock, mean_ci, module_command, module_env, paired_test, write_result
+from benchmarks.common import fmt, heavy_lock, holm, mean_ci, module_command, module_env, paired_test, write_result
 from benchmarks.peer_client import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,7 +295,8 @@ def summarise(run: dict, n_devices: int) -> dict:
 
 def table(result: dict) -> dict:
     """Per method: the figures of :func:`summarise` over seeds (mean ± 95% CI) and the paired
-    comparisons of each of ours against each peer variant that ran."""
+    comparisons of each of ours against each peer variant that ran, with Holm-Bonferroni
+    adjusted p-values over that family (``p_holm``)."""
     methods, seeds = result["methods"], result["seeds"]
     stats = {}
     for m in methods:
@@ -314,6 +315,8 @@ def table(result: dict) -> dict:
             xb = [result["runs"][str(s)][b]["summary"]["final_perplexity"] for s in seeds]
             if all(x is not None for x in xa + xb):
                 pairs[f"{a} vs {b}"] = paired_test(xa, xb)
+    for t, p in zip(pairs.values(), holm([t["p"] for t in pairs.values()])):  # the table's family of comparisons
+        t["p_holm"] = p
     return {"stats": stats, "pairs": pairs}
 
 
@@ -350,11 +353,15 @@ def markdown(result: dict) -> str:
             f"{'–' if not s['experts_held'] else '-'.join(map(str, s['experts_held']))} | "
             f"{fmt(s['seconds_per_round']['mean'], '.0f')} |")
     lines += sweep_lines(result) + per_label_lines(result)
-    lines += ["", "Paired final perplexity (ours − peer; lower is better; significant where the 95% CI "
-              "excludes 0):", ""]
+    holm_done = any("p_holm" in p for p in t["pairs"].values())
+    lines += ["", "Paired final perplexity (ours − peer; lower is better; "
+              + ("significant where the Holm-Bonferroni adjusted p over these comparisons is below 0.05):"
+                 if holm_done else "significant where the 95% CI excludes 0):"), ""]
     for k, p in t["pairs"].items():
-        sig = ("**ours better**" if p["diff"] < 0 else "**peer better**") if p["significant"] else "not significant"
-        lines.append(f"- {k}: {fmt(p['diff'], '+.1f')} [{fmt(p['ci_lo'], '+.1f')}, {fmt(p['ci_hi'], '+.1f')}], "
+        sig_ = (p.get("p_holm") is not None and p["p_holm"] < 0.05) if holm_done else p["significant"]
+        sig = ("**ours better**" if p["diff"] < 0 else "**peer better**") if sig_ else "not significant"
+        ps = f", p = {fmt(p['p'], '.3f')}, p_Holm = {fmt(p.get('p_holm'), '.3f')}" if holm_done else ""
+        lines.append(f"- {k}: {fmt(p['diff'], '+.2f')} [{fmt(p['ci_lo'], '+.2f')}, {fmt(p['ci_hi'], '+.2f')}]{ps}, "
                      f"{sig}")
     lines += ["", "Bytes: ours counted on the wire by the devices (MQTT, chunk headers, control); the peer's are "
               "its serialised FitIns/FitRes protobufs plus, in round 1, the checkpoint's safetensors. Peaks: "
