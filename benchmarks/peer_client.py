@@ -72,7 +72,7 @@ def build(checkpoint: str, variant: str, rank: int, alpha: float):
                 model, use_gradient_checkpointing=gc, gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=[],
                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-                     modules_to_save=["gate"])
+                     modules_to_save=["mlp.gate"])  # the router; not Qwen2-MoE's mlp.shared_expert_gate
     return get_peft_model(model, cfg), tokenizer(checkpoint)  # ours: pad = eos if none, right-padded
 
 

@@ -145,11 +145,13 @@ its fixtures are built once instead of on each worker."""
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """`make test` runs pytest-xdist with two workers (``-n 2 --dist loadgroup``). The tests
-    that start a 3-node NATS cluster (``tests/test_cluster.py``) stay in one group, so they run
-    one after another on one worker: two clusters at once on two cores dropped their clients
-    and both tests failed. The other tests, slow ones included, spread over both workers.
-    Without xdist the group marker does nothing. ``tryfirst``: xdist's own hook turns the
+    """`make test` runs the tests that start a 3-node NATS cluster (``tests/test_cluster.py``)
+    alone first, then the rest on pytest-xdist workers (``-n 3 --dist loadgroup``). Where
+    pytest-xdist runs them with others (``pytest -n 2 --dist loadgroup`` over the whole
+    suite), the cluster tests stay in one group, so they run one after another on one
+    worker: two clusters at once on two cores dropped their clients and both tests failed.
+    The files of :data:`ONE_WORKER_FILES` each stay on one worker too. Without xdist the
+    group marker does nothing. ``tryfirst``: xdist's own hook turns the
     group markers into node-id suffixes (``...@nats-cluster``); run after it, as this hook
     did by default, the markers came too late and grouped nothing. pytest 9.2 ignores that
     suffix (pytest-dev/pytest-xdist#1386), hence ``pytest<9.2`` in the test extra.

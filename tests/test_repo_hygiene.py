@@ -190,9 +190,25 @@ def test_patterns_catch_what_they_should():
     assert _exists("docs/reference/cloud/rounds.md")
 
 
-def test_make_test_runs_the_nats_cluster_tests_on_one_xdist_worker(tmp_path):
-    """`make test` runs ``pytest -n 2 --dist loadgroup``; the tests that start a NATS cluster
-    must share one worker, or two clusters run at once and drop their clients. Two such tests
+def test_make_test_runs_the_nats_cluster_tests_alone_and_then_the_rest():
+    """`make test` runs the test files that start a NATS cluster (the Makefile's
+    ``CLUSTER_TESTS``, conftest's ``CLUSTER_TEST_FILES``) in a pytest of their own, then every
+    other test on xdist workers, and fails if either part failed."""
+    from tests.conftest import CLUSTER_TEST_FILES
+
+    text = (ROOT / "Makefile").read_text()
+    listed = re.search(r"^CLUSTER_TESTS := (.+)$", text, re.M).group(1).split()
+    assert sorted(Path(p).name for p in listed) == sorted(CLUSTER_TEST_FILES)
+    recipe = text.split("\ntest: ", 1)[1].split("\n\n", 1)[0]
+    assert "-m pytest -q $(CLUSTER_TESTS); a=$$?" in recipe
+    assert "--dist loadgroup $(addprefix --ignore=,$(CLUSTER_TESTS)); b=$$?" in recipe
+    assert "test $$a -eq 0 -a $$b -eq 0" in recipe
+
+
+def test_the_nats_cluster_tests_share_one_xdist_worker_when_run_with_others(tmp_path):
+    """Run with others on xdist (``pytest -n 2 --dist loadgroup`` over the whole suite), the
+    tests that start a NATS cluster must share one worker, or two clusters run at once and
+    drop their clients. Two such tests
     in a scratch ``test_cluster.py``, grouped by this suite's own hook, must land on the same
     worker."""
     pytest.importorskip("xdist")
