@@ -50,7 +50,7 @@ def build(checkpoint: str, variant: str, rank: int, alpha: float):
     """
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
     from moe_model.models.hf_moe import tokenizer
 
@@ -60,7 +60,13 @@ def build(checkpoint: str, variant: str, rank: int, alpha: float):
     if variant == "fp32":
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     else:
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+        # a zero-width shared expert (a BTX build's Qwen2-MoE) stays unquantized: bitsandbytes' CPU
+        # inference kernel cannot reshape a 4-bit layer of 0 inputs (it trains through it, evaluates not)
+        config = AutoConfig.from_pretrained(checkpoint)
+        skip = ["lm_head"] + ([r".*\.shared_expert"] if getattr(config, "shared_expert_intermediate_size", None) == 0
+                              else [])
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                               llm_int8_skip_modules=skip)
         model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=q, dtype=torch.bfloat16)
         if variant == "nf4+bf16+gc":
             for p in model.parameters():
