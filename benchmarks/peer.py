@@ -84,11 +84,19 @@ def make_checkpoint(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def checkpoint_facts(ckpt: Path) -> dict:
-    """Parameter counts (total, experts) and the safetensors bytes of ``ckpt``."""
+def checkpoint_facts(ckpt: Path, config: dict | None = None) -> dict:
+    """Parameter counts (total, experts), the experts of the whole MoE (``experts_total``:
+    experts per MoE layer × MoE layers, what a peer device holds) and the safetensors bytes of
+    ``ckpt``; ``config``: the settings recorded as its ``config`` (default
+    :data:`CHECKPOINT`)."""
+    import re
+
     from safetensors import safe_open
 
+    from moe_model.models.hf_moe import checkpoint_model
+
     total = experts = 0
+    moe_layers: set[str] = set()
     files = sorted(ckpt.glob("*.safetensors"))
     for f in files:
         with safe_open(str(f), framework="pt") as st:
@@ -97,9 +105,12 @@ def checkpoint_facts(ckpt: Path) -> dict:
                 for d in st.get_slice(name).get_shape():
                     n *= d
                 total += n
-                experts += n if ".experts." in name else 0
+                if ".experts." in name:
+                    experts += n
+                    moe_layers.update(re.findall(r"layers\.(\d+)\.", name)[:1])
     return {"params": total, "expert_params": experts, "expert_share": experts / total,
-            "safetensors_bytes": sum(f.stat().st_size for f in files), "config": CHECKPOINT}
+            "experts_total": checkpoint_model(ckpt)["num_experts"] * len(moe_layers),
+            "safetensors_bytes": sum(f.stat().st_size for f in files), "config": config or CHECKPOINT}
 
 
 # ---------------------------------------------------------------------------- ours
@@ -248,7 +259,7 @@ def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, l
                 first = base_bytes if rnd == 1 else 0
                 rows.append({"round": rnd, "device": d["device_id"], "bytes": up + down + first,
                              "peak": res["peak_footprint_bytes"], "budget": d["budget_bytes"],
-                             "experts": CHECKPOINT["num_experts"] * CHECKPOINT["num_hidden_layers"]})
+                             "experts": None})  # every expert: filled in by main from the checkpoint
                 Path(res["adapter"]).unlink()
             params, _ = strategy.aggregate_fit(rnd, results, [])
             nds = parameters_to_ndarrays(params)
@@ -522,7 +533,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
         ap.error(f"--checkpoint {args.checkpoint}: no config.json there")
     ckpt = Path(args.checkpoint) if args.checkpoint else make_checkpoint(Path(args.work) / "qwen3moe-random")
-    facts = checkpoint_facts(ckpt)
+    if args.checkpoint:
+        from moe_model.models.hf_moe import checkpoint_model
+
+        facts = checkpoint_facts(ckpt, {**checkpoint_model(ckpt), "base": args.checkpoint})  # as given
+    else:
+        facts = checkpoint_facts(ckpt)
     log.info("checkpoint %s: %.0fM parameters, experts %.0f%%", ckpt, facts["params"] / 1e6,
              100 * facts["expert_share"])
     prior, peaks = reused_peer_runs(args, facts) if args.reuse_peer else ({}, None)
@@ -545,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         reused = prior.get(str(s), {}).get(f"peer {v}")
         r = dict(reused) if reused else run_peer(args, ckpt, s, v, first, peaks[v], lr,
                                                  work / f"s{s}" / f"peer-{v.replace('+', '_')}-lr{lr:g}")
+        for row in r["rows"]:  # a peer device holds the whole MoE
+            row["experts"] = facts["experts_total"]
         r["summary"] = summarise(r, len(args.budgets))
         log.info("[peer %s s%d lr %g] %s", v, s, lr, r["summary"])
         return r
