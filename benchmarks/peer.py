@@ -47,7 +47,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.common import fmt, heavy_lock, holm, mean_ci, module_command, module_env, paired_test, write_result
+from benchmarks.common import (fmt, heavy_lock, holm, mean_ci, module_command, module_env, paired_test, rel,
+                               write_result)
 from benchmarks.peer_client import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,7 +158,8 @@ def run_ours(args, ckpt: Path, seed: int, method: str, lr: float, out: Path) -> 
             "per_label_perplexity": {labels[int(y)]: v["perplexity"] for y, v in (last.get("per_label") or {}).items()},
             "lr": lr, "round_seconds": [rd["seconds"] for rd in r["rounds"]], "rows": rows,
             "excluded": [rd.get("excluded") or {} for rd in r["rounds"]],
-            "devices": r["config"]["devices"], "data_dir": str(out / "data")}
+            "devices": [{**d, "data": rel(d["data"])} for d in r["config"]["devices"]],
+            "data_dir": rel(out / "data")}  # relative to the repository: results record no machine's paths
 
 
 # ---------------------------------------------------------------------------- the peer
