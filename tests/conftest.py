@@ -50,25 +50,34 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def mosquitto_url():
-    """The Mosquitto broker at 127.0.0.1:1883, or one started on a free port."""
-    if _listening("127.0.0.1", 1883):
-        yield "mqtt://127.0.0.1:1883"
-        return
+    """A Mosquitto broker of this test session's own, started on a free port (each xdist
+    worker is a session of its own), or, without a mosquitto binary, the one at
+    127.0.0.1:1883. Not the shared one where a binary exists: a device's MQTT client id is
+    ``dev-{device_id}`` (PROTOCOL.md), and test federations on two workers name their
+    devices alike, so on one broker each took over the other's session ("disconnected
+    (Unspecified error)" over and over) until a round timed out."""
     exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     if not os.path.exists(exe):
+        if _listening("127.0.0.1", 1883):
+            yield "mqtt://127.0.0.1:1883"
+            return
         pytest.skip("no Mosquitto broker running and no mosquitto binary to start one")
     port = _free_port()
     d = tempfile.mkdtemp()
     conf = Path(d) / "m.conf"
     conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
     proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(50):
+    for _ in range(100):
         if _listening("127.0.0.1", port):
             break
         time.sleep(0.1)
+    else:
+        proc.terminate()
+        pytest.fail(f"{exe} did not listen on 127.0.0.1:{port} within 10 s")
     yield f"mqtt://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(5)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
