@@ -224,20 +224,20 @@ def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, l
     from flwr.server.strategy import FedAvg
 
     from edge_sdk.data import load_text_file
-    from benchmarks.peer_client import build, load_state, perplexity, trainable_state
+    from benchmarks.peer_client import build, load_state, perplexity_by_label, trainable_state
 
     out.mkdir(parents=True, exist_ok=True)
     devices = ours["devices"]
     fits = [d for d in devices if d["budget_bytes"] >= peak]
-    test_items = load_text_file(Path(ours["data_dir"]) / f"test-{args.task}.jsonl").items[: args.eval_samples]
-    test = [str(x) for x, _ in test_items]
+    test = load_text_file(Path(ours["data_dir"]) / f"test-{args.task}.jsonl").items[: args.eval_samples]
     torch.manual_seed(seed)
     torch.set_num_threads(args.peer_threads)
     model, tok = build(str(ckpt), variant, args.rank, 2.0 * args.rank)  # the server's copy: init and evaluation
     keys = sorted(trainable_state(model))
     init = trainable_state(model)
     params = ndarrays_to_parameters([init[k].numpy() for k in keys])
-    ppl = [perplexity(model, tok, test, args.seq_len)[1]]
+    first_ppl, per_label = perplexity_by_label(model, tok, test, args.seq_len)
+    ppl = [first_ppl]
     rows, seconds = [], []
     if fits:
         strategy = FedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=len(fits),
@@ -266,17 +266,13 @@ def run_peer(args, ckpt: Path, seed: int, variant: str, ours: dict, peak: int, l
             params, _ = strategy.aggregate_fit(rnd, results, [])
             nds = parameters_to_ndarrays(params)
             load_state(model, {k: torch.from_numpy(np.asarray(a)) for k, a in zip(keys, nds)})
-            ppl.append(perplexity(model, tok, test, args.seq_len)[1])
+            last_ppl, per_label = perplexity_by_label(model, tok, test, args.seq_len)
+            ppl.append(last_ppl)
             seconds.append(time.time() - t0)
             global_npz.unlink()
             log.info("[peer %s s%d] round %d: %d devices, perplexity %.1f, %.0f s", variant, seed, rnd, len(fits),
                      ppl[-1], seconds[-1])
-    by_label: dict[str, list[str]] = {}
-    for x, y in test_items:
-        by_label.setdefault(str(y), []).append(str(x))
-    per_label = ({y: perplexity(model, tok, texts, args.seq_len)[1] for y, texts in sorted(by_label.items())}
-                 if fits and len(by_label) > 1 else {})
-    result = {"perplexity": ppl, "per_label_perplexity": per_label, "lr": lr,
+    result = {"perplexity": ppl, "per_label_perplexity": per_label if fits else {}, "lr": lr,
               "round_seconds": seconds, "rows": rows, "devices_fit": [d["device_id"] for d in fits],
               "probe_peak": peak}
     done.write_text(json.dumps(result))

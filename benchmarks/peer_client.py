@@ -107,8 +107,8 @@ def batch(tok, texts: list[str], max_len: int):
     return enc["input_ids"], enc["attention_mask"], labels
 
 
-def perplexity(model, tok, texts: list[str], max_len: int, batch_size: int = 16) -> tuple[float, float]:
-    """Token-level mean next-token loss (nats) over ``texts`` and its ``exp``, computed by
+def loss_sums(model, tok, texts: list[str], max_len: int, batch_size: int = 16) -> tuple[float, float]:
+    """(summed next-token loss in nats, target tokens) over ``texts``, computed by
     ``moe_model.objectives`` as our cloud computes it (``moe_model.train.evaluate``)."""
     import torch
 
@@ -124,8 +124,23 @@ def perplexity(model, tok, texts: list[str], max_len: int, batch_size: int = 16)
             loss_sum += float((objectives.sample_loss("causal-lm", logits, labels) * w).sum())
             n += float(w.sum())
     model.train()
-    loss = loss_sum / max(n, 1.0)
-    return loss, objectives.perplexity(loss)
+    return loss_sum, n
+
+
+def perplexity_by_label(model, tok, items: list[tuple[str, object]], max_len: int) -> tuple[float, dict[str, float]]:
+    """The perplexity (``exp`` of the token-level mean next-token loss, :func:`loss_sums`) over
+    ``items`` ``(text, label)`` and, where they carry more than one label, each label's (one
+    evaluation: each label's texts apart, the whole as their token-weighted mean, as the
+    cloud's ``per_label``); ``{}`` for one label."""
+    from moe_model import objectives
+
+    groups: dict[str, list[str]] = {}
+    for x, y in items:
+        groups.setdefault(str(y), []).append(str(x))
+    sums = {y: loss_sums(model, tok, texts, max_len) for y, texts in sorted(groups.items())}
+    whole = sum(ls for ls, _ in sums.values()) / max(sum(n for _, n in sums.values()), 1.0)
+    per_label = {y: objectives.perplexity(ls / max(n, 1.0)) for y, (ls, n) in sums.items()} if len(sums) > 1 else {}
+    return objectives.perplexity(whole), per_label
 
 
 def run(job: dict) -> dict:

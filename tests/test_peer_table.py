@@ -52,3 +52,26 @@ def test_the_table_gives_the_sweep_the_domains_and_holm_corrected_pairs():
     assert "| peer nf4+gc | **38.50** | 39.00 | – |" in md
     assert "| method | python | tweets |" in md and "| peer nf4+gc | 10.00 | 55.00 |" in md
     assert "p_Holm = " in md and ("**ours better**" in md) == (pair["p_holm"] < 0.05)
+
+
+def test_the_peers_evaluation_by_label_is_the_token_weighted_whole(tmp_path):
+    """One evaluation per label; the whole equals one evaluation of every text (how the
+    cloud's ``per_label`` works too)."""
+    import math
+
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.peer_client import loss_sums, perplexity_by_label
+    from tests.test_hf_moe import _mixtral_checkpoint, _tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(_mixtral_checkpoint(tmp_path / "ckpt"))
+    tok = _tokenizer()
+    items = [("the bank rate market growth shares", "x"), ("film music award", "y"), ("a team match goal", "y"),
+             ("vote minister the bank", "x")]
+    whole, per_label = perplexity_by_label(model, tok, items, 16)
+    loss, n = loss_sums(model, tok, [x for x, _ in items], 16)
+    assert whole == pytest.approx(math.exp(loss / n), rel=1e-5)
+    x_loss, x_n = loss_sums(model, tok, [x for x, y in items if y == "x"], 16)
+    assert set(per_label) == {"x", "y"} and per_label["x"] == pytest.approx(math.exp(x_loss / x_n), rel=1e-5)
+    assert perplexity_by_label(model, tok, items[:1], 16)[1] == {}
