@@ -67,8 +67,8 @@ def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any
     from protocol.messages import ModelSpec
 
     base = cfg["model"]["base"]
-    train, test, domains = btx_domains.domain_items(base, seed, cfg["samples"], cfg["eval_samples"], cfg["chunk_chars"],
-                                        cfg["chunks_per_document"])
+    train, test, domains = btx_domains.domain_items(base, seed, cfg["samples"], cfg["eval_samples"],
+                                                    cfg["chunk_chars"], cfg["chunks_per_document"])
     parts = partition([domains.index(y) for _, y in train], setting["devices"], setting["partition"], seed)
     spec = ModelSpec(**{**checkpoint_model(base), **{k: v for k, v in cfg["model"].items() if k != "base"},
                         "seed": seed})

@@ -85,17 +85,18 @@ def make_checkpoint(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def checkpoint_facts(ckpt: Path, config: dict | None = None) -> dict:
+def checkpoint_facts(ckpt: Path, given: str | None = None) -> dict:
     """Parameter counts (total, experts), the experts of the whole MoE (``experts_total``:
     experts per MoE layer × MoE layers, what a peer device holds) and the safetensors bytes of
-    ``ckpt``; ``config``: the settings recorded as its ``config`` (default
-    :data:`CHECKPOINT`)."""
+    ``ckpt``, and its ``config``: :data:`CHECKPOINT` for the random Qwen3-MoE, else, for a
+    ``--checkpoint`` ``given``, its model fields with ``base`` as given."""
     import re
 
     from safetensors import safe_open
 
     from moe_model.models.hf_moe import checkpoint_model
 
+    model = checkpoint_model(ckpt)
     total = experts = 0
     moe_layers: set[str] = set()
     files = sorted(ckpt.glob("*.safetensors"))
@@ -110,11 +111,20 @@ def checkpoint_facts(ckpt: Path, config: dict | None = None) -> dict:
                     experts += n
                     moe_layers.update(re.findall(r"layers\.(\d+)\.", name)[:1])
     return {"params": total, "expert_params": experts, "expert_share": experts / total,
-            "experts_total": checkpoint_model(ckpt)["num_experts"] * len(moe_layers),
-            "safetensors_bytes": sum(f.stat().st_size for f in files), "config": config or CHECKPOINT}
+            "experts_total": model["num_experts"] * len(moe_layers),
+            "safetensors_bytes": sum(f.stat().st_size for f in files),
+            "config": {**model, "base": given} if given else CHECKPOINT}
 
 
 # ---------------------------------------------------------------------------- ours
+def parse_method(method: str) -> tuple[str, str, bool]:
+    """``(assignment, "k=v;k=v" parameters, FFA-LoRA)`` of one of our method strings,
+    ``assignment[:k=v;k=v][+ffa]`` (``fedalign``: FedAlign-MoE over ``random_kept``)."""
+    name, _, ffa = method.partition("+")
+    assignment, _, params = name.partition(":")
+    return assignment, params, bool(ffa)
+
+
 def run_ours(args, ckpt: Path, seed: int, method: str, lr: float, out: Path) -> dict:
     """One ``fedmoe simulate`` run at learning rate ``lr`` (resumed: a finished
     ``report.json`` is read back). ``method``: an assignment strategy, or ``fedalign``
@@ -124,8 +134,7 @@ def run_ours(args, ckpt: Path, seed: int, method: str, lr: float, out: Path) -> 
     from fedmoe.report import budget_peak
 
     report = out / "report.json"
-    name, _, ffa = method.partition("+")
-    assignment, _, params = name.partition(":")
+    assignment, params, ffa = parse_method(method)
     strategy = ["--strategy", "fedalign"] if assignment == "fedalign" else []
     assignment = "random_kept" if assignment == "fedalign" else assignment
     if params:
@@ -531,20 +540,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
         ap.error(f"--checkpoint {args.checkpoint}: no config.json there")
     ckpt = Path(args.checkpoint) if args.checkpoint else make_checkpoint(Path(args.work) / "qwen3moe-random")
-    if args.checkpoint:
-        from moe_model.models.hf_moe import checkpoint_model
-
-        facts = checkpoint_facts(ckpt, {**checkpoint_model(ckpt), "base": args.checkpoint})  # as given
-    else:
-        facts = checkpoint_facts(ckpt)
+    facts = checkpoint_facts(ckpt, args.checkpoint)
     log.info("checkpoint %s: %.0fM parameters, experts %.0f%%", ckpt, facts["params"] / 1e6,
              100 * facts["expert_share"])
     prior, peaks = reused_peer_runs(args, facts) if args.reuse_peer else ({}, None)
     peaks = peaks or probe(args, ckpt, base)
     runs: dict[str, dict] = {}
-    names = {m: f"ours {m.partition('+')[0].partition(':')[0]}"
-             + (f" ({m.partition('+')[0].partition(':')[2]})" if ":" in m else "")
-             + (" FFA-LoRA" if m.endswith("+ffa") else "") for m in args.ours}
+    names = {m: f"ours {a}" + (f" ({params})" if params else "") + (" FFA-LoRA" if ffa else "")
+             for m, (a, params, ffa) in ((m, parse_method(m)) for m in args.ours)}
     # run_ours resumes from a finished report.json: the directory names our encoding, so a run is
     # read back only under the encoding it ran with
     encoding = f"{args.update_precision}-{args.state_precision}" + ("-zlib" if args.compression else "")

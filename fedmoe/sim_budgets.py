@@ -152,8 +152,10 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
     if baseline is None:
         baseline = device_baseline_bytes(max((d["data"] for d in devices), key=lambda f: Path(f).stat().st_size))
 
+    labels = {t: task_labels(cfg, t) for t in cfg.tasks}
+
     def plan(task: str, experts: int) -> int:
-        return estimate(spec, experts, batch, task_labels(cfg, task), baseline, cfg.weight_format).total
+        return estimate(spec, experts, batch, labels[task], baseline, cfg.weight_format).total
 
     below = [d for d in devices if d["budget_bytes"] < plan(d["task"], 1)]
     lo_mib = math.ceil(max(plan(t, 1) for t in cfg.tasks) / 2**20)

@@ -337,20 +337,21 @@ def _lm_by_label(model: "GlobalModel", task: str, items: Sequence[tuple[Any, int
     """A causal-LM task's figures (:meth:`Strategy.evaluate`), with ``per_label`` where its
     items carry more than one label: each label's items evaluated apart, the task's loss and
     accuracy their means weighted by target tokens."""
+    def figures(r) -> dict[str, Any]:
+        return {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples, "perplexity": r.perplexity,
+                "tokens": r.tokens}
+
     groups: dict[int, list] = {}
     for item in items:
         groups.setdefault(item[1], []).append(item)
     parts = {y: model.evaluate(task, g, batch_size, experts=experts) for y, g in sorted(groups.items())}
     if len(parts) == 1:
-        r = next(iter(parts.values()))
-        return {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples, "perplexity": r.perplexity,
-                "tokens": r.tokens}
+        return figures(next(iter(parts.values())))
     tokens = sum(r.tokens for r in parts.values())
     loss = sum(r.loss * r.tokens for r in parts.values()) / max(tokens, 1)
     return {"accuracy": sum(r.accuracy * r.tokens for r in parts.values()) / max(tokens, 1), "loss": loss,
             "samples": sum(r.samples for r in parts.values()), "perplexity": perplexity(loss), "tokens": tokens,
-            "per_label": {str(y): {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples,
-                                   "perplexity": r.perplexity, "tokens": r.tokens} for y, r in parts.items()}}
+            "per_label": {str(y): figures(r) for y, r in parts.items()}}
 
 
 def get_strategy(name: str) -> type[Strategy]:
