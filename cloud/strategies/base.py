@@ -341,17 +341,17 @@ def _lm_by_label(model: "GlobalModel", task: str, items: Sequence[tuple[Any, int
         return {"accuracy": r.accuracy, "loss": r.loss, "samples": r.samples, "perplexity": r.perplexity,
                 "tokens": r.tokens}
 
-    groups: dict[int, list] = {}
+    groups: dict[str, list] = {}  # label id (as the report's JSON keys it) -> its items
     for item in items:
-        groups.setdefault(item[1], []).append(item)
-    parts = {y: model.evaluate(task, g, batch_size, experts=experts) for y, g in sorted(groups.items())}
+        groups.setdefault(str(item[1]), []).append(item)
+    parts = {y: model.evaluate(task, g, batch_size, experts=experts) for y, g in groups.items()}
     if len(parts) == 1:
         return figures(next(iter(parts.values())))
     tokens = sum(r.tokens for r in parts.values())
     loss = sum(r.loss * r.tokens for r in parts.values()) / max(tokens, 1)
     return {"accuracy": sum(r.accuracy * r.tokens for r in parts.values()) / max(tokens, 1), "loss": loss,
             "samples": sum(r.samples for r in parts.values()), "perplexity": perplexity(loss), "tokens": tokens,
-            "per_label": {str(y): figures(r) for y, r in parts.items()}}
+            "per_label": {y: figures(r) for y, r in parts.items()}}
 
 
 def get_strategy(name: str) -> type[Strategy]:
