@@ -7,7 +7,7 @@ EXECUTORCH := 'executorch>=1.5.1,<1.6'
 EXECUTORCH_DEPS := flatbuffers ruamel.yaml tabulate
 
 CLUSTER_TESTS := tests/test_cluster.py
-.PHONY: install native demo demo-full test test-fast docs bench bench-env clean
+.PHONY: install native demo demo-full test test-cluster test-rest test-fast docs bench bench-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -66,12 +66,17 @@ demo-full: $(STAMP)
 # The tests that start a 3-node NATS cluster run first, alone (a cluster on 2 cores busy with other tests
 # dropped its clients: tests/conftest.py); then three pytest-xdist workers share the rest (many tests wait
 # on brokers, processes and timeouts: three workers keep 2 cores busy, 10 min instead of 13 here). Both
-# parts always run; the target fails if either failed.
+# parts always run (make -k); the target fails if either failed. Each part is one command that make
+# runs directly, so a signal to make reaches pytest.
 test: $(STAMP)
 	$(MAKE) docs
-	$(PY) -m pytest -q $(CLUSTER_TESTS); a=$$?; \
-	$(PY) -m pytest -q -n 3 --dist loadgroup $(addprefix --ignore=,$(CLUSTER_TESTS)); b=$$?; \
-	test $$a -eq 0 -a $$b -eq 0
+	$(MAKE) -k test-cluster test-rest
+
+test-cluster: $(STAMP)
+	$(PY) -m pytest -q $(CLUSTER_TESTS)
+
+test-rest: $(STAMP)
+	$(PY) -m pytest -q -n 3 --dist loadgroup $(addprefix --ignore=,$(CLUSTER_TESTS))
 
 # the documentation site (mkdocs.yml) into site/; --strict: a broken link or reference fails the build
 docs: $(STAMP)
