@@ -342,7 +342,10 @@ def markdown(result: dict) -> str:
     t, f = result["table"], result["checkpoint"]
     what = f"`{result['checkpoint_dir']}`" if result.get("checkpoint_dir") else "random-init Qwen3-MoE"
     lrs = (f"lr per method below (the best of {', '.join(f'{x:g}' for x in result['lr_sweep'])} on seed "
-           f"{result['seeds'][0]})" if result.get("lr_sweep") else f"lr {result['lr']}")
+           f"{result['seeds'][0]})" if result.get("lr_sweep")
+           else "lr per method as chosen by the sweep of `{}`: {}".format(
+               result["lr_from"], ", ".join(f"{m} {x:g}" for m, x in result["lr_of"].items()))
+           if result.get("lr_from") else f"lr {result['lr']}")
     data = ("the BTX checkpoint's text domains" if result.get("task") == "domains"
             else {"bbc": "BBC News", "tweets": "tweets"}.get(result.get("task", "bbc"), result.get("task")))
     lines = [f"# Ours vs FlowerTune-style peer ({result['profile']})", "",
@@ -479,6 +482,20 @@ def reused_peer_runs(args, facts: dict) -> tuple[dict[str, dict], dict[str, int]
             prior["probe_peaks"])
 
 
+def lrs_from(path: str, methods: list[str]) -> dict[str, float]:
+    """Method name -> the learning rate an earlier result's sweep chose for it (``lr_of``).
+
+    Raises:
+        SystemExit: the result has no sweep, or no rate for one of ``methods``.
+    """
+    prior = json.loads(Path(path).read_text())
+    missing = [m for m in methods if m not in prior.get("lr_of", {})]
+    if not prior.get("lr_sweep") or missing:
+        raise SystemExit(f"--lr-from {path}: " + ("it ran no learning-rate sweep" if not prior.get("lr_sweep")
+                                                   else f"no rate chosen for {', '.join(missing)}"))
+    return {m: float(prior["lr_of"][m]) for m in methods}
+
+
 # ---------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -497,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-2, help="learning rate of both sides (without --lr-sweep)")
     ap.add_argument("--lr-sweep", help="comma-separated learning rates: every method (ours and the peer's) runs each "
                                        "on the first seed; each uses its best (lowest final perplexity) on every seed")
+    ap.add_argument("--lr-from", help="an earlier result JSON with a learning-rate sweep: each method runs at the "
+                                      "rate that sweep chose for it (e.g. the same checkpoint at other budgets)")
     ap.add_argument("--task", default="bbc", help="bbc, tweets, or domains (the text domains of a BTX --checkpoint: "
                                                   "give --partition classes:1 for one domain per device)")
     ap.add_argument("--rank", type=int, default=8)
@@ -529,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     args.lr_sweep = [float(x) for x in args.lr_sweep.split(",")] if args.lr_sweep else []
     if args.lr_sweep and args.reuse_peer:
         ap.error("--reuse-peer takes the peer's runs at one learning rate; it cannot serve --lr-sweep")
+    if args.lr_sweep and args.lr_from:
+        ap.error("give --lr-sweep or --lr-from, not both")
     for v in args.variants:
         if v not in VARIANTS:
             ap.error(f"unknown peer variant {v!r}; known: {', '.join(VARIANTS)}")
@@ -583,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
             done = {float(k): x for k, x in by_lr.items() if x is not None}
             lr_of[name] = min(done, key=done.get) if done else args.lr_sweep[0]
         log.info("learning rates chosen on seed %d: %s", seeds[0], lr_of)
+    elif args.lr_from:
+        lr_of = lrs_from(args.lr_from, list(lr_of))
+        log.info("learning rates from %s: %s", args.lr_from, lr_of)
     for s in seeds:
         runs[str(s)] = {}
         for m in args.ours:
@@ -592,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[str(s)][f"peer {v}"] = peer(s, v, lr_of[f"peer {v}"], first)
     result = {"profile": profile, "seeds": seeds, "rounds": args.rounds, "budgets": args.budgets,
               "partition": args.partition, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-              "lr": args.lr, "lr_sweep": args.lr_sweep, "sweep": sweep, "lr_of": lr_of, "task": args.task,
+              "lr": args.lr, "lr_sweep": args.lr_sweep, "sweep": sweep, "lr_of": lr_of, "lr_from": args.lr_from,
+              "task": args.task,
               "rank": args.rank, "samples": args.samples, "eval_samples": args.eval_samples,
               "update_precision": args.update_precision, "state_precision": args.state_precision,
               "compression": args.compression,

