@@ -10,14 +10,18 @@ finds it again. :meth:`ProgramCache.lora_a` gives the frozen LoRA ``A`` factors 
 a given expert set needs as data (drawn by torch from the shared seed, which a device
 without torch cannot reproduce).
 
-Serving programs to devices (an assignment field, content-addressed like the base shards)
-is not built yet (docs/phone-devices.md).
+:class:`ProgramPublisher` serves them (protocol minor 12, ``Assignment.program``): the
+program, its manifest and the device's frozen ``A`` factors become content-addressed files
+``{sha256}.pte``, ``{sha256}.json`` and ``{sha256}.safetensors`` in the aggregator's
+``shard_dir``, which a web server serves at ``shard_url`` beside the base shards.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -25,9 +29,11 @@ import torch
 
 from moe_model.shards import held_tensors, shards_for, stored_tensors
 from moe_model.submoe import SubMoE, lora_a_init
-from moe_model.training_program import TrainingProgram, export_training_program, from_slots, program_shape, \
-    shape_key, slot_shape
+from moe_model.training_program import RUNTIME, TrainingProgram, export_training_program, from_slots, \
+    program_shape, shape_key, slot_shape
+from protocol.codec import encode_tensors
 from protocol.experts import Experts
+from protocol.messages import FileRef, ProgramRef
 
 from .global_model import GlobalModel
 
@@ -121,3 +127,63 @@ class ProgramCache:
                 (global_key,) = from_slots({key: None}, held)
                 out[key] = lora_a_init(seed, global_key, tuple(f["shape"]))
         return out
+
+
+class ProgramPublisher:
+    """Training programs served to devices that train with one (protocol minor 12).
+
+    Args:
+        model: the global model.
+        shard_dir: the directory a web server serves at ``shard_url`` (the base shards'
+            ``AggregatorConfig.shard_dir``); programs are cached in ``{shard_dir}/programs``.
+        shard_url: the base URL of ``shard_dir``.
+
+    A program is exported the first time a device of its shape is assigned (tens of seconds
+    on a CPU for the demo model, during which the aggregator's round loop waits); later
+    devices of that shape, and a restarted aggregator, reuse it.
+    """
+
+    def __init__(self, model: GlobalModel, shard_dir: str | Path, shard_url: str):
+        self.cache = ProgramCache(model, Path(shard_dir) / "programs")
+        self.directory, self.url = Path(shard_dir), shard_url.rstrip("/")
+        self._refs: dict[tuple, ProgramRef] = {}
+
+    @staticmethod
+    def refuses(runtimes: list[str]) -> str | None:
+        """Why a device training with one of ``runtimes`` cannot get a program here, or None."""
+        if RUNTIME in runtimes:
+            return None
+        return f"trains with {', '.join(runtimes)}; this aggregator builds programs for {RUNTIME}"
+
+    def ref_for(self, task: str, held: dict[int, list[int]], batch_size: int, seq_len: int) -> ProgramRef:
+        """The :class:`ProgramRef` of a device holding ``held`` (layer -> global expert ids)
+        for ``task``, training on batches of ``batch_size`` x ``seq_len`` tokens; exports the
+        program and writes its files the first time.
+
+        Raises:
+            KeyError, ValueError, ImportError: as :meth:`ProgramCache.get`. OSError: a file
+            could not be written.
+        """
+        held = Experts(held)
+        key = (task, tuple((layer, tuple(ids)) for layer, ids in sorted(held.items())), batch_size, seq_len)
+        ref = self._refs.get(key)
+        if ref is None:
+            manifest = self.cache.get(task, held, batch_size, seq_len)
+            lora_a = self.cache.lora_a(manifest, held)
+            ref = ProgramRef(runtime=manifest["runtime"], key=manifest["key"],
+                             program=self._put(self.cache.path(manifest["key"]).read_bytes(), ".pte"),
+                             manifest=self._put(json.dumps(manifest, sort_keys=True).encode(), ".json"),
+                             lora_a=self._put(encode_tensors(lora_a, "fp32"), ".safetensors") if lora_a else None)
+            self._refs[key] = ref
+        return ref
+
+    def _put(self, data: bytes, suffix: str) -> FileRef:
+        """``data`` as the file ``{sha256}{suffix}`` of the served directory (written once,
+        atomically) and its reference."""
+        digest = hashlib.sha256(data).hexdigest()
+        path = self.directory / f"{digest}{suffix}"
+        if not path.exists():
+            tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        return FileRef(url=f"{self.url}/{digest}{suffix}", bytes=len(data), sha256=digest)

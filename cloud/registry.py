@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 
-from protocol.messages import PROTOCOL_MINOR, PROTOCOL_VERSION, Hello, Stats
+from protocol.messages import MIN_MINOR_FOR_PROGRAMS, PROTOCOL_MINOR, PROTOCOL_VERSION, Hello, Stats
 
 from .store import Store
 
@@ -29,6 +29,9 @@ class Device:
     """Rounds whose update was accepted."""
     protocol_minor: int = 0
     """The protocol minor version its ``hello`` announced (same major, or it was refused)."""
+    runtimes: list[str] = field(default_factory=list)
+    """The training runtimes it trains with (``Hello.runtimes``, minor 12); empty: it trains
+    the model itself."""
 
 
 class Registry:
@@ -53,6 +56,7 @@ class Registry:
             num_samples=hello.num_samples, weight_formats=list(hello.weight_formats),
             runtime_bytes=hello.runtime_bytes, online=True, rounds=prev.rounds if prev else 0,
             protocol_minor=hello.protocol_minor,
+            runtimes=list(hello.runtimes) if hello.protocol_minor >= MIN_MINOR_FOR_PROGRAMS else [],
         )
         if dev.protocol_minor != PROTOCOL_MINOR and (prev is None or prev.protocol_minor != dev.protocol_minor):
             log.info("device %s speaks protocol %d.%d (this aggregator %d.%d): %s", dev.device_id, PROTOCOL_VERSION,

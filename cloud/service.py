@@ -55,6 +55,7 @@ from .dashboard import Dashboard
 from .global_model import GlobalModel
 from .near_miss import NearMissHellos
 from .observability import AggregatorMetrics, parse_address
+from .programs import ProgramPublisher
 from .registry import Registry
 from .robust.defences import Defences
 from .rounds import RoundEngine, RoundSettings
@@ -159,6 +160,8 @@ class Aggregator:
         self.shards = ShardPublisher(self.model, self.topics, self.transport, config.shard_dir, config.shard_url)
         """The base model's shards for devices (:mod:`cloud.shard_publisher`)."""
         self.engine.ensure_shards = self.shards.ensure
+        if config.shard_url is not None and config.shard_dir is not None:
+            self.engine.programs = ProgramPublisher(self.model, config.shard_dir, config.shard_url)
         self.activity = Activity(self.store, enabled=not worker)
         """Last seen per device and recent rejects/exclusions, for the views (:mod:`cloud.activity`)."""
         self.ingest: Ingest | None = None

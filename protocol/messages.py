@@ -32,7 +32,7 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 11
+PROTOCOL_MINOR = 12
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
@@ -61,7 +61,10 @@ have no shared subscriptions); 10 added the ``Command`` kind ``registered`` (the
 answer to an accepted hello, so a device can tell that an aggregator of its federation
 heard it) and a ``reason`` on ``stop`` (e.g. ``aggregator shutting down``); 11 added the objective
 term ``router_probe`` (the device's activation probabilities over every expert, for FedMoE's
-search from its own data). A peer ignores unknown fields and
+search from its own data); 12 added training programs for devices without Python
+(``Hello.runtimes``: the training runtimes a device runs, e.g. ``executorch-1.5``;
+``Assignment.program``: the program for its shape, its manifest and frozen LoRA ``A``
+factors as content-addressed files over HTTP(S)). A peer ignores unknown fields and
 unknown commands of a newer minor version, so the cloud sends objectives and extra
 tensors only to devices that announced minor 2 or later (an older device would silently
 train without them) and the evaluation term only to minor 3 or later."""
@@ -80,6 +83,9 @@ MIN_MINOR_FOR_EVALUATION = 3
 device would refuse the whole assignment over the unknown term)."""
 MIN_MINOR_FOR_ROUTER_PROBE = 11
 """Lowest ``Hello.protocol_minor`` whose SDK has the ``router_probe`` term."""
+MIN_MINOR_FOR_PROGRAMS = 12
+"""Lowest ``Hello.protocol_minor`` whose ``runtimes`` the cloud reads (a device that trains
+with a served program, ``Assignment.program``)."""
 MAX_OBJECTIVES = 16
 """Most objective terms one assignment may name."""
 WIRE_CONTEXT = {"unknown_fields": "ignore"}
@@ -92,6 +98,9 @@ WeightFormat = Literal["fp32", "fp16", "bf16", "int8", "nf4"]
 DeviceId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 TaskName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Runtime = Annotated[str, Field(pattern=r"^[a-z][a-z0-9.+-]{0,31}$")]
+"""A training runtime's name and version, e.g. ``executorch-1.5`` (minor 12)."""
+HttpUrl = Annotated[str, Field(max_length=2048, pattern=r"^https?://[^\s]+$")]
 MAX_INT = 2**62
 """Largest integer a wire field carries (rounds, counts, bytes): inside int64 with
 headroom, so a sum of a few of them or ``+ 1`` stays inside int64 too."""
@@ -315,11 +324,42 @@ class ShardManifest(_Strict):
     sha256: Sha256
     format: WeightFormat
     chunks: int = Field(ge=1, le=1_000_000)
-    url: str | None = Field(None, max_length=2048, pattern=r"^https?://[^\s]+$")
+    url: HttpUrl | None = None
     """(minor 6) Where the device fetches the shard instead: an HTTP(S) URL of the
     content-addressed file (``{base}/{sha256}.safetensors``, any web server or CDN), read
     with range requests and used only if its ``bytes`` and ``sha256`` match. None: the
     shard is on the retained topics."""
+
+
+class FileRef(_Strict):
+    """(minor 12) A content-addressed file a device fetches over HTTP(S) as it fetches a
+    shard's ``url`` (range requests; used only if its ``bytes`` and ``sha256`` match)."""
+
+    url: HttpUrl
+    bytes: Count
+    sha256: Sha256
+
+
+class ProgramRef(_Strict):
+    """(minor 12) The training program a device of ``Hello.runtimes`` trains with this round
+    (``moe_model.training_program``): one program per shape (model, task, experts per MoE
+    layer, batch size, sequence length, weight format), so it is the same file for every
+    device of that shape and a device keeps it across rounds by its sha256."""
+
+    runtime: Runtime
+    """The runtime the program is for (one of the device's ``Hello.runtimes``)."""
+    key: Sha256
+    """sha256 of the program's shape (its cache key; the manifest's ``key``)."""
+    program: FileRef
+    """The program (ExecuTorch ``.pte``)."""
+    manifest: FileRef
+    """The program's JSON manifest: its batch inputs, frozen inputs in order with where the
+    device finds each (a base shard's stored tensor, by slot, or a frozen LoRA ``A``), and
+    parameter name -> adapter-state key (experts by slot)."""
+    lora_a: FileRef | None = None
+    """The frozen LoRA ``A`` factors of the held experts (safetensors, fp32, keys with experts
+    by slot), which a device without torch cannot draw from the shared seed; None when the
+    program has none (``lora.train_a`` or full fine-tuning)."""
 
 
 # --------------------------------------------------------------------------- device -> cloud
@@ -343,6 +383,10 @@ class Hello(_Message):
     runtime_bytes: int | None = Field(None, ge=0, le=2**50)
     """Measured process memory before any model is built (the memory plan's fixed part;
     footprint from minor 5, RSS before)."""
+    runtimes: list[Runtime] = Field(default_factory=list, max_length=8)
+    """(minor 12) The training runtimes the device trains with, preferred first (e.g.
+    ``["executorch-1.5"]``): it trains with the program of ``Assignment.program``. Empty: it
+    builds and trains the model itself (the Python SDK)."""
 
 
 class Ack(_Message):
@@ -509,6 +553,9 @@ class Assignment(_Message):
     stats to ``dev/{id}/up/{update|stats}/{uplink}`` (:meth:`protocol.topics.Topics.up`)
     instead of ``dev/{id}/up/{update|stats}``. Set by a coordinator whose aggregator workers
     take the uploads (the partition is a worker's id); None: the plain topics."""
+    program: ProgramRef | None = None
+    """(minor 12) The training program to train with, for a device whose ``Hello.runtimes``
+    names its runtime; None for a device that trains the model itself."""
 
     @field_validator("experts", mode="before")
     @classmethod

@@ -35,8 +35,8 @@ SEED = bytes(range(32))
 
 def _messages() -> dict[str, Any]:
     from .messages import (
-        Ack, Assignment, BlobRef, Command, Hello, LayerStats, ModelSpec, Progress, ShardManifest, Stats, Status,
-        TrainConfig, encode, parse_message,
+        Ack, Assignment, BlobRef, Command, FileRef, Hello, LayerStats, ModelSpec, ProgramRef, Progress, ShardManifest,
+        Stats, Status, TrainConfig, encode, parse_message,
     )
 
     sha = "0" * 63 + "1"
@@ -62,6 +62,22 @@ def _messages() -> dict[str, Any]:
             shards=[ShardManifest(shard_id="L1.E0", topic="fl/v1/demo/shards/0/int8/1/0", bytes=1000, sha256=sha,
                                   format="int8", chunks=1)],
             state=ref)),
+        ("hello", Hello(device_id="phone-3", sdk_version="native-0.1", protocol_minor=12, budget_bytes=805306368,
+                        weight_formats=["int8"], num_samples=40, task="bbc", runtime_bytes=5242880,
+                        runtimes=["executorch-1.5"])),
+        ("assignment", Assignment(
+            round=3, model_version=0, model=ModelSpec(num_experts=4, top_k=2), task="bbc", labels=["a", "b"],
+            experts={1: [0, 2]}, weight_format="int8", train=TrainConfig(lr=0.001), deadline=1795660000.0,
+            shards=[ShardManifest(shard_id="L1.E0", topic="fl/v1/demo/shards/0/int8/1/0", bytes=1000, sha256=sha,
+                                  format="int8", chunks=1, url=f"https://cdn.example/shards/{sha}.safetensors")],
+            state=ref, program=ProgramRef(
+                runtime="executorch-1.5", key="0" * 63 + "2",
+                program=FileRef(url=f"https://cdn.example/shards/{'0' * 63}3.pte", bytes=163840,
+                                sha256="0" * 63 + "3"),
+                manifest=FileRef(url=f"https://cdn.example/shards/{'0' * 63}4.json", bytes=24000,
+                                 sha256="0" * 63 + "4"),
+                lora_a=FileRef(url=f"https://cdn.example/shards/{'0' * 63}5.safetensors", bytes=98304,
+                               sha256="0" * 63 + "5")))),
         ("command", Command(command="reject", round=3, kind="stats", upload_id="3f2a9c0d1e7b4a55",
                             reason="stats rejected: layer 1: usage 128 exceeds tokens x top_k = 60 x 2")),
         ("command", Command(command="excluded", round=4, reason="budget below one expert per layer",

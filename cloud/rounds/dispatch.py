@@ -110,6 +110,16 @@ class Dispatch(EngineState):
             rnd.rejected[device_id] = f"the strategy gave no valid state to send: {type(e).__name__}: {e}"[:500]
             rnd.unsent.add(device_id)
             return
+        train = self._train_for(rnd, device_id)
+        program = None
+        if dev.runtimes and self.programs is not None:
+            try:
+                program = self.programs.ref_for(dev.task, experts, train.batch_size, self.model.spec.max_seq_len)
+            except Exception as e:  # a model the export cannot take, ExecuTorch missing: this device sits out
+                log.exception("round %d: no training program for %s", rnd.number, device_id)
+                rnd.rejected[device_id] = f"no training program for its shape: {type(e).__name__}: {e}"[:500]
+                rnd.unsent.add(device_id)
+                return
         precision = self.settings.state_precision if dev.protocol_minor >= MIN_MINOR_FOR_STATE_PRECISION else "fp32"
         state = self._state_blobs.encode({**sent, **tensors}, precision, exact=tensors,
                                          compress=self.settings.state_compression
@@ -121,12 +131,13 @@ class Dispatch(EngineState):
             labels=self.model.tasks[dev.task], experts=experts,
             shards=self.model.manifests(experts, self.topics, self.wire.chunk_payload_bytes, fmt, url),
             weight_format=fmt, state=ref, attempt=rnd.attempts.get(device_id, 0),
-            train=self._train_for(rnd, device_id), deadline=rnd.deadline,
+            train=train, deadline=rnd.deadline,
             objectives=rnd.objectives.get(device_id, []),
             tensors={k: TensorSpec(shape=list(t.shape), dtype=_DTYPE_NAMES[t.dtype]) for k, t in tensors.items()},
             compressed_updates=True,
             uplink=self.coordinator.uplink(device_id) if self.coordinator is not None
             and dev.protocol_minor >= MIN_MINOR_FOR_UPLINK else None,
+            program=program,
         )
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
         rnd.sent[device_id] = time.time()

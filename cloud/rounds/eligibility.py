@@ -57,8 +57,9 @@ class Eligibility(EngineState):
 
     def _eligible(self) -> tuple[list, Excluded]:
         """The online devices a round can use (sorted by id), and the others with why: an
-        unknown task, no weight format the cloud serves, or (aggregator workers on a broker
-        without shared subscriptions) an SDK too old to send to an uplink partition."""
+        unknown task, no weight format the cloud serves, a training runtime it serves no
+        program for, or (aggregator workers on a broker without shared subscriptions) an SDK
+        too old to send to an uplink partition."""
         eligible, excluded = [], {}
         for dev in self.registry.online():
             if dev.task not in self.model.tasks:
@@ -67,6 +68,11 @@ class Eligibility(EngineState):
             elif self.model.format_for(dev.weight_formats) is None:
                 excluded[dev.device_id] = (f"loads only {dev.weight_formats} shards; the cloud serves "
                                            f"{self.model.formats}", {})
+            elif dev.runtimes and (self.programs is None or self.programs.refuses(dev.runtimes)):
+                excluded[dev.device_id] = (
+                    self.programs.refuses(dev.runtimes) if self.programs is not None else
+                    f"trains with a served program ({', '.join(dev.runtimes)}) and this aggregator serves none: "
+                    "configure shard_url and shard_dir (the programs are files beside the shards)", {})
             elif self.coordinator is not None and not self.coordinator.shared_subscriptions \
                     and dev.protocol_minor < MIN_MINOR_FOR_UPLINK:
                 excluded[dev.device_id] = (f"protocol minor {dev.protocol_minor} cannot send to an aggregator "

@@ -91,6 +91,10 @@ class RoundEngine(Eligibility, PlanChecks, Dispatch, Intake, Closing, Recovery):
         """Called with ``(format, by_url)`` before an assignment in that format goes out: the
         service makes its shards available on first use, as files for devices that fetch by
         URL (``by_url``), else as retained messages."""
+        self.programs = None
+        """The training programs served to devices that train with one
+        (:class:`cloud.programs.ProgramPublisher`; the service sets it where ``shard_url`` is
+        configured)."""
         self._notice_log = LogLimiter(log, "failed notices", per_key=3, total=10, interval_s=60.0)
         """Failed notice publishes are logged rate-limited (a broker outage must not flood the log)."""
         self._state_blobs = StateBlobs()

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from protocol.topics import Topics
 
     from ..global_model import GlobalModel
+    from ..programs import ProgramPublisher
     from ..registry import Registry
     from ..robust.defences import Defences
     from ..store import Store
@@ -130,3 +131,4 @@ class EngineState:
     current: OpenRound | None
     completed: int
     coordinator: Coordinator | None
+    programs: ProgramPublisher | None
