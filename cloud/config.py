@@ -121,6 +121,23 @@ class FederationSettings(BaseModel):
     device's hello declared) are refused."""
     threads: int | None = Field(None, ge=1)
     """torch intra-op threads of the aggregator process (None: torch's default)."""
+    min_lora_rank: int | None = Field(None, ge=1, le=256)
+    """Heterogeneous LoRA ranks (``moe_model.ranks``): a device of protocol minor 13 or later
+    may train a rank below ``model.lora.rank``, halved down to this, so that a small budget
+    holds more experts: its experts are chosen at this rank, then its rank is raised as far
+    as its budget allows with them. Exact aggregation needs a frozen, shared ``A``
+    (``model.lora.train_a`` false). None: every device trains ``model.lora.rank``."""
+
+    @model_validator(mode="after")
+    def _check_min_lora_rank(self) -> "FederationSettings":
+        r = self.min_lora_rank
+        if r is not None:
+            if r > self.model.lora.rank:
+                raise ValueError(f"min_lora_rank {r} is above the model's LoRA rank {self.model.lora.rank}")
+            if self.model.lora.train_a or self.model.full_finetune:
+                raise ValueError("min_lora_rank needs LoRA with a frozen, shared A (model.lora.train_a false, "
+                                 "no full fine-tuning): trained A factors of different ranks do not average exactly")
+        return self
 
 
 class AggregatorConfig(FederationSettings, BrokerSettings):

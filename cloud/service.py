@@ -152,7 +152,7 @@ class Aggregator:
                                  config.max_update_bytes, config.eval_batch_size, config.seed,
                                  max_samples_per_device=config.max_samples_per_device,
                                  state_precision=config.state_precision, shard_url=config.shard_url,
-                                 state_compression=config.state_compression,
+                                 state_compression=config.state_compression, min_lora_rank=config.min_lora_rank,
                                  assignment_resend_s=config.assignment_resend_s if config.assignment_resend_s
                                  is not None else CLUSTER_RESEND_S if len(self.transport.nodes) > 1 else 0.0)
         self.engine = RoundEngine(self.model, self.registry, self.store, strategy, self, self.topics, settings,

@@ -255,7 +255,8 @@ class Ingest:
                 self.reject(device_id, n, "a second, different update for this round was ignored", **refers)
             return
         try:
-            tensors = self.engine.decode_update(device_id, rnd.selected[device_id], blob.data)
+            tensors = self.engine.decode_update(device_id, rnd.selected[device_id], blob.data,
+                                                rnd.ranks.get(device_id))
         except Exception as e:  # CodecError, or the strategy's sent state failing its layout check
             self.store.put_json(_key(n, "rejected", device_id), f"update rejected: {e}"[:2000])
             self.store.delete_prefix(chunks)  # refused: nothing to sweep up later
@@ -321,7 +322,8 @@ class Ingest:
                 return False
             cached = (sha256_hex(data), None, None)
             if stats.update is not None and cached[0] == stats.update.sha256:
-                cached = (cached[0], self.engine.decode_update(device_id, rnd.selected[device_id], data), None)
+                cached = (cached[0], self.engine.decode_update(device_id, rnd.selected[device_id], data,
+                                                               rnd.ranks.get(device_id)), None)
         sha, tensors, chunks = cached
         if stats.update is None or stats.update.sha256 != sha:
             self.reject(device_id, n, "stats reference an update other than the one received", kind="stats",

@@ -43,6 +43,7 @@ from protocol.transport import BrokerURL, Transport, TlsConfig, publish_packet_b
 from moe_model import budget as B
 from moe_model.models import get_adapter
 from moe_model.quant_bnb import check_backend
+from moe_model.ranks import spec_at_rank
 from moe_model.shards import MAX_SHARD_BYTES, ShardCache
 from moe_model.stats import ActivationStats
 from moe_model.submoe import SubMoE
@@ -623,6 +624,8 @@ class EdgeClient:
         t0 = time.perf_counter()
         if self.model_dir is not None and a.model.family == "hf-moe":  # this device's copy of config + tokenizer
             a = a.model_copy(update={"model": a.model.model_copy(update={"base": self.model_dir, "tokenizer": None})})
+        if a.lora_rank is not None:  # (minor 13) train a lower LoRA rank: the first columns of each B
+            a = a.model_copy(update={"model": spec_at_rank(a.model, a.lora_rank)})
         meter = B.PeakMeter().start()
         labels = list(a.labels)
         plan = B.estimate(a.model, a.experts, a.train.batch_size, len(labels), self.runtime_bytes, a.weight_format)

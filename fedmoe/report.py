@@ -179,16 +179,18 @@ def device_table(report: dict[str, Any]) -> str:
             what = "its sub-MoE" if d not in compact else "the compact model (one expert)" + (
                 f", batch {smaller[d]}" if d in smaller else "")
             last[d] = (rec, what)
-    head = f"{'device':<8} {'budget MiB':>10} {'samples':>7} {'experts per MoE layer':<24} trained"
+    head = f"{'device':<8} {'budget MiB':>10} {'samples':>7} {'experts per MoE layer':<24} {'LoRA rank':>9} trained"
     lines = [head, "-" * len(head)]
     for d in report["config"]["devices"]:
         rec, what = last.get(d["device_id"], (None, "nothing (never reported)"))
-        held = "-"
+        held, rank = "-", "-"
         if rec is not None:
             counts = sorted({len(v) for v in rec["experts"].values()})
             held = "/".join(map(str, counts)) + (f" of {experts}" if experts else "") + \
                 f" ({len(rec['experts'])} layers)"
-        lines.append(f"{d['device_id']:<8} {d['budget_bytes'] / 2**20:>10.0f} {d['samples']:>7} {held:<24} {what}")
+            rank = str(rec.get("lora_rank", "-"))
+        lines.append(f"{d['device_id']:<8} {d['budget_bytes'] / 2**20:>10.0f} {d['samples']:>7} {held:<24} "
+                     f"{rank:>9} {what}")
     return "\n".join(lines)
 
 

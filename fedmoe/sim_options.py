@@ -59,6 +59,9 @@ OPTIONS: dict[str, Option] = {
     "lr": Option("train.lr"),
     "prox_mu": Option("train.prox_mu"),
     "lora_rank": Option("model.lora.rank"),
+    "min_lora_rank": Option("min_lora_rank", "heterogeneous LoRA ranks: a device may train a rank halved down to "
+                                             "this, so a small budget holds more experts (default: every device "
+                                             "trains --lora-rank)"),
     "lora_train_a": Option("model.lora.train_a", "train LoRA A as well as B (default: FFA-LoRA, A frozen from a "
                                                  "seed, B only: exact averaging, fewer bytes)", switch=True),
     "weight_format": Option("weight_format"),

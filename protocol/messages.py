@@ -32,7 +32,7 @@ from .experts import layers_from_json
 PROTOCOL_VERSION = 1
 """The protocol's MAJOR version, the ``v`` of every message: peers of different major
 versions cannot talk."""
-PROTOCOL_MINOR = 12
+PROTOCOL_MINOR = 13
 """The MINOR version this code speaks (``Hello.protocol_minor``). 1 added the ``Command``
 kinds ``excluded`` and ``round_failed`` and optional fields; 2 added a method's extension
 points: ``Assignment.objectives`` and ``Assignment.tensors`` (named extra tensors in the
@@ -64,7 +64,8 @@ term ``router_probe`` (the device's activation probabilities over every expert, 
 search from its own data); 12 added training programs for devices without Python
 (``Hello.runtimes``: the training runtimes a device runs, e.g. ``executorch-1.5``;
 ``Assignment.program``: the program for its shape, its manifest and frozen LoRA ``A``
-factors as content-addressed files over HTTP(S)). A peer ignores unknown fields and
+factors as content-addressed files over HTTP(S)); 13 added ``Assignment.lora_rank``, a
+LoRA rank below the model's for this device (``moe_model.ranks``). A peer ignores unknown fields and
 unknown commands of a newer minor version, so the cloud sends objectives and extra
 tensors only to devices that announced minor 2 or later (an older device would silently
 train without them) and the evaluation term only to minor 3 or later."""
@@ -83,6 +84,8 @@ MIN_MINOR_FOR_EVALUATION = 3
 device would refuse the whole assignment over the unknown term)."""
 MIN_MINOR_FOR_ROUTER_PROBE = 11
 """Lowest ``Hello.protocol_minor`` whose SDK has the ``router_probe`` term."""
+MIN_MINOR_FOR_LORA_RANK = 13
+"""Lowest ``Hello.protocol_minor`` that trains the LoRA rank of ``Assignment.lora_rank``."""
 MIN_MINOR_FOR_PROGRAMS = 12
 """Lowest ``Hello.protocol_minor`` whose ``runtimes`` the cloud reads (a device that trains
 with a served program, ``Assignment.program``)."""
@@ -556,6 +559,11 @@ class Assignment(_Message):
     program: ProgramRef | None = None
     """(minor 12) The training program to train with, for a device whose ``Hello.runtimes``
     names its runtime; None for a device that trains the model itself."""
+    lora_rank: int | None = Field(None, ge=1, le=256)
+    """(minor 13) The LoRA rank this device trains, below ``model.lora.rank`` (at most it):
+    the device builds the model with this rank and ``alpha`` scaled by ``lora_rank /
+    model.lora.rank`` (``moe_model.ranks.spec_at_rank``); each LoRA ``B`` of its state and
+    update has ``lora_rank`` columns. None: the model's rank."""
 
     @field_validator("experts", mode="before")
     @classmethod
@@ -566,6 +574,9 @@ class Assignment(_Message):
 
     @model_validator(mode="after")
     def _check(self) -> "Assignment":
+        if self.lora_rank is not None and (self.lora_rank > self.model.lora.rank or self.model.lora.train_a):
+            raise ValueError(f"lora_rank {self.lora_rank}: above the model's rank {self.model.lora.rank} or with "
+                             "a trained A")
         for layer, ids in self.experts.items():
             if not ids or len(set(ids)) != len(ids):
                 raise ValueError(f"layer {layer}: expert list empty or has duplicates")

@@ -78,6 +78,10 @@ def _messages() -> dict[str, Any]:
                                  sha256="0" * 63 + "4"),
                 lora_a=FileRef(url=f"https://cdn.example/shards/{'0' * 63}5.safetensors", bytes=98304,
                                sha256="0" * 63 + "5")))),
+        ("assignment", Assignment(
+            round=3, model_version=0, model=ModelSpec(num_experts=4, top_k=2), task="bbc", labels=["a", "b"],
+            experts={1: [0, 1, 2]}, weight_format="int8", train=TrainConfig(lr=0.001), deadline=1795660000.0,
+            shards=[], state=ref, lora_rank=2)),
         ("command", Command(command="reject", round=3, kind="stats", upload_id="3f2a9c0d1e7b4a55",
                             reason="stats rejected: layer 1: usage 128 exceeds tokens x top_k = 60 x 2")),
         ("command", Command(command="excluded", round=4, reason="budget below one expert per layer",

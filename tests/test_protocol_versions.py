@@ -41,7 +41,7 @@ def assignment() -> Assignment:
 
 
 def test_versions():
-    assert (PROTOCOL_VERSION, PROTOCOL_MINOR) == (1, 12)
+    assert (PROTOCOL_VERSION, PROTOCOL_MINOR) == (1, 13)
     assert hello().protocol_minor == 0 and hello().protocol_version == PROTOCOL_VERSION  # absent: a 1.0 device
     for bad in (-1, 10_001):
         with pytest.raises(MessageError, match="protocol_minor"):

@@ -229,6 +229,7 @@ class Closing(EngineState):
                 "shards_fetched": st.shards_fetched, "samples": st.num_samples, "val_accuracy": st.val_accuracy,
                 "train_loss": st.train_loss, "train_seconds": st.train_seconds,
                 "predicted_peak_bytes": st.predicted_peak_bytes, "weight_format": st.weight_format,
+                "lora_rank": rnd.ranks.get(r.device_id, self.model.spec.lora.rank),
                 **({"extras": st.extras} if st.extras else {}),  # what the objective terms reported
                 **({"worker": rnd.takers[r.device_id]} if r.device_id in rnd.takers else {}),
             }

@@ -20,6 +20,8 @@ from protocol.messages import (
     Assignment, Command, TensorSpec, encode,
 )
 
+from moe_model.ranks import at_rank
+
 from ..strategy import Experts
 from .eligibility import Excluded
 from .state import EngineState, OpenRound
@@ -104,7 +106,8 @@ class Dispatch(EngineState):
             self.ensure_shards(fmt, url is not None)
         tensors = rnd.tensors.get(device_id, {})
         try:
-            sent = self._sent_state(device_id, experts)
+            sent = at_rank(self._sent_state(device_id, experts), rnd.ranks[device_id]) \
+                if device_id in rnd.ranks else self._sent_state(device_id, experts)
         except Exception as e:  # a strategy bug: this device sits the round out, the round goes on
             log.exception("round %d: no state to send %s", rnd.number, device_id)
             rnd.rejected[device_id] = f"the strategy gave no valid state to send: {type(e).__name__}: {e}"[:500]
@@ -137,7 +140,7 @@ class Dispatch(EngineState):
             compressed_updates=True,
             uplink=self.coordinator.uplink(device_id) if self.coordinator is not None
             and dev.protocol_minor >= MIN_MINOR_FOR_UPLINK else None,
-            program=program,
+            program=program, lora_rank=rnd.ranks.get(device_id),
         )
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
         rnd.sent[device_id] = time.time()

@@ -10,7 +10,8 @@ import random
 from typing import Callable
 
 from moe_model.budget import DEFAULT_RUNTIME_BYTES, estimate, max_experts_per_layer
-from protocol.messages import MIN_MINOR_FOR_UPLINK
+from moe_model.ranks import rank_ladder, spec_at_rank
+from protocol.messages import MIN_MINOR_FOR_LORA_RANK, MIN_MINOR_FOR_UPLINK, ModelSpec
 
 from ..strategy import DeviceView, Experts
 from .state import EngineState
@@ -35,17 +36,42 @@ class Eligibility(EngineState):
         """The weight format ``dev`` gets: its first preference the cloud serves."""
         return self.model.format_for(dev.weight_formats) or self.model.weight_format
 
+    def _spec_for(self, dev) -> ModelSpec:
+        """The model as ``dev``'s experts are chosen for: at ``min_lora_rank`` where the
+        federation has heterogeneous ranks and the device can train one (minor 13)."""
+        r = self.settings.min_lora_rank
+        if r is None or dev.protocol_minor < MIN_MINOR_FOR_LORA_RANK:
+            return self.model.spec
+        return spec_at_rank(self.model.spec, r)
+
     def capacity(self, dev) -> int:
-        """Experts per layer ``dev``'s budget holds (0..E)."""
+        """Experts per layer ``dev``'s budget holds (0..E), at the lowest rank it may train."""
         labels = len(self.model.tasks.get(dev.task, [0, 1]))
-        return max_experts_per_layer(self.model.spec, dev.budget_bytes, self.settings.train.batch_size, labels,
+        return max_experts_per_layer(self._spec_for(dev), dev.budget_bytes, self.settings.train.batch_size, labels,
                                      self._runtime(dev), self.format_for(dev))
 
     def memory_fn(self, dev) -> Callable[[Experts], int]:
-        """``experts -> bytes`` ``dev`` needs for a round holding them (``moe_model.budget.plan``)."""
+        """``experts -> bytes`` ``dev`` needs for a round holding them (``moe_model.budget.plan``),
+        at the lowest rank it may train."""
         labels = len(self.model.tasks.get(dev.task, [0, 1]))
-        batch, runtime, fmt = self.settings.train.batch_size, self._runtime(dev), self.format_for(dev)
-        return lambda experts: estimate(self.model.spec, experts, batch, labels, runtime, fmt).total
+        batch, runtime, fmt, spec = self.settings.train.batch_size, self._runtime(dev), self.format_for(dev), \
+            self._spec_for(dev)
+        return lambda experts: estimate(spec, experts, batch, labels, runtime, fmt).total
+
+    def rank_for(self, dev, experts: Experts) -> int | None:
+        """The LoRA rank ``dev`` trains holding ``experts``: the highest of
+        ``moe_model.ranks.rank_ladder`` whose memory plan fits its budget (its experts were
+        chosen at the lowest), None where that is the model's rank or ranks are not
+        heterogeneous (``min_lora_rank``) or the device cannot train another (minor < 13)."""
+        spec, low = self.model.spec, self.settings.min_lora_rank
+        if low is None or dev.protocol_minor < MIN_MINOR_FOR_LORA_RANK:
+            return None
+        labels = len(self.model.tasks.get(dev.task, [0, 1]))
+        for r in rank_ladder(spec.lora.rank, low):
+            if r == low or estimate(spec_at_rank(spec, r), experts, self.settings.train.batch_size, labels,
+                                    self._runtime(dev), self.format_for(dev)).total <= dev.budget_bytes:
+                return None if r == spec.lora.rank else r
+        return None
 
     def _view(self, dev) -> DeviceView:
         """``dev`` (a registered device) as the strategy sees it."""

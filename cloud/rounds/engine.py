@@ -154,6 +154,8 @@ class RoundEngine(Eligibility, PlanChecks, Dispatch, Intake, Closing, Recovery):
         rnd.objectives = {d: list(o) for d, o in plan.objectives.items() if d in rnd.selected and o}
         rnd.tensors = {d: {k: t.detach().clone() for k, t in x.items()}
                        for d, x in plan.tensors.items() if d in rnd.selected and x}
+        rnd.ranks = {d: r for d, e in rnd.selected.items()
+                     if (dev := self.registry.get(d)) is not None and (r := self.rank_for(dev, e)) is not None}
         if self.coordinator is not None:  # workers screen update by update: the cap must be known now
             rnd.sample_cap = self.defences.round_sample_cap(
                 [dev.num_samples for d in rnd.selected if (dev := self.registry.get(d)) is not None])

@@ -14,6 +14,7 @@ import torch
 from moe_model.train import num_steps
 from protocol.chunking import Blob
 from protocol.codec import CodecError, decode_tensors, sha256_hex
+from moe_model.ranks import at_rank, expected_at_rank, pad_rank
 from protocol.messages import Ack, Stats, TrainConfig
 
 from ..filters import InboundFilter
@@ -125,7 +126,7 @@ class Intake(EngineState):
                 self.reject(device_id, rnd.number, "a second, different update for this round was ignored", **refers)
             return
         try:
-            tensors = self.decode_update(device_id, rnd.selected[device_id], blob.data)
+            tensors = self.decode_update(device_id, rnd.selected[device_id], blob.data, rnd.ranks.get(device_id))
         except Exception as e:  # CodecError, or the strategy's sent state failing its layout check
             rnd.rejected[device_id] = str(e)
             self.reject(device_id, rnd.number, f"update rejected: {e}", **refers)
@@ -134,20 +135,28 @@ class Intake(EngineState):
         self.store.put_blob(f"inflight/{rnd.number}/update/{device_id}", blob.data)
         self._maybe_report(rnd, device_id)
 
-    def decode_update(self, device_id: str, experts: Experts, data: bytes) -> dict[str, torch.Tensor]:
+    def decode_update(self, device_id: str, experts: Experts, data: bytes, rank: int | None = None
+                      ) -> dict[str, torch.Tensor]:
         """An update payload as fp32 tensors of exactly the layout ``device_id`` holding
-        ``experts`` must send, through the incoming filters (precision, delta).
+        ``experts`` must send, through the incoming filters (precision, delta). A device of
+        LoRA rank ``rank`` (below the model's; ``OpenRound.ranks``) sends each ``B`` with
+        ``rank`` columns; it comes back padded to the model's rank with the columns it was
+        sent (``moe_model.ranks.pad_rank``).
 
         Raises:
             CodecError: malformed, oversized, non-finite or not that layout.
         """
         task = self.registry.get(device_id).task
         meta: dict[str, str] = {}
-        tensors = decode_tensors(data, self.settings.max_update_bytes, self.model.expected_for(experts, task),
+        expected = self.model.expected_for(experts, task)
+        tensors = decode_tensors(data, self.settings.max_update_bytes,
+                                 expected if rank is None else expected_at_rank(expected, rank),
                                  as_float=torch.float32, metadata_out=meta)
+        sent = (lambda: self._sent_state(device_id, experts)) if rank is None else \
+            (lambda: at_rank(self._sent_state(device_id, experts), rank))
         for f in self.filters:
-            tensors = f.on_update(device_id, tensors, meta, lambda: self._sent_state(device_id, experts))
-        return tensors
+            tensors = f.on_update(device_id, tensors, meta, sent)
+        return tensors if rank is None else pad_rank(tensors, self._sent_state(device_id, experts), rank)
 
     def on_stats(self, device_id: str, stats: Stats) -> None:
         """A device's round statistics (schema-valid): bounded by :meth:`_stats_problem`
@@ -254,7 +263,7 @@ class Intake(EngineState):
                     data = self.store.get_blob(f"inflight/{rnd.number}/update/{d}") or b""
                     if sha256_hex(data) != m["sha"]:  # replaced by a later, different upload
                         raise CodecError("the stored update is not the one the worker took")
-                    tensors = self.decode_update(d, rnd.selected[d], data)
+                    tensors = self.decode_update(d, rnd.selected[d], data, rnd.ranks.get(d))
                 except Exception as e:  # a worker accepted it; it must not stop the coordinator now
                     rnd.rejected[d] = f"stored update does not decode: {type(e).__name__}: {e}"[:500]
                     continue

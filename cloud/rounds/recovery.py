@@ -50,7 +50,7 @@ class Recovery(EngineState):
             "plan_info": jsonable(rnd.plan_info), "assignment_seconds": rnd.assignment_seconds, "train": rnd.train,
             "excluded": rnd.excluded, "selected": experts_by_device_to_json(rnd.selected),
             "objectives": {d: [o.model_dump(mode="json") for o in x] for d, x in rnd.objectives.items()},
-            "sample_cap": rnd.sample_cap,
+            "sample_cap": rnd.sample_cap, "ranks": rnd.ranks,
         })
 
     def _persist(self, record: dict[str, Any]) -> None:
@@ -138,7 +138,7 @@ class Recovery(EngineState):
             data = None if self.coordinator is not None else self.store.get_blob(f"{prefix}update/{d}")
             if data is not None and dev is not None:  # a coordinator learns the workers' updates by sync()
                 try:
-                    rnd.updates[d] = (sha256_hex(data), self.decode_update(d, rnd.selected[d], data))
+                    rnd.updates[d] = (sha256_hex(data), self.decode_update(d, rnd.selected[d], data, rnd.ranks.get(d)))
                 except Exception as e:  # decodable once, not now (a strategy's sent state changed): drop, not crash
                     log.warning("round %d: dropped the stored update of %s: %s", rnd.number, d, e)
                     rnd.rejected[d] = f"stored update no longer decodes: {type(e).__name__}: {e}"[:500]
@@ -165,7 +165,8 @@ class Recovery(EngineState):
                       excluded=cur.get("excluded", {}),
                       objectives={d: [Objective.model_validate(o) for o in x]
                                   for d, x in cur.get("objectives", {}).items()},
-                      sample_cap=cur.get("sample_cap"))
+                      sample_cap=cur.get("sample_cap"),
+                      ranks={d: int(r) for d, r in cur.get("ranks", {}).items()})
 
 
 def jsonable(value: Any) -> Any:

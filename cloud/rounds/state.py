@@ -63,6 +63,8 @@ class RoundSettings:
     shard_url: str | None = None
     """Base URL of the shard files (``AggregatorConfig.shard_url``): manifests for devices
     of minor 6 or later name their files there."""
+    min_lora_rank: int | None = None
+    """Heterogeneous LoRA ranks down to this (``FederationSettings.min_lora_rank``; None: off)."""
     assignment_resend_s: float = 0.0
     """Re-send an assignment that was not acknowledged this many seconds after it was sent
     (:meth:`RoundEngine.resend_unacked`; 0: never)."""
@@ -98,6 +100,8 @@ class OpenRound:
     """device -> when (Unix seconds) its assignment was last sent."""
     resends: dict[str, int] = field(default_factory=dict)
     """device -> how often its assignment was re-sent unacknowledged."""
+    ranks: dict[str, int] = field(default_factory=dict)
+    """device -> the LoRA rank it trains, where below the model's (``min_lora_rank``)."""
     sample_cap: int | None = None
     """The cap on claimed samples that aggregator workers apply (set by a coordinator,
     :meth:`cloud.robust.defences.Defences.round_sample_cap`)."""
