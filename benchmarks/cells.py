@@ -224,7 +224,8 @@ def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], te
             ``TrainConfig`` fields (``prox_mu``, ``local_epochs``, ``router``) overriding ``train``,
             and ``update``: the devices' update encoding, ``edge_sdk.filters.UpdateEncoding``
             arguments (``precision``, ``delta``, ``error_feedback``; one filter per device),
-            and ``state_precision``: the down-link encoding (``AggregatorConfig.state_precision``).
+            ``state_precision``: the down-link encoding (``AggregatorConfig.state_precision``), and
+            ``min_lora_rank``: heterogeneous LoRA ranks (``AggregatorConfig.min_lora_rank``).
         train: ``TrainConfig`` fields (``max_steps``, ``batch_size``, ``lr``, ...).
         reserved: the cloud-only labelled set D^r (``Aggregator(reserved_data=...)``).
         eval_threads_n: torch threads of the cloud's evaluation (:func:`common.eval_threads`).
@@ -267,7 +268,7 @@ def federate(out: Path, url: str, *, spec: Any, task: str, labels: list[str], te
                                    params=dict(method.get("aggregation_params", {}))), weight_format=weight_format,
         store=f"sqlite:///{out}/aggregator.db", clear_retained_on_exit=True, protocol="3.1.1", near_miss_hellos=False,
         eval_max_samples=eval_samples, eval_batch_size=64, seed=seed, defences=defences,
-        state_precision=method.get("state_precision", "fp32"),
+        state_precision=method.get("state_precision", "fp32"), min_lora_rank=method.get("min_lora_rank"),
     )
     agg = Aggregator(cfg, url, eval_data={task: test}, reserved_data={task: reserved} if reserved else None)
     devices, clients = [], []

@@ -49,6 +49,9 @@ override any of these by dotted key::
       FedAvg int8 down: {strategy: composed, assignment: full, state_precision: int8}              # cloud download
       FedAvg nf4 base: {strategy: composed, assignment: full, weight_format: nf4}  # base shards in nf4 (budgets
                                                                                     # stay those of weight_format)
+      Ranks 8-2: {strategy: composed, assignment: full, min_lora_rank: 2}   # heterogeneous LoRA ranks
+      Rank 2: {strategy: composed, assignment: full, lora_rank: 2}          # every device at rank 2 (budgets
+                                                                            # stay those of the model's rank)
     compare: [[FedMoE, FedAvg]]      # a − b, paired over seeds, in every setting
     target_fraction: 0.9             # rounds to this fraction of the best method's final accuracy
     profiles:
@@ -278,8 +281,11 @@ def budgets_for(cfg: dict[str, Any], spec, labels: int, devices: int, seed: int,
 
 def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any], seed: int, out: Path,
              url: str) -> dict[str, Any]:
-    """One federation of the grid (:func:`cells.federate`); returns its report."""
+    """One federation of the grid (:func:`cells.federate`); returns its report. A method's
+    ``lora_rank`` trains the whole federation at that rank (the LoRA scaling kept,
+    ``moe_model.ranks.spec_at_rank``) with the budgets of the config's model."""
     from fedmoe.partition import partition
+    from moe_model.ranks import spec_at_rank
 
     data = setting["data"]
     train, test, labels = cells.load_data(data, seed, cfg["samples"], cfg["eval_samples"])
@@ -287,8 +293,8 @@ def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any
     spec = spec_for(cfg, data, seed)
     fmt_ = _per_data(cfg["weight_format"], data)
     return cells.federate(
-        out, url, spec=spec, task=data, labels=labels, test=test,
-        device_data=[[train[j] for j in part] for part in parts],
+        out, url, spec=spec_at_rank(spec, method["lora_rank"]) if "lora_rank" in method else spec, task=data,
+        labels=labels, test=test, device_data=[[train[j] for j in part] for part in parts],
         budgets=budgets_for(cfg, spec, len(labels), setting["devices"], seed, fmt_), method=method,
         train=cfg["train"], rounds=cfg["rounds"], weight_format=method.get("weight_format", fmt_),
         eval_samples=cfg["eval_samples"], seed=seed,

@@ -58,6 +58,11 @@ class TaskConfig(BaseModel):
     server-reserved set D^r, strategy ``fusion``); never sent to a device."""
 
 
+SVD_AGGREGATIONS = ("flexlora", "hlora")
+"""Aggregations that average LoRA products and factor them back to the rank (trained ``A``
+of heterogeneous ranks)."""
+
+
 class FederationSettings(BaseModel):
     """How a federation learns: the model, the method, local training, the round rules and
     the limits the aggregator enforces. The part of :class:`AggregatorConfig` that
@@ -125,8 +130,9 @@ class FederationSettings(BaseModel):
     """Heterogeneous LoRA ranks (``moe_model.ranks``): a device of protocol minor 13 or later
     may train a rank below ``model.lora.rank``, halved down to this, so that a small budget
     holds more experts: its experts are chosen at this rank, then its rank is raised as far
-    as its budget allows with them. Exact aggregation needs a frozen, shared ``A``
-    (``model.lora.train_a`` false). None: every device trains ``model.lora.rank``."""
+    as its budget allows with them. With a frozen, shared ``A`` (``model.lora.train_a``
+    false) any aggregation is exact; with trained ``A`` the aggregation must be ``flexlora``
+    or ``hlora``. None: every device trains ``model.lora.rank``."""
 
     @model_validator(mode="after")
     def _check_min_lora_rank(self) -> "FederationSettings":
@@ -134,9 +140,12 @@ class FederationSettings(BaseModel):
         if r is not None:
             if r > self.model.lora.rank:
                 raise ValueError(f"min_lora_rank {r} is above the model's LoRA rank {self.model.lora.rank}")
-            if self.model.lora.train_a or self.model.full_finetune:
-                raise ValueError("min_lora_rank needs LoRA with a frozen, shared A (model.lora.train_a false, "
-                                 "no full fine-tuning): trained A factors of different ranks do not average exactly")
+            if self.model.full_finetune:
+                raise ValueError("min_lora_rank needs LoRA (no full fine-tuning)")
+            if self.model.lora.train_a and self.aggregation.name not in SVD_AGGREGATIONS:
+                raise ValueError("min_lora_rank with trained A factors (model.lora.train_a) needs an aggregation "
+                                 f"that factors the mean product back to the rank: {' or '.join(SVD_AGGREGATIONS)} "
+                                 "(a frozen, shared A aggregates exactly with any rule)")
         return self
 
 

@@ -563,7 +563,8 @@ class Assignment(_Message):
     """(minor 13) The LoRA rank this device trains, below ``model.lora.rank`` (at most it):
     the device builds the model with this rank and ``alpha`` scaled by ``lora_rank /
     model.lora.rank`` (``moe_model.ranks.spec_at_rank``); each LoRA ``B`` of its state and
-    update has ``lora_rank`` columns. None: the model's rank."""
+    update has ``lora_rank`` columns (and each ``A``, with ``lora.train_a``, ``lora_rank``
+    rows). None: the model's rank."""
 
     @field_validator("experts", mode="before")
     @classmethod
@@ -574,9 +575,8 @@ class Assignment(_Message):
 
     @model_validator(mode="after")
     def _check(self) -> "Assignment":
-        if self.lora_rank is not None and (self.lora_rank > self.model.lora.rank or self.model.lora.train_a):
-            raise ValueError(f"lora_rank {self.lora_rank}: above the model's rank {self.model.lora.rank} or with "
-                             "a trained A")
+        if self.lora_rank is not None and self.lora_rank > self.model.lora.rank:
+            raise ValueError(f"lora_rank {self.lora_rank} is above the model's rank {self.model.lora.rank}")
         for layer, ids in self.experts.items():
             if not ids or len(set(ids)) != len(ids):
                 raise ValueError(f"layer {layer}: expert list empty or has duplicates")

@@ -1,14 +1,16 @@
-"""Heterogeneous LoRA ranks over a frozen, shared A (moe_model.ranks): the FedAvg of the
-padded B factors is exactly the average of the devices' weight updates, a rank-r device
-builds the global model's LoRA scaling, and a federation gives a small device a lower rank
-and more experts."""
+"""Heterogeneous LoRA ranks (moe_model.ranks): over a frozen, shared A the FedAvg of the
+padded B factors is exactly the average of the devices' weight updates; with trained A,
+FlexLoRA and HLoRA give the truncated SVD of the mean product (Eckart-Young) and each
+other's result; a rank-r device builds the global model's LoRA scaling, and a federation
+gives a small device a lower rank and more experts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_model.ranks import at_rank, expected_at_rank, pad_rank, rank_ladder, spec_at_rank
+from moe_model.ranks import at_rank, expected_at_rank, pad_rank, rank_ladder, spec_at_rank, stacked_factors, \
+    truncated_factors
 from moe_model.submoe import lora_a_init
 from protocol.messages import Assignment, BlobRef, LoraSpec, ModelSpec, TrainConfig
 from tests.conftest import tiny_spec
@@ -33,8 +35,6 @@ def test_a_lower_rank_keeps_the_global_scaling_and_the_first_rows_of_a():
                        lora_a_init(7, "expert.1.0.fc1.lora_A", (2, 32)))  # what makes the rule exact
     with pytest.raises(ValueError, match="outside"):
         spec_at_rank(spec, 9)
-    with pytest.raises(ValueError, match="frozen, shared A"):
-        spec_at_rank(spec.model_copy(update={"lora": LoraSpec(rank=8, train_a=True)}), 2)
 
 
 def test_fedavg_of_padded_b_is_the_average_of_the_devices_weight_updates():
@@ -86,31 +86,88 @@ def test_min_lora_rank_is_refused_with_trained_a_or_above_the_rank(tmp_path):
     assert FederationSettings(min_lora_rank=2).min_lora_rank == 2
     with pytest.raises(ValueError, match="above the model's LoRA rank"):
         FederationSettings(min_lora_rank=16)
-    with pytest.raises(ValueError, match="frozen, shared A"):
+    with pytest.raises(ValueError, match="flexlora or hlora"):
         FederationSettings(model=ModelSpec(lora=LoraSpec(train_a=True)), min_lora_rank=2)
+    assert FederationSettings(model=ModelSpec(lora=LoraSpec(train_a=True)), min_lora_rank=2,
+                              aggregation={"name": "hlora"}).min_lora_rank == 2
+    with pytest.raises(ValueError, match="no full fine-tuning"):
+        FederationSettings(model=ModelSpec(full_finetune=True), min_lora_rank=2)
+
+
+def test_truncated_factors_are_the_best_low_rank_approximation_and_the_stack_gives_the_same():
+    """Eckart-Young: the error of the rank-R product is the norm of the dropped singular
+    values; a matrix of rank <= R comes back exactly; HLoRA's QR of the stacked factors gives
+    FlexLoRA's factors of the weighted mean product without forming it."""
+    gen = torch.Generator().manual_seed(1)
+    m = torch.randn(9, 7, generator=gen, dtype=torch.float64)
+    b, a = truncated_factors(m, 3)
+    s = torch.linalg.svdvals(m)
+    assert b.shape == (9, 3) and a.shape == (3, 7)
+    assert torch.linalg.norm(m - b @ a) == pytest.approx(s[3:].norm().item(), rel=1e-9)
+    low = torch.randn(9, 2, generator=gen, dtype=torch.float64) @ torch.randn(2, 7, generator=gen, dtype=torch.float64)
+    b, a = truncated_factors(low, 4)
+    assert torch.allclose(b @ a, low, atol=1e-10) and a[2:].abs().max() < 1e-6  # sqrt of rounding-level values
+    factors = [(torch.randn(9, r, generator=gen, dtype=torch.float64), torch.randn(r, 7, generator=gen,
+                                                                                     dtype=torch.float64))
+               for r in (4, 2, 3)]
+    weights = [3.0, 1.0, 2.0]
+    mean = sum(w * b @ a for w, (b, a) in zip(weights, factors)) / sum(weights)
+    fb, fa = truncated_factors(mean, 4)
+    hb, ha = stacked_factors(weights, factors, 4)
+    assert torch.allclose(hb @ ha, fb @ fa, atol=1e-9)
+    with pytest.raises(ValueError, match="at least one pair"):
+        stacked_factors([], [], 4)
+
+
+@pytest.mark.parametrize("rule", ["flexlora", "hlora"])
+def test_the_svd_rules_aggregate_products_of_heterogeneous_ranks(rule):
+    from cloud.aggregation import get_aggregation
+    from cloud.strategy import ClientResult
+
+    gen = torch.Generator().manual_seed(2)
+    full = {"expert.1.0.fc1.lora_A": torch.randn(4, 6, generator=gen), "expert.1.0.fc1.lora_B": torch.zeros(5, 4),
+            "router.1.0": torch.zeros(6)}
+    results, products = [], []
+    for i, (r, n) in enumerate(((4, 30), (2, 10))):
+        trained = {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in at_rank(full, r).items()}
+        padded = pad_rank(trained, full, r)
+        products.append((n, padded["expert.1.0.fc1.lora_B"].double() @ padded["expert.1.0.fc1.lora_A"].double()))
+        results.append(ClientResult(f"d{i}", "bbc", n, {1: [0]}, padded, None))
+    out = get_aggregation(rule)().aggregate(1, full, results, [])
+    mean = sum(n * p for n, p in products) / 40
+    b, a = truncated_factors(mean, 4)
+    assert torch.allclose(out["expert.1.0.fc1.lora_B"] @ out["expert.1.0.fc1.lora_A"], (b @ a).float(), atol=1e-5)
+    assert torch.allclose(out["router.1.0"], (30 * results[0].state["router.1.0"]
+                                              + 10 * results[1].state["router.1.0"]) / 40, atol=1e-6)
 
 
 @pytest.mark.slow
-def test_a_small_device_trains_a_lower_rank_and_more_experts(mosquitto_url, tmp_path):
+@pytest.mark.parametrize("train_a,aggregation", [(False, "modular"), (True, "flexlora"), (True, "hlora")])
+def test_a_small_device_trains_a_lower_rank_and_more_experts(mosquitto_url, tmp_path, train_a, aggregation):
     """min_lora_rank 2: dev0's budget holds 2 experts per layer at rank 8 but 3 at rank 2,
     so it is given 3 at the highest rank that fits them; its update comes back padded to
-    rank 8 and the round aggregates both devices."""
+    rank 8 and the round aggregates both devices (frozen A by modular FedAvg; trained A by
+    FlexLoRA or HLoRA)."""
+    from cloud.config import StrategyConfig
     from moe_model.budget import estimate
     from tests.federation import Federation
 
-    spec = tiny_spec()
+    lora = LoraSpec(train_a=train_a)
+    spec = tiny_spec(lora=lora)
     plan = lambda r, k: estimate(spec_at_rank(spec, r), k, 8, 5, runtime_bytes=0, weight_format="int8").total  # noqa: E731
-    assert plan(2, 3) < plan(8, 3)
-    budget = plan(2, 3)  # 2 experts at rank 8, 3 at rank 2
-    assert plan(8, 2) <= budget < plan(8, 3)
+    budget = plan(2, 3)  # 2 experts at rank 8, 3 at rank 2, and rank 2 the highest that holds 3
+    assert plan(8, 2) <= budget < plan(8, 3) and plan(4, 3) > budget
     hook = lambda c: setattr(c, "budget_bytes", budget) if c.device_id == "dev0" else None  # noqa: E731
     fed = Federation(mosquitto_url, str(tmp_path), rounds=2, experts=(1, 4), round_timeout_s=60,
-                     config_kw={"min_lora_rank": 2}, client_hook=hook)
+                     spec_kw={"upcycle_noise": 0.01, "lora": lora}, client_hook=hook,
+                     config_kw={"min_lora_rank": 2, "aggregation": StrategyConfig(name=aggregation)})
     records = fed.run(timeout=180)
-    assert plan(4, 3) > budget  # so rank 2 is the highest that holds 3 experts
     for rec in records:
         assert rec["status"] == "ok" and set(rec["devices"]) == {"dev0", "dev1"}, rec
         small, big = rec["devices"]["dev0"], rec["devices"]["dev1"]
         assert big["lora_rank"] == 8 and small["lora_rank"] == 2
         assert {len(v) for v in small["experts"].values()} == {3}
-    assert all(t.shape[1] == 8 for k, t in fed.aggregator.model.state.items() if ".lora_B" in k)
+    state = fed.aggregator.model.state
+    assert all(t.shape[1] == 8 for k, t in state.items() if ".lora_B" in k)
+    assert all(t.shape[0] == 8 for k, t in state.items() if ".lora_A" in k) and \
+        any(".lora_A" in k for k in state) == train_a

@@ -1,0 +1,32 @@
+"""Heterogeneous LoRA ranks against uniform ranks (docs/ranks.md): the harness's grid table
+(:mod:`benchmarks.harness`) with each method's mean LoRA rank per device-round beside the
+experts it held (``table: ranks_table`` in ``benchmarks/configs/ranks.yaml``).
+
+    python -m benchmarks.harness benchmarks/configs/ranks.yaml [--quick] [--lock FILE]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from benchmarks import cells, harness
+from benchmarks.common import fmt
+
+EXTRA = harness.EXTRA + ("lora_rank_mean",)
+
+
+def summarise(report: dict[str, Any]) -> dict[str, Any]:
+    """:func:`cells.summarise` plus ``lora_rank_mean``: the LoRA rank each reporting device
+    trained, mean over device-rounds (the model's rank where a round record has none)."""
+    out = cells.summarise(report)
+    rank = report["config"]["aggregator"]["model"]["lora"]["rank"]
+    ranks = [d.get("lora_rank", rank) for r in report["rounds"] for d in r["devices"].values()]
+    out["lora_rank_mean"] = sum(ranks) / len(ranks) if ranks else None
+    return out
+
+
+_at = next(i for i, (name, _) in enumerate(harness.LAYOUT.columns) if name == "experts held") + 1
+LAYOUT = dataclasses.replace(harness.LAYOUT, columns=[
+    *harness.LAYOUT.columns[:_at], ("LoRA rank", lambda m, s, st: fmt(s.get("lora_rank_mean"), ".1f")),
+    *harness.LAYOUT.columns[_at:]])
