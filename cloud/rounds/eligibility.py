@@ -36,11 +36,18 @@ class Eligibility(EngineState):
         """The weight format ``dev`` gets: its first preference the cloud serves."""
         return self.model.format_for(dev.weight_formats) or self.model.weight_format
 
+    @staticmethod
+    def _may_lower_rank(dev) -> bool:
+        """Whether ``dev`` can train a LoRA rank below the model's: it speaks minor 13, and it
+        builds the model itself (a device training with a served program gets the program of
+        the model's rank)."""
+        return dev.protocol_minor >= MIN_MINOR_FOR_LORA_RANK and not dev.runtimes
+
     def _spec_for(self, dev) -> ModelSpec:
         """The model as ``dev``'s experts are chosen for: at ``min_lora_rank`` where the
         federation has heterogeneous ranks and the device can train one (minor 13)."""
         r = self.settings.min_lora_rank
-        if r is None or dev.protocol_minor < MIN_MINOR_FOR_LORA_RANK:
+        if r is None or not self._may_lower_rank(dev):
             return self.model.spec
         return spec_at_rank(self.model.spec, r)
 
@@ -62,9 +69,10 @@ class Eligibility(EngineState):
         """The LoRA rank ``dev`` trains holding ``experts``: the highest of
         ``moe_model.ranks.rank_ladder`` whose memory plan fits its budget (its experts were
         chosen at the lowest), None where that is the model's rank or ranks are not
-        heterogeneous (``min_lora_rank``) or the device cannot train another (minor < 13)."""
+        heterogeneous (``min_lora_rank``) or the device cannot train another
+        (:meth:`_may_lower_rank`)."""
         spec, low = self.model.spec, self.settings.min_lora_rank
-        if low is None or dev.protocol_minor < MIN_MINOR_FOR_LORA_RANK:
+        if low is None or not self._may_lower_rank(dev):
             return None
         labels = len(self.model.tasks.get(dev.task, [0, 1]))
         for r in rank_ladder(spec.lora.rank, low):
