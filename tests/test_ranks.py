@@ -171,3 +171,14 @@ def test_a_small_device_trains_a_lower_rank_and_more_experts(mosquitto_url, tmp_
     assert all(t.shape[1] == 8 for k, t in state.items() if ".lora_B" in k)
     assert all(t.shape[0] == 8 for k, t in state.items() if ".lora_A" in k) and \
         any(".lora_A" in k for k in state) == train_a
+
+
+def test_an_open_round_keeps_its_ranks_across_a_restart():
+    """The ranks are stored with the open round (a restarted aggregator, or a worker, decodes
+    a rank-r update as rank r) and read back."""
+    from cloud.rounds.recovery import Recovery
+
+    rnd = Recovery.round_from_json({"number": 3, "started": 1.0, "deadline": 2.0, "selected": {"dev0": {"1": [0, 1]}},
+                                    "ranks": {"dev0": 2}})
+    assert rnd.ranks == {"dev0": 2}
+    assert Recovery.round_from_json({"number": 3, "started": 1.0, "deadline": 2.0, "selected": {}}).ranks == {}
