@@ -131,30 +131,32 @@ def lora_pairs(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, str]]:
             if k.endswith(LORA_A) and k[:-len(LORA_A)] + LORA_B in state}
 
 
-def truncated_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def truncated_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(B, A)`` of rank ``rank`` whose product is the best rank-``rank`` approximation of
     ``delta`` (``(out, in)``) in Frobenius norm (Eckart-Young): ``B = U_r·sqrt(S_r)`` ``(out,
     rank)``, ``A = sqrt(S_r)·V_rᵀ`` ``(rank, in)`` from its SVD, singular values descending,
     so the first ``r`` columns of ``B`` and rows of ``A`` are its best rank-``r`` factors too
     (what a rank-``r`` device is sent, :func:`at_rank`). Columns beyond ``delta``'s own rank
-    are zero."""
+    are zero. The third value is every singular value of ``delta`` (descending): the spectrum
+    a rank collapse shows in (:func:`spectrum_summary`)."""
     u, s, vh = torch.linalg.svd(delta, full_matrices=False)
     k = min(rank, s.shape[0])
     root = s[:k].sqrt()
     b = torch.zeros(delta.shape[0], rank, dtype=delta.dtype)
     a = torch.zeros(rank, delta.shape[1], dtype=delta.dtype)
     b[:, :k], a[:k] = u[:, :k] * root, root[:, None] * vh[:k]
-    return b, a
+    return b, a, s
 
 
 def stacked_factors(weights: list[float], factors: list[tuple[torch.Tensor, torch.Tensor]], rank: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`truncated_factors` of ``sum_i w_i B_i A_i / sum_i w_i`` without forming the
     ``(out, in)`` matrix: the ``B_i`` (scaled) and ``A_i`` stacked side by side give the sum
     exactly (``[w_1 B_1 ... w_n B_n] · [A_1; ...; A_n]``), a QR of each stack leaves a small
     ``(Σr_i, Σr_i)`` core, and its SVD gives the factors (the weighted-sum-then-QR+SVD of
     NVIDIA FLARE's HLoRA example, ``examples/advanced/medgemma/custom_aggregators.py``).
-    ``factors`` are ``(B_i, A_i)`` pairs of any ranks.
+    ``factors`` are ``(B_i, A_i)`` pairs of any ranks; the third value is the mean product's
+    singular values (those of the core).
 
     Raises:
         ValueError: no factors, or weights that do not sum to > 0.
@@ -166,5 +168,25 @@ def stacked_factors(weights: list[float], factors: list[tuple[torch.Tensor, torc
     a_cat = torch.cat([a for _, a in factors], dim=0)
     qb, rb = torch.linalg.qr(b_cat)
     qa, ra = torch.linalg.qr(a_cat.T)
-    b, a = truncated_factors(rb @ ra.T, rank)
-    return qb @ b, a @ qa.T
+    b, a, s = truncated_factors(rb @ ra.T, rank)
+    return qb @ b, a @ qa.T, s
+
+
+def spectrum_summary(spectra: list[torch.Tensor], rank: int) -> dict[str, float | int]:
+    """What the singular values of the aggregated LoRA products say about rank collapse, over
+    the modules aggregated in a round: ``modules``; ``effective_rank``: mean count of singular
+    values above 1% of the largest (at most ``rank`` survive the truncation);
+    ``energy_kept``: mean share of the squared singular values within the first ``rank``
+    (1.0: the truncation lost nothing); ``top_share``: mean share of the largest alone (near
+    1.0: collapsed to rank one). Empty when ``spectra`` is."""
+    if not spectra:
+        return {}
+    eff, kept, top = [], [], []
+    for s in spectra:
+        s2 = s.double() ** 2
+        total = float(s2.sum()) or 1.0
+        eff.append(int((s > 0.01 * s[0]).sum()) if s.numel() and s[0] > 0 else 0)
+        kept.append(float(s2[:rank].sum()) / total)
+        top.append(float(s2[:1].sum()) / total)
+    n = len(spectra)
+    return {"modules": n, "effective_rank": sum(eff) / n, "energy_kept": sum(kept) / n, "top_share": sum(top) / n}

@@ -100,20 +100,22 @@ def test_truncated_factors_are_the_best_low_rank_approximation_and_the_stack_giv
     FlexLoRA's factors of the weighted mean product without forming it."""
     gen = torch.Generator().manual_seed(1)
     m = torch.randn(9, 7, generator=gen, dtype=torch.float64)
-    b, a = truncated_factors(m, 3)
+    b, a, sv = truncated_factors(m, 3)
+    assert torch.allclose(sv, torch.linalg.svdvals(m))
     s = torch.linalg.svdvals(m)
     assert b.shape == (9, 3) and a.shape == (3, 7)
     assert torch.linalg.norm(m - b @ a) == pytest.approx(s[3:].norm().item(), rel=1e-9)
     low = torch.randn(9, 2, generator=gen, dtype=torch.float64) @ torch.randn(2, 7, generator=gen, dtype=torch.float64)
-    b, a = truncated_factors(low, 4)
+    b, a, _ = truncated_factors(low, 4)
     assert torch.allclose(b @ a, low, atol=1e-10) and a[2:].abs().max() < 1e-6  # sqrt of rounding-level values
     factors = [(torch.randn(9, r, generator=gen, dtype=torch.float64), torch.randn(r, 7, generator=gen,
                                                                                      dtype=torch.float64))
                for r in (4, 2, 3)]
     weights = [3.0, 1.0, 2.0]
     mean = sum(w * b @ a for w, (b, a) in zip(weights, factors)) / sum(weights)
-    fb, fa = truncated_factors(mean, 4)
-    hb, ha = stacked_factors(weights, factors, 4)
+    fb, fa, fs = truncated_factors(mean, 4)
+    hb, ha, hs = stacked_factors(weights, factors, 4)
+    assert torch.allclose(hs[:4], fs[:4], atol=1e-9)
     assert torch.allclose(hb @ ha, fb @ fa, atol=1e-9)
     with pytest.raises(ValueError, match="at least one pair"):
         stacked_factors([], [], 4)
@@ -133,9 +135,12 @@ def test_the_svd_rules_aggregate_products_of_heterogeneous_ranks(rule):
         padded = pad_rank(trained, full, r)
         products.append((n, padded["expert.1.0.fc1.lora_B"].double() @ padded["expert.1.0.fc1.lora_A"].double()))
         results.append(ClientResult(f"d{i}", "bbc", n, {1: [0]}, padded, None))
-    out = get_aggregation(rule)().aggregate(1, full, results, [])
+    aggregation = get_aggregation(rule)()
+    out = aggregation.aggregate(1, full, results, [])
+    spectrum = aggregation.metrics()["lora_spectrum"]
+    assert spectrum["modules"] == 1 and 1 <= spectrum["effective_rank"] <= 6 and 0 < spectrum["energy_kept"] <= 1
     mean = sum(n * p for n, p in products) / 40
-    b, a = truncated_factors(mean, 4)
+    b, a, _ = truncated_factors(mean, 4)
     assert torch.allclose(out["expert.1.0.fc1.lora_B"] @ out["expert.1.0.fc1.lora_A"], (b @ a).float(), atol=1e-5)
     assert torch.allclose(out["router.1.0"], (30 * results[0].state["router.1.0"]
                                               + 10 * results[1].state["router.1.0"]) / 40, atol=1e-6)
@@ -167,6 +172,8 @@ def test_a_small_device_trains_a_lower_rank_and_more_experts(mosquitto_url, tmp_
         small, big = rec["devices"]["dev0"], rec["devices"]["dev1"]
         assert big["lora_rank"] == 8 and small["lora_rank"] == 2
         assert {len(v) for v in small["experts"].values()} == {3}
+        spectrum = (rec.get("strategy_metrics") or {}).get("lora_spectrum")
+        assert (spectrum is not None and spectrum["modules"] > 0 and spectrum["effective_rank"] <= 8) == train_a
     state = fed.aggregator.model.state
     assert all(t.shape[1] == 8 for k, t in state.items() if ".lora_B" in k)
     assert all(t.shape[0] == 8 for k, t in state.items() if ".lora_A" in k) and \

@@ -121,6 +121,11 @@ class AggregationStrategy(Registered):
         """The next global adapter state (same keys and shapes as ``global_state``).
         Keys no result holds stay unchanged."""
 
+    def metrics(self) -> dict[str, Any]:
+        """JSON-able figures of the last :meth:`aggregate` or :meth:`finish` for the round
+        record's ``strategy_metrics`` (default: none)."""
+        return {}
+
     def fold(self, sums: RoundSums, result: ClientResult) -> None:
         """Add one accepted update to ``sums`` (only where :attr:`decomposes`).
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_model.ranks import lora_pairs, truncated_factors
+from typing import Any
+
+from moe_model.ranks import lora_pairs, spectrum_summary, truncated_factors
 from protocol import keys
 
 from ..strategy import ClientResult
@@ -38,6 +40,12 @@ class FlexLoRA(Modular):
 
     name = "flexlora"
     decomposes = True
+    _spectrum: dict[str, Any] = {}
+
+    def metrics(self) -> dict[str, Any]:
+        """``lora_spectrum``: :func:`moe_model.ranks.spectrum_summary` of the last round's
+        aggregated products (rank collapse shows as an effective rank near 1)."""
+        return {"lora_spectrum": self._spectrum} if self._spectrum else {}
 
     def fold(self, sums: RoundSums, result: ClientResult) -> None:
         """Add ``w · B_i A_i`` (``(out, in)``, float64) per LoRA module ``result`` holds, and
@@ -56,11 +64,15 @@ class FlexLoRA(Modular):
         """:meth:`Modular.finish`, then each LoRA module whose products were summed: the
         truncated SVD of their weighted mean at the rank of the global ``A``."""
         out = super().finish(global_state, sums)
+        spectra, rank = [], 0
         for prefix, (a, b) in lora_pairs(global_state).items():
             total = sums.weight.get(prefix + PRODUCT, 0.0)
             if total > 0:
-                new_b, new_a = truncated_factors(sums.weighted[prefix + PRODUCT] / total, global_state[a].shape[0])
+                rank = global_state[a].shape[0]
+                new_b, new_a, s = truncated_factors(sums.weighted[prefix + PRODUCT] / total, rank)
                 out[b], out[a] = new_b.to(global_state[b].dtype), new_a.to(global_state[a].dtype)
+                spectra.append(s)
+        self._spectrum = spectrum_summary(spectra, rank)
         return out
 
 

@@ -11,13 +11,16 @@ does not decompose into running sums and runs on the coordinator. Other tensors 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from moe_model.ranks import lora_pairs, stacked_factors
+from moe_model.ranks import lora_pairs, spectrum_summary, stacked_factors
 from protocol import keys
 
 from ..strategy import ClientResult, Failure
 from .base import RoundSums
+from .flexlora import FlexLoRA
 from .modular import Modular
 
 
@@ -26,6 +29,8 @@ class HLoRA(Modular):
 
     name = "hlora"
     decomposes = False
+    _spectrum: dict[str, Any] = {}
+    metrics = FlexLoRA.metrics
 
     def fold(self, sums: RoundSums, result: ClientResult) -> None:
         raise NotImplementedError("aggregation 'hlora' needs every update at once (it does not decompose)")
@@ -50,8 +55,12 @@ class HLoRA(Modular):
                     ws.append(w)
                     fs.append((r.state[b].to(torch.float64), r.state[a].to(torch.float64)))
         out = Modular.finish(self, global_state, sums)
+        spectra, rank = [], 0
         for prefix, (a, b) in lora_pairs(global_state).items():
             if prefix in stacks:
-                new_b, new_a = stacked_factors(*stacks[prefix], global_state[a].shape[0])
+                rank = global_state[a].shape[0]
+                new_b, new_a, s = stacked_factors(*stacks[prefix], rank)
                 out[b], out[a] = new_b.to(global_state[b].dtype), new_a.to(global_state[a].dtype)
+                spectra.append(s)
+        self._spectrum = spectrum_summary(spectra, rank)
         return out

@@ -179,7 +179,8 @@ class Strategy(Registered):
         if self.aggregation is None:
             raise NotImplementedError(f"strategy {self.name!r} has no aggregation part and does not aggregate")
         results = [self.for_aggregation(r) for r in results]
-        return Aggregated(self.aggregation.aggregate(round, model.state, results, failures))
+        state = self.aggregation.aggregate(round, model.state, results, failures)
+        return Aggregated(state, metrics=self.aggregation.metrics())
 
     def for_aggregation(self, result: ClientResult) -> ClientResult:
         """``result`` as the aggregation part sees it (default: unchanged)."""
@@ -213,7 +214,8 @@ class Strategy(Registered):
         """
         if not self.decomposes:
             raise NotImplementedError(f"strategy {self.name!r} does not aggregate by running sums")
-        return Aggregated(self.aggregation.finish(model.state, sums))
+        state = self.aggregation.finish(model.state, sums)
+        return Aggregated(state, metrics=self.aggregation.metrics())
 
     def observe(self, round: int, results: list[ClientResult], failures: list[Failure]) -> None:
         """Feedback after every round, with or without a quorum (default: ignored)."""

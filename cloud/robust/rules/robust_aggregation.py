@@ -172,6 +172,10 @@ class RobustAggregation(AggregationStrategy):
                     out[name] = selected[name]
         return out
 
+    def metrics(self) -> dict[str, Any]:
+        """The inner strategy's figures of its last pass (:meth:`AggregationStrategy.metrics`)."""
+        return self.inner.metrics()
+
     def state_dict(self) -> dict[str, Any]:
         """``{"inner": inner.state_dict()}`` (the rules themselves keep no state)."""
         return {"inner": self.inner.state_dict()}
