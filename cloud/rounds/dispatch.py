@@ -13,14 +13,13 @@ from typing import Callable, Collection
 
 import torch
 
+from moe_model.ranks import at_rank
 from protocol.codec import EXTRA_DTYPES, CodecError, check_expected, encode_tensors
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
     MIN_MINOR_FOR_COMPRESSION, MIN_MINOR_FOR_SHARD_URL, MIN_MINOR_FOR_STATE_PRECISION, MIN_MINOR_FOR_UPLINK,
     Assignment, Command, TensorSpec, encode,
 )
-
-from moe_model.ranks import at_rank
 
 from ..strategy import Experts
 from .eligibility import Excluded
@@ -106,8 +105,9 @@ class Dispatch(EngineState):
             self.ensure_shards(fmt, url is not None)
         tensors = rnd.tensors.get(device_id, {})
         try:
-            sent = at_rank(self._sent_state(device_id, experts), rnd.ranks[device_id]) \
-                if device_id in rnd.ranks else self._sent_state(device_id, experts)
+            sent = self._sent_state(device_id, experts)
+            if device_id in rnd.ranks:  # a lower LoRA rank: the first columns (rows of A) of each factor
+                sent = at_rank(sent, rnd.ranks[device_id])
         except Exception as e:  # a strategy bug: this device sits the round out, the round goes on
             log.exception("round %d: no state to send %s", rnd.number, device_id)
             rnd.rejected[device_id] = f"the strategy gave no valid state to send: {type(e).__name__}: {e}"[:500]

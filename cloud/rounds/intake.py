@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
+from moe_model.ranks import at_rank, expected_at_rank, pad_rank
 from moe_model.train import num_steps
 from protocol.chunking import Blob
 from protocol.codec import CodecError, decode_tensors, sha256_hex
-from moe_model.ranks import at_rank, expected_at_rank, pad_rank
 from protocol.messages import Ack, Stats, TrainConfig
 
 from ..filters import InboundFilter
