@@ -138,15 +138,18 @@ class ProgramPublisher:
             ``AggregatorConfig.shard_dir``); programs are cached in ``{shard_dir}/programs``.
         shard_url: the base URL of ``shard_dir``.
 
-    A program is exported the first time a device of its shape is assigned (tens of seconds
-    on a CPU for the demo model, during which the aggregator's round loop waits); later
-    devices of that shape, and a restarted aggregator, reuse it.
+    A program is exported the first time a device of its shape is assigned, before the round
+    opens (``RoundEngine._prepare_programs``: its deadline starts after the export, which
+    takes 30 s for the demo model on 2 idle cores and about 100 s on a loaded machine, while
+    the aggregator handles no messages); later devices of that shape, and a restarted
+    aggregator, reuse it. A failed export is not tried again for that shape.
     """
 
     def __init__(self, model: GlobalModel, shard_dir: str | Path, shard_url: str):
         self.cache = ProgramCache(model, Path(shard_dir) / "programs")
         self.directory, self.url = Path(shard_dir), shard_url.rstrip("/")
         self._refs: dict[tuple, ProgramRef] = {}
+        self._failed: dict[tuple, str] = {}
 
     @staticmethod
     def refuses(runtimes: list[str]) -> str | None:
@@ -162,18 +165,25 @@ class ProgramPublisher:
 
         Raises:
             KeyError, ValueError, ImportError: as :meth:`ProgramCache.get`. OSError: a file
-            could not be written.
+            could not be written. RuntimeError: an earlier attempt for the same device shape
+            failed (not tried again: an export can take minutes).
         """
         held = Experts(held)
         key = (task, tuple((layer, tuple(ids)) for layer, ids in sorted(held.items())), batch_size, seq_len)
+        if key in self._failed:
+            raise RuntimeError(f"an earlier export failed: {self._failed[key]}")
         ref = self._refs.get(key)
         if ref is None:
-            manifest = self.cache.get(task, held, batch_size, seq_len)
-            lora_a = self.cache.lora_a(manifest, held)
-            ref = ProgramRef(runtime=manifest["runtime"], key=manifest["key"],
-                             program=self._put(self.cache.path(manifest["key"]).read_bytes(), ".pte"),
-                             manifest=self._put(json.dumps(manifest, sort_keys=True).encode(), ".json"),
-                             lora_a=self._put(encode_tensors(lora_a, "fp32"), ".safetensors") if lora_a else None)
+            try:
+                manifest = self.cache.get(task, held, batch_size, seq_len)
+                lora_a = self.cache.lora_a(manifest, held)
+                ref = ProgramRef(runtime=manifest["runtime"], key=manifest["key"],
+                                 program=self._put(self.cache.path(manifest["key"]).read_bytes(), ".pte"),
+                                 manifest=self._put(json.dumps(manifest, sort_keys=True).encode(), ".json"),
+                                 lora_a=self._put(encode_tensors(lora_a, "fp32"), ".safetensors") if lora_a else None)
+            except Exception as e:
+                self._failed[key] = f"{type(e).__name__}: {e}"[:500]
+                raise
             self._refs[key] = ref
         return ref
 

@@ -112,6 +112,22 @@ class RoundEngine(Eligibility, PlanChecks, Dispatch, Intake, Closing, Recovery):
         ``accuracy``/``loss`` (sample-weighted means over tasks) and ``per_task``."""
         return self.strategy.evaluate(self.completed, self.model, self.eval_data, self.settings.eval_batch_size)
 
+    def _prepare_programs(self, plan) -> None:
+        """Export the training programs the plan's program devices need (protocol minor 12)
+        before the round opens, so that an export (tens of seconds, more on a loaded machine)
+        does not eat into the round's deadline for every device; a failure is reported when
+        the device's assignment is sent (:meth:`_send_assignment`)."""
+        if self.programs is None:
+            return
+        for d, experts in plan.assignments.items():
+            dev = self.registry.get(d)
+            if dev is not None and dev.runtimes:
+                try:
+                    self.programs.ref_for(dev.task, experts, self._train_for_overrides(plan.train.get(d)).batch_size,
+                                          self.model.spec.max_seq_len)
+                except Exception:  # noqa: BLE001 (said with the device's assignment)
+                    pass
+
     def start_round(self) -> bool:
         """Select, assign and publish round ``completed + 1``.
 
@@ -146,7 +162,8 @@ class RoundEngine(Eligibility, PlanChecks, Dispatch, Intake, Closing, Recovery):
                 log.warning("round %d: no device could be assigned (eligible: %s, capacities %s); waiting", number,
                             [d.device_id for d in eligible], {v.device_id: v.capacity for v in views})
             return False
-        now = time.time()
+        self._prepare_programs(plan)
+        now = time.time()  # the round's deadline counts from here, after any program export
         rnd = OpenRound(number, now, now + self.settings.round_timeout_s,
                         {d: Experts(e) for d, e in plan.assignments.items()},
                         plan.info, seconds, excluded=dict(self.excluded))
