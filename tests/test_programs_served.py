@@ -147,3 +147,35 @@ def _federate_and_train(mosquitto_url, tmp_path, server, binary):
     losses = json.loads(r.stdout)["losses"]
     assert len(losses) == steps and all(0 < x < 20 for x in losses)
     assert set(load_file(str(d / "out.safetensors"))) == set(manifest["trainable"].values())
+
+
+def test_the_round_deadline_starts_after_the_program_export_and_a_failed_export_is_not_retried(tmp_path,
+                                                                                                monkeypatch):
+    """The export runs before the round opens (a slow export must not eat the round's time for
+    every device); a shape whose export failed sits out with the reason, without a second
+    export attempt on the next assignment."""
+    from cloud.programs import ProgramPublisher
+    from tests.test_bounds import _offline
+
+    agg, _ = _offline(str(tmp_path), monkeypatch, round_timeout_s=60)
+    publisher = ProgramPublisher(agg.model, tmp_path / "served", "http://127.0.0.1:1/shards")
+    agg.engine.programs = publisher
+    exports = []
+
+    def slow_export(task, held, batch_size, seq_len):
+        exports.append(time.time())
+        time.sleep(1.5)
+        raise ValueError("this model cannot be exported")
+
+    monkeypatch.setattr(publisher.cache, "get", slow_export)
+    agg._handle("fl/v1/bd/dev/phone/up/hello", encode(_hello("phone")))
+    t0 = time.time()
+    assert agg.engine.start_round()
+    rnd = agg.engine.current
+    assert rnd.started >= t0 + 1.5 and rnd.deadline == rnd.started + 60
+    assert "no training program for its shape" in rnd.rejected["phone"] and "phone" in rnd.unsent
+    assert len(exports) == 1
+    with pytest.raises(RuntimeError, match="an earlier export failed: ValueError"):
+        publisher.ref_for("bbc", rnd.selected["phone"], 8, agg.model.spec.max_seq_len)
+    assert len(exports) == 1
+    agg.store.close()
