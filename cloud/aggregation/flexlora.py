@@ -47,15 +47,20 @@ class FlexLoRA(Modular):
         aggregated products (rank collapse shows as an effective rank near 1)."""
         return {"lora_spectrum": self._spectrum} if self._spectrum else {}
 
-    def fold(self, sums: RoundSums, result: ClientResult) -> None:
-        """Add ``w · B_i A_i`` (``(out, in)``, float64) per LoRA module ``result`` holds, and
-        ``w · theta`` for its other tensors (``w`` = :meth:`weight`, |D_c|)."""
+    def fold_unpaired(self, sums: RoundSums, result: ClientResult) -> dict[str, tuple[str, str]]:
+        """Add ``w · theta`` for each tensor of ``result`` outside a LoRA pair (``w`` =
+        :meth:`weight`, |D_c|); returns its LoRA pairs (:func:`moe_model.ranks.lora_pairs`)."""
         pairs = lora_pairs(result.state)
         paired = {k for ab in pairs.values() for k in ab}
         for name, t in result.state.items():
             if name not in paired:
                 sums.add(name, t, self.weight(result, keys.parse(name)))
-        for prefix, (a, b) in pairs.items():
+        return pairs
+
+    def fold(self, sums: RoundSums, result: ClientResult) -> None:
+        """Add ``w · B_i A_i`` (``(out, in)``, float64) per LoRA module ``result`` holds, and
+        ``w · theta`` for its other tensors (``w`` = :meth:`weight`, |D_c|)."""
+        for prefix, (a, b) in self.fold_unpaired(sums, result).items():
             product = result.state[b].to(torch.float64) @ result.state[a].to(torch.float64)
             sums.add(prefix + PRODUCT, product, self.weight(result, keys.parse(b)))
         sums.devices += 1

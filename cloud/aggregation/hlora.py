@@ -11,8 +11,6 @@ does not decompose into running sums and runs on the coordinator. Other tensors 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from moe_model.ranks import lora_pairs, spectrum_summary, stacked_factors
@@ -24,13 +22,11 @@ from .flexlora import FlexLoRA
 from .modular import Modular
 
 
-class HLoRA(Modular):
+class HLoRA(FlexLoRA):
     """HLoRA (module docstring): per LoRA module, the QR + SVD of the stacked, weighted factors."""
 
     name = "hlora"
     decomposes = False
-    _spectrum: dict[str, Any] = {}
-    metrics = FlexLoRA.metrics
 
     def fold(self, sums: RoundSums, result: ClientResult) -> None:
         raise NotImplementedError("aggregation 'hlora' needs every update at once (it does not decompose)")
@@ -43,12 +39,7 @@ class HLoRA(Modular):
         sums = RoundSums()
         stacks: dict[str, tuple[list[float], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         for r in results:
-            pairs = lora_pairs(r.state)
-            paired = {k for ab in pairs.values() for k in ab}
-            for name, t in r.state.items():
-                if name not in paired:
-                    sums.add(name, t, self.weight(r, keys.parse(name)))
-            for prefix, (a, b) in pairs.items():
+            for prefix, (a, b) in self.fold_unpaired(sums, r).items():
                 w = self.weight(r, keys.parse(b))
                 if w > 0:
                     ws, fs = stacks.setdefault(prefix, ([], []))
