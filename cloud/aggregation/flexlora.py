@@ -19,9 +19,9 @@ the memory FlexLoRA costs, which :mod:`hlora` avoids.
 
 from __future__ import annotations
 
-import torch
-
 from typing import Any
+
+import torch
 
 from moe_model.ranks import lora_pairs, spectrum_summary, truncated_factors
 from protocol import keys
@@ -79,5 +79,3 @@ class FlexLoRA(Modular):
                 spectra.append(s)
         self._spectrum = spectrum_summary(spectra, rank)
         return out
-
-

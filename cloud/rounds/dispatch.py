@@ -18,7 +18,7 @@ from protocol.codec import EXTRA_DTYPES, CodecError, check_expected, encode_tens
 from protocol.logsafe import LogLimiter
 from protocol.messages import (
     MIN_MINOR_FOR_COMPRESSION, MIN_MINOR_FOR_SHARD_URL, MIN_MINOR_FOR_STATE_PRECISION, MIN_MINOR_FOR_UPLINK,
-    Assignment, Command, TensorSpec, encode,
+    Assignment, Command, ProgramRef, TensorSpec, TrainConfig, encode,
 )
 
 from ..strategy import Experts
@@ -117,7 +117,7 @@ class Dispatch(EngineState):
         program = None
         if dev.runtimes and self.programs is not None:
             try:
-                program = self.programs.ref_for(dev.task, experts, train.batch_size, self.model.spec.max_seq_len)
+                program = self._program_for(dev, experts, train)
             except Exception as e:  # a model the export cannot take, ExecuTorch missing: this device sits out
                 log.exception("round %d: no training program for %s", rnd.number, device_id)
                 rnd.rejected[device_id] = f"no training program for its shape: {type(e).__name__}: {e}"[:500]
@@ -144,6 +144,12 @@ class Dispatch(EngineState):
         )
         self.wire.publish(self.topics.down(device_id, "assignment"), encode(msg))
         rnd.sent[device_id] = time.time()
+
+    def _program_for(self, dev, experts: Experts, train: TrainConfig) -> ProgramRef:
+        """The training program of ``dev`` (a device of ``Hello.runtimes``) holding ``experts``
+        and training with ``train``: :meth:`cloud.programs.ProgramPublisher.ref_for` at its batch
+        size and the model's sequence length (exported the first time; raises as it does)."""
+        return self.programs.ref_for(dev.task, experts, train.batch_size, self.model.spec.max_seq_len)
 
     def _sent_state(self, device_id: str, experts: Experts) -> dict[str, torch.Tensor]:
         """The adapter state the strategy sends ``device_id`` holding ``experts``

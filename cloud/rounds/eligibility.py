@@ -60,9 +60,12 @@ class Eligibility(EngineState):
     def memory_fn(self, dev) -> Callable[[Experts], int]:
         """``experts -> bytes`` ``dev`` needs for a round holding them (``moe_model.budget.plan``),
         at the lowest rank it may train."""
+        return self._memory_at(dev, self._spec_for(dev))
+
+    def _memory_at(self, dev, spec: ModelSpec) -> Callable[[Experts], int]:
+        """``experts -> bytes`` ``dev`` needs for a round holding them with the model ``spec``."""
         labels = len(self.model.tasks.get(dev.task, [0, 1]))
-        batch, runtime, fmt, spec = self.settings.train.batch_size, self._runtime(dev), self.format_for(dev), \
-            self._spec_for(dev)
+        batch, runtime, fmt = self.settings.train.batch_size, self._runtime(dev), self.format_for(dev)
         return lambda experts: estimate(spec, experts, batch, labels, runtime, fmt).total
 
     def rank_for(self, dev, experts: Experts) -> int | None:
@@ -74,10 +77,8 @@ class Eligibility(EngineState):
         spec, low = self.model.spec, self.settings.min_lora_rank
         if low is None or not self._may_lower_rank(dev):
             return None
-        labels = len(self.model.tasks.get(dev.task, [0, 1]))
         for r in rank_ladder(spec.lora.rank, low):
-            if r == low or estimate(spec_at_rank(spec, r), experts, self.settings.train.batch_size, labels,
-                                    self._runtime(dev), self.format_for(dev)).total <= dev.budget_bytes:
+            if r == low or self._memory_at(dev, spec_at_rank(spec, r))(experts) <= dev.budget_bytes:
                 return None if r == spec.lora.rank else r
         return None
 
@@ -102,11 +103,11 @@ class Eligibility(EngineState):
             elif self.model.format_for(dev.weight_formats) is None:
                 excluded[dev.device_id] = (f"loads only {dev.weight_formats} shards; the cloud serves "
                                            f"{self.model.formats}", {})
-            elif dev.runtimes and (self.programs is None or self.programs.refuses(dev.runtimes)):
-                excluded[dev.device_id] = (
-                    self.programs.refuses(dev.runtimes) if self.programs is not None else
-                    f"trains with a served program ({', '.join(dev.runtimes)}) and this aggregator serves none: "
-                    "configure shard_url and shard_dir (the programs are files beside the shards)", {})
+            elif dev.runtimes and (why := self.programs.refuses(dev.runtimes) if self.programs is not None else
+                                   f"trains with a served program ({', '.join(dev.runtimes)}) and this aggregator "
+                                   "serves none: configure shard_url and shard_dir (the programs are files beside "
+                                   "the shards)"):
+                excluded[dev.device_id] = (why, {})
             elif self.coordinator is not None and not self.coordinator.shared_subscriptions \
                     and dev.protocol_minor < MIN_MINOR_FOR_UPLINK:
                 excluded[dev.device_id] = (f"protocol minor {dev.protocol_minor} cannot send to an aggregator "

@@ -123,8 +123,7 @@ class RoundEngine(Eligibility, PlanChecks, Dispatch, Intake, Closing, Recovery):
             dev = self.registry.get(d)
             if dev is not None and dev.runtimes:
                 try:
-                    self.programs.ref_for(dev.task, experts, self._train_for_overrides(plan.train.get(d)).batch_size,
-                                          self.model.spec.max_seq_len)
+                    self._program_for(dev, experts, self._train_for_overrides(plan.train.get(d)))
                 except Exception:  # noqa: BLE001 (said with the device's assignment)
                     pass
 

@@ -6,6 +6,7 @@ aggregator workers (``role: coordinator``) the updates they took come in by :met
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -152,11 +153,11 @@ class Intake(EngineState):
         tensors = decode_tensors(data, self.settings.max_update_bytes,
                                  expected if rank is None else expected_at_rank(expected, rank),
                                  as_float=torch.float32, metadata_out=meta)
-        sent = (lambda: self._sent_state(device_id, experts)) if rank is None else \
-            (lambda: at_rank(self._sent_state(device_id, experts), rank))
+        full = functools.cache(lambda: self._sent_state(device_id, experts))  # built once, if needed at all
+        sent = full if rank is None else (lambda: at_rank(full(), rank))
         for f in self.filters:
             tensors = f.on_update(device_id, tensors, meta, sent)
-        return tensors if rank is None else pad_rank(tensors, self._sent_state(device_id, experts), rank)
+        return tensors if rank is None else pad_rank(tensors, full(), rank)
 
     def on_stats(self, device_id: str, stats: Stats) -> None:
         """A device's round statistics (schema-valid): bounded by :meth:`_stats_problem`
