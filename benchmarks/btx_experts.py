@@ -303,7 +303,8 @@ def markdown(r: dict) -> str:
              f"`{meta.get('source')}` -> {meta.get('target')} BTX, {len(names)} experts (one per domain), "
              f"top-{meta.get('top_k')}, MoE layers {meta.get('moe_layers')}, branches train `{meta.get('train')}` "
              f"for {meta.get('branch_steps')} steps of {meta.get('batch_size')} x {meta.get('seq_len')} tokens, "
-             f"router {meta.get('router_steps')} steps; build {meta.get('seconds', {}).get('total')} s. "
+             f"router {meta.get('router_steps')} steps, {meta.get('precision') or 'fp32'}; build "
+             f"{meta.get('seconds', {}).get('total')} s. "
              f"Held-out: {r['eval']['blocks']} blocks of {r['eval']['seq_len']} tokens per domain "
              f"(the split recorded in btx.json, never trained on). Perplexity: "
              f"{'next-token' if meta.get('target') == 'causal-lm' else 'masked-LM (fixed 15% masks)'}.", "",
@@ -417,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                   lambda what: log.info("%s done (%.0f s)", what, time.time() - t0))
     name = args.name or path.name
     build = {k: meta.get(k) for k in ("source", "gguf", "target", "family", "domains", "moe_layers", "top_k", "train",
-                                      "branch_steps", "router_steps", "batch_size", "seq_len", "lr", "seed", "device",
+                                      "branch_steps", "router_steps", "batch_size", "seq_len", "lr", "precision",
+                                      "seed", "device",
                                       "seconds", "branch_loss", "router_loss")}
     result = {"name": name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.get_num_threads()} threads",

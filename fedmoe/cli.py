@@ -451,7 +451,7 @@ def _btx(args: argparse.Namespace, layers: list[int] | None) -> int:
         common = dict(layers=layers, top_k=args.top_k, branch_steps=args.branch_steps,
                       router_steps=args.router_steps, batch_size=args.batch_size, seed=args.seed,
                       device=args.device, work_dir=args.work_dir, record=record)
-        for key in ("seq_len", "lr", "router_lr", "train"):
+        for key in ("seq_len", "lr", "router_lr", "train", "precision"):
             if getattr(args, key) is not None:
                 common[key] = getattr(args, key)
         if _is_bert(args.source):
@@ -633,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a branch trains: the MoE layers' FFNs, or all weights (the paper; default: "
                         "ffn for LLMs, all for BERT)")
     b.add_argument("--device", default="cpu", help="torch device to build on: cpu, cuda (default: cpu)")
+    b.add_argument("--precision", choices=["fp32", "bf16"],
+                   help="bf16: mixed precision (bfloat16 autocast; weights and optimiser state stay fp32), "
+                        "1.3-1.7x faster steps on a CPU with AVX-512 BF16 (default: fp32)")
     b.add_argument("--work-dir", help="branch checkpoints, reused by a rerun (default: OUT.btx-work)")
     u.set_defaults(func=_upcycle)
     return p

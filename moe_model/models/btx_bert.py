@@ -118,7 +118,7 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
                    layers: list[int] | None = None, top_k: int = 2, head_steps: int = 50, branch_steps: int = 100,
                    router_steps: int = 50, batch_size: int = 16, seq_len: int = 128, lr: float = 1e-4,
                    head_lr: float = 3e-3, router_lr: float = 1e-2, train: str = "all", balance_alpha: float = 0.01,
-                   seed: int = 0, device: str = "cpu", work_dir: str | Path | None = None,
+                   seed: int = 0, device: str = "cpu", precision: str = "fp32", work_dir: str | Path | None = None,
                    record: dict | None = None) -> Path:
     """BTX: a masked-LM branch of the dense BERT ``source`` per domain, their FFNs the experts of
     each MoE layer (expert ``e`` = domain ``e`` in the order of ``domains``), router from the domains.
@@ -131,7 +131,7 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
         layers: MoE layers (default every other layer from 1, as ``bert-upcycled``).
         head_steps: steps fitting the masked-LM head on the mixture (encoder frozen), 0 = none.
         branch_steps, router_steps, batch_size, seq_len, lr, router_lr, balance_alpha, seed, device,
-        work_dir, record: as :func:`.btx_hf.build_btx_llm`; ``head_lr``: the head's learning rate.
+        precision, work_dir, record: as :func:`.btx_hf.build_btx_llm`; ``head_lr``: the head's learning rate.
         train: one of :data:`TRAIN_MODES`.
 
     Returns:
@@ -139,7 +139,7 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
 
     Raises:
         ValueError: fewer than two domains, ``top_k`` outside ``[1, E]``, layers out of range, an
-            unknown train mode, a domain too short for one block. FileNotFoundError: no such source.
+            unknown train mode or precision, a domain too short for one block. FileNotFoundError: no such source.
     """
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
@@ -148,6 +148,7 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
         raise ValueError(f"BTX needs at least two domains, got {names}")
     if not 1 <= top_k <= len(names) or train not in TRAIN_MODES:
         raise ValueError(f"top_k must be in [1, {len(names)}] and train one of {TRAIN_MODES}, got {top_k}, {train!r}")
+    loss = btx.autocast_loss(mlm_loss, precision, device)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t_start = time.perf_counter()
     out = Path(out).expanduser().resolve()
@@ -171,7 +172,7 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
     settings = {"source": str(source), "domains": names, "moe_layers": moe_layers,
                 "train": train, "head_steps": head_steps, "branch_steps": branch_steps, "batch_size": batch_size,
                 "seq_len": seq_len, "doc_blocks": btx.DOC_BLOCKS, "lr": lr, "split": (record or {}).get("split"),
-                "head_lr": head_lr, "seed": seed}
+                "head_lr": head_lr, "precision": precision, "seed": seed}
     store = btx.BranchStore(work, settings)
     samplers = [btx.BlockSampler(blocks[n], seed * 7919 + d) for d, n in enumerate(names)]
 
@@ -205,7 +206,7 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
     branch_losses, t_branches = btx.train_branches(
         dense, seed_state, names, store,
         lambda k: "decoder" not in k and (train == "all" or k.startswith(ffn) or k.startswith("cls.")), batches,
-        mlm_loss, branch_steps, lr, seed)
+        loss, branch_steps, lr, seed)
 
     branches = [{**seed_state, **store.load(n)["state"]} for n in names]
     shared = btx.average_states([{k: v for k, v in b.items() if not k.startswith(ffn)} for b in branches])
@@ -237,7 +238,7 @@ def build_btx_bert(source: str, out: str | Path, domains: dict[str, Sequence[str
     mix = MaskedSampler([btx.BlockSampler(blocks[n], seed * 7919 + 100 + d) for d, n in enumerate(names)], tok,
                         seed + 29, device)
     btx.seed_everything(seed + 1)
-    router_losses = (btx.train_router(model, views, lambda: mix(batch_size), mlm_loss, router_steps, router_lr,
+    router_losses = (btx.train_router(model, views, lambda: mix(batch_size), loss, router_steps, router_lr,
                                       top_k, balance_alpha) if router_steps > 0 else [])
     t_router = time.perf_counter() - t_router
 

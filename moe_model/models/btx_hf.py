@@ -61,7 +61,7 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
                   layers: list[int] | None = None, top_k: int = 2, branch_steps: int = 100, router_steps: int = 50,
                   batch_size: int = 8, seq_len: int = 256, lr: float = 1e-4, router_lr: float = 1e-2,
                   train: str = "ffn", balance_alpha: float = 0.01, seed: int = 0, device: str = "cpu",
-                  work_dir: str | Path | None = None, gguf_file: str | None = None,
+                  precision: str = "fp32", work_dir: str | Path | None = None, gguf_file: str | None = None,
                   record: dict | None = None) -> Path:
     """BTX: one branch of the dense Llama ``source`` per domain, their FFNs as the experts of each
     MoE layer (expert ``e`` = domain ``e`` in the order of ``domains``), router from the domains.
@@ -82,6 +82,7 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
         seed: seeds the branches (``seed + 1000·e``), their data order and the router stage; the
             same arguments on the same machine give the same weights.
         device: torch device the stages run on (``cpu``, ``cuda``).
+        precision: one of :data:`.btx.PRECISIONS` (``bf16``: autocast, :func:`.btx.autocast_loss`).
         work_dir: branch checkpoints (default ``<out>.btx-work``); a rerun skips finished branches.
         gguf_file: the GGUF file in ``source``.
         record: extra JSON-able fields written into ``btx.json`` (e.g. the held-out split).
@@ -92,7 +93,7 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
         and router losses, seconds).
 
     Raises:
-        ValueError: fewer than two domains, an unknown family or train mode, ``top_k`` outside
+        ValueError: fewer than two domains, an unknown family, train mode or precision, ``top_k`` outside
             ``[1, E]``, bad layers, a source that is not a dense Llama, a domain with too few
             tokens for one block. FileNotFoundError: see ``upcycle_checkpoint``.
     """
@@ -105,6 +106,7 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
         raise ValueError(f"family must be one of {FAMILIES} and train one of {TRAIN_MODES}, got {family!r}, {train!r}")
     if not 1 <= top_k <= len(names):
         raise ValueError(f"top_k must be in [1, {len(names)}] (one expert per domain), got {top_k}")
+    loss = btx.autocast_loss(lm_loss, precision, device)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t_start = time.perf_counter()
     src_dir, gguf = _resolve_source(source, gguf_file)
@@ -127,7 +129,7 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
 
     settings = {"source": str(source), "gguf": gguf, "domains": names, "moe_layers": moe_layers, "train": train,
                 "branch_steps": branch_steps, "batch_size": batch_size, "seq_len": seq_len,
-                "doc_blocks": btx.DOC_BLOCKS, "lr": lr,
+                "doc_blocks": btx.DOC_BLOCKS, "lr": lr, "precision": precision,
                 "split": (record or {}).get("split"), "seed": seed}
     store = btx.BranchStore(work, settings)
     ffn_prefixes = tuple(f"model.layers.{i}.mlp." for i in moe_layers)
@@ -137,7 +139,7 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
         return lambda: {"input_ids": sampler.batch(batch_size).to(device)}
 
     branch_losses, t_branches = btx.train_branches(
-        dense, seed_state, names, store, lambda k: train == "all" or k.startswith(ffn_prefixes), batches, lm_loss,
+        dense, seed_state, names, store, lambda k: train == "all" or k.startswith(ffn_prefixes), batches, loss,
         branch_steps, lr, seed)
 
     branches = [store.load(n)["state"] for n in names]
@@ -183,7 +185,7 @@ def build_btx_llm(source: str, out: str | Path, domains: dict[str, Sequence[str]
         return {"input_ids": torch.cat(rows).to(device)}
 
     btx.seed_everything(seed + 1)
-    router_losses = (btx.train_router(moe, views, mixture, lm_loss, router_steps, router_lr, top_k, balance_alpha)
+    router_losses = (btx.train_router(moe, views, mixture, loss, router_steps, router_lr, top_k, balance_alpha)
                      if router_steps > 0 else [])
     t_router = time.perf_counter() - t_router
 
