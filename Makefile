@@ -5,6 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 EXECUTORCH := 'executorch>=1.5.1,<1.6'
 EXECUTORCH_DEPS := flatbuffers ruamel.yaml tabulate
+NATIVE_PACKAGES := g++ cmake pkg-config nlohmann-json3-dev libmosquitto-dev libsodium-dev libcurl4-openssl-dev zlib1g-dev
 
 CLUSTER_TESTS := tests/test_cluster.py
 .PHONY: install native demo demo-full test test-cluster test-rest test-fast docs bench bench-env clean
@@ -25,17 +26,19 @@ $(STAMP): pyproject.toml
 	# the runtime use none of torchao (peft imports it whenever installed, and its import logs warnings and
 	# tries CUDA kernels on every device), coremltools, pandas or its test tools; they need these three
 	$(PY) -m pip install -q --no-deps $(EXECUTORCH) && $(PY) -m pip install -q $(EXECUTORCH_DEPS)
-	# the native device's C++ build (native/, tests/test_native_trainer.py): a compiler, CMake, nlohmann/json
-	dpkg -s g++ cmake nlohmann-json3-dev >/dev/null 2>&1 || { echo "installing g++ cmake nlohmann-json3-dev (Debian) for the native device's build"; \
-		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q g++ cmake nlohmann-json3-dev; } \
-		|| echo "g++/cmake/nlohmann-json3-dev not installed: the native device's tests will skip"
+	# the native device's C++ build (native/, tests/test_native_*.py): a compiler, CMake, and the libraries it speaks
+	# the protocol with (fedmoe/native.py PACKAGES: nlohmann/json, libmosquitto, libsodium, libcurl, zlib)
+	dpkg -s $(NATIVE_PACKAGES) >/dev/null 2>&1 || { echo "installing $(NATIVE_PACKAGES) (Debian) for the native device's build"; \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $(NATIVE_PACKAGES); } \
+		|| echo "$(NATIVE_PACKAGES) not installed: the native device's tests will skip"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# the native (phone-class) device's C++ code (native/) against ExecuTorch's wheel, in build/native
+# the native (phone-class) device's C++ code (native/) against ExecuTorch's wheel: build/native/fedmoe-device
+# (the device), fedmoe-train (the training core on files), fedmoe-native-check (its protocol pieces, for tests)
 native: $(STAMP)
-	$(PY) -c "from fedmoe.native import build; print(build())"
+	$(PY) -c "from fedmoe.native import binary; print(binary('fedmoe-device'))"
 
 # a second environment for benchmarks/peer.py: Flower (the `bench` extra) beside our packages; kept apart
 # from .venv because flwr's dependencies raise a device process's baseline memory

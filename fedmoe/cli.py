@@ -384,6 +384,34 @@ def _data_split(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_tokens(args: argparse.Namespace) -> int:
+    from edge_sdk.data import load_text_file
+    from protocol.messages import ModelSpec
+
+    from .native_data import write_token_file
+
+    try:
+        spec = ModelSpec()
+        if args.config:
+            import yaml
+            from pydantic import ValidationError
+
+            from cloud.config import AggregatorConfig
+
+            try:
+                spec = AggregatorConfig.load(args.config).model
+            except (ValidationError, yaml.YAMLError) as e:
+                raise UsageError(f"--config {args.config}: {e}") from None
+        over = {k: v for k, v in (("tokenizer", args.tokenizer), ("max_seq_len", args.max_seq_len)) if v is not None}
+        spec = spec.model_copy(update=over) if over else spec
+        items = list(load_text_file(args.data).items)
+        path = write_token_file(items, spec, args.out)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {len(items)} samples of at most {spec.max_seq_len} tokens ({spec.tokenizer or spec.base}) to {path}")
+    return 0
+
+
 def _layer_list(spec: str) -> list[int]:
     """``--layers``: ``"0,2,4"``, ``"0-29"`` or both (``"0-3,8"``) -> sorted unique layer indices.
 
@@ -593,6 +621,16 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--test-fraction", type=float,
                     help="held-out share of a file (default 0.2; 0: no test split); fixed for builtin:NAME")
     ds.set_defaults(func=_data_split)
+    dt = dd.add_parser("tokens", help="write a device's data file as token ids for the native device (fedmoe-device)",
+                       description="Tokenises a CSV or JSONL data file with the federation model's tokenizer (as the "
+                                   "Python device does) into the safetensors file fedmoe-device --data reads "
+                                   "(docs/phone-devices.md).")
+    dt.add_argument("--data", required=True, help="a CSV (header text,label) or JSONL data file")
+    dt.add_argument("--out", required=True, help="the token file to write (.safetensors)")
+    dt.add_argument("--config", help="the aggregator's config: its model's tokenizer and max_seq_len")
+    dt.add_argument("--tokenizer", help="tokenizer (a package or directory; default: the config's model's)")
+    dt.add_argument("--max-seq-len", type=int, help="tokens per sample (default: the config's model's)")
+    dt.set_defaults(func=_data_tokens)
 
     u = sub.add_parser("upcycle", help="sparse-upcycle a dense Llama checkpoint into a Hugging Face Mixtral/Qwen2-MoE",
                        description="Copy each dense FFN into E experts (sparse upcycling, Komatsuzaki et al. 2022) "

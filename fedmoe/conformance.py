@@ -3,7 +3,10 @@
     python -m fedmoe.conformance --broker mqtt://HOST:1883 --device-id dev-7 [--config aggregator.yaml]
 
 Start the device first (any implementation, pointed at the same broker and federation:
-``conformance`` unless ``--config`` names another). The runner starts a reference
+``conformance`` unless ``--config`` names another). A device that trains with a served
+training program (protocol minor 12, the native ``fedmoe-device``) needs the base shards and
+programs over HTTP: ``--serve-files`` serves them from a local web server
+(:class:`fedmoe.file_server.FileServer`). The runner starts a reference
 aggregator for ``--rounds`` rounds (default 1; the config's model, or the default
 upcycled MiniLM with 4 experts, task ``bbc``), watches everything the device publishes
 and receives, and checks the rules below; it prints one line per rule (PASS / FAIL and
@@ -122,7 +125,8 @@ def _parse(payload: bytes, cls):
         return None, f"{type(e).__name__}: {e}"
 
 
-def check_device(broker: str, device_id: str, cfg: Any = None, timeout_s: float = 600.0) -> Report:
+def check_device(broker: str, device_id: str, cfg: Any = None, timeout_s: float = 600.0,
+                 serve_files: bool = False) -> Report:
     """Run the reference cloud against the device ``device_id`` and check its behaviour.
 
     Args:
@@ -131,6 +135,8 @@ def check_device(broker: str, device_id: str, cfg: Any = None, timeout_s: float 
         cfg: a ``cloud.config.AggregatorConfig`` (default :func:`default_config`); its
             ``min_devices`` is set to 1 and the run ends after its ``rounds``.
         timeout_s: seconds for the whole run.
+        serve_files: serve the base shards and training programs over HTTP from a local web
+            server (``shard_url``/``shard_dir``; a device that trains with a program needs it).
 
     Returns:
         The :class:`Report` (rule 3 fails if the device never joined within the
@@ -146,6 +152,13 @@ def check_device(broker: str, device_id: str, cfg: Any = None, timeout_s: float 
     tmp = tempfile.mkdtemp(prefix="fedmoe-conformance-")
     cfg = (cfg or default_config()).model_copy(update={"min_devices": 1, "store": f"sqlite:///{tmp}/aggregator.db",
                                                         "clear_retained_on_exit": True})
+    files = None
+    if serve_files:
+        from .file_server import FileServer
+
+        files = FileServer(Path(tmp) / "served")
+        files.directory.mkdir()
+        cfg = cfg.model_copy(update={"shard_url": files.url, "shard_dir": str(files.directory)})
     topics = Topics(cfg.federation)
     report = Report(device_id)
     add = report.checks.append
@@ -194,6 +207,8 @@ def check_device(broker: str, device_id: str, cfg: Any = None, timeout_s: float 
         stop.set()
         reader.join(5)
         watch.close()
+        if files is not None:
+            files.close()
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
@@ -275,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="an aggregator config (YAML) whose federation, model and tasks to use")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    ap.add_argument("--serve-files", action="store_true",
+                    help="serve base shards and training programs over HTTP (for a device that trains with a "
+                         "served program: the native fedmoe-device)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = None
@@ -283,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = AggregatorConfig.load(Path(args.config))
     cfg = (cfg or default_config()).model_copy(update={"rounds": args.rounds})
-    report = check_device(args.broker, args.device_id, cfg, args.timeout)
+    report = check_device(args.broker, args.device_id, cfg, args.timeout, serve_files=args.serve_files)
     print("\n".join(report.lines()))
     return 0 if report.passed else 1
 

@@ -3,8 +3,10 @@ ExecuTorch's runtime from its Python wheel (:data:`INSTALL`; ``make install`` ru
 
 :func:`build` configures and builds once per build directory and source state (CMake's own
 dependency tracking makes a second call cheap), and returns the path of ``fedmoe-train``
-(``native/tools/fedmoe_train.cpp``). ``make install`` installs the compiler packages it
-needs (Debian: ``g++ cmake nlohmann-json3-dev``).
+(``native/tools/fedmoe_train.cpp``); the native device ``fedmoe-device``
+(``native/tools/fedmoe_device.cpp``) and the protocol check tool ``fedmoe-native-check`` lie
+beside it (:func:`binary`). ``make install`` installs the compiler and library packages it
+needs (:data:`PACKAGES`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,17 @@ INSTALL = "pip install --no-deps 'executorch>=1.5.1,<1.6' && pip install flatbuf
 """How ExecuTorch is installed: without its declared dependencies (torchao, coremltools, pandas
 and test tools, which neither the export nor the runtime uses; torchao, once installed, is
 imported by peft in every process and logs warnings)."""
-PACKAGES = ("g++", "cmake", "nlohmann-json3-dev")
-"""The Debian packages the build needs besides the ``executorch`` wheel."""
+PACKAGES = ("g++", "cmake", "pkg-config", "nlohmann-json3-dev", "libmosquitto-dev", "libsodium-dev",
+            "libcurl4-openssl-dev", "zlib1g-dev")
+"""The Debian packages the build needs besides the ``executorch`` wheel: a compiler, CMake, and the
+libraries the device speaks the protocol with (nlohmann/json, libmosquitto for MQTT, libsodium for
+SHA-256 and Ed25519, libcurl for HTTP, zlib for compressed payloads)."""
+
+
+NATIVE_BASELINE_BYTES = 16 * 2**20
+"""The baseline a native device reports (``Hello.runtime_bytes``), rounded up: its footprint
+before any model (5-6 MiB measured with 40 samples of token ids, PROTOCOL.md §5.3a) plus its
+8 MiB headroom; what ``fedmoe simulate`` plans its budgets with before it starts."""
 
 
 class NativeBuildError(RuntimeError):
@@ -77,6 +88,20 @@ def _build(build_dir: Path, timeout_s: float) -> Path:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         if r.returncode != 0:
             tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
-            hint = f" (apt-get install {' '.join(PACKAGES)})" if "nlohmann" in tail else ""
+            hint = (f" (apt-get install {' '.join(PACKAGES)})"
+                    if any(w in tail for w in ("nlohmann", "mosquitto", "sodium", "CURL", "ZLIB", "PkgConfig")) else "")
             raise NativeBuildError(f"{' '.join(cmd[:2])} failed{hint}:\n{tail}")
     return build_dir / "fedmoe-train"
+
+
+def binary(name: str, build_dir: str | Path = BUILD) -> Path:
+    """The path of the native program ``name`` (``fedmoe-train``, ``fedmoe-device``,
+    ``fedmoe-native-check``), built first (:func:`build`).
+
+    Raises:
+        NativeBuildError: see :func:`build`; or no such program was built.
+    """
+    path = build(build_dir).parent / name
+    if not path.is_file():
+        raise NativeBuildError(f"{path} was not built (native/CMakeLists.txt names the programs)")
+    return path

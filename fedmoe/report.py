@@ -167,7 +167,8 @@ def where(report: dict[str, Any], out: Path) -> str:
 def device_table(report: dict[str, Any]) -> str:
     """A fixed-width table of the devices: memory budget (MiB), training samples, the
     experts each held per MoE layer in its last reporting round (of the model's E), and
-    what it trained there: its sub-MoE, or the one-expert compact model
+    what it trained there (on the native device where the device config says so): its
+    sub-MoE, or the one-expert compact model
     (``fusion``/``fusion_hybrid``; the round records' ``assignment.compact``, at a smaller
     batch where ``assignment.smaller_batch`` says so), or nothing (never reported)."""
     experts = (report["config"].get("simulation") or {}).get("model", {}).get("num_experts")
@@ -189,6 +190,8 @@ def device_table(report: dict[str, Any]) -> str:
             held = "/".join(map(str, counts)) + (f" of {experts}" if experts else "") + \
                 f" ({len(rec['experts'])} layers)"
             rank = str(rec.get("lora_rank", "-"))
+        if d.get("runtime") == "native":
+            what += " (native device)"
         lines.append(f"{d['device_id']:<8} {d['budget_bytes'] / 2**20:>10.0f} {d['samples']:>7} {held:<24} "
                      f"{rank:>9} {what}")
     return "\n".join(lines)

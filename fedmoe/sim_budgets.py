@@ -131,7 +131,9 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
     :meth:`cloud.strategies.Strategy.smallest_batch_of`: 1 for ``fusion``) on top of the
     device baseline: a device below it is never assigned anything, and the federation would
     wait for it forever. The baseline is
-    :func:`device_baseline_bytes` with the largest device data file loaded, unless given.
+    :func:`device_baseline_bytes` with the largest device data file loaded, unless given; for
+    the native devices (the first ``cfg.native_devices``)
+    :data:`fedmoe.native.NATIVE_BASELINE_BYTES`.
     Auto budgets (neither set) start at 2 experts per layer and are not checked.
 
     Args:
@@ -154,10 +156,14 @@ def check_budgets(cfg: SimulationConfig, devices: list[dict], baseline: int | No
 
     labels = {t: task_labels(cfg, t) for t in cfg.tasks}
 
-    def plan(task: str, experts: int) -> int:
-        return estimate(spec, experts, batch, labels[task], baseline, cfg.weight_format).total
+    def plan(task: str, experts: int, base: int = baseline) -> int:
+        return estimate(spec, experts, batch, labels[task], base, cfg.weight_format).total
 
-    below = [d for d in devices if d["budget_bytes"] < plan(d["task"], 1)]
+    from .native import NATIVE_BASELINE_BYTES
+
+    native = {d["device_id"] for d in devices[: cfg.native_devices]}  # the native device's baseline is its own
+    below = [d for d in devices
+             if d["budget_bytes"] < plan(d["task"], 1, NATIVE_BASELINE_BYTES if d["device_id"] in native else baseline)]
     lo_mib = math.ceil(max(plan(t, 1) for t in cfg.tasks) / 2**20)
     hi_mib = math.ceil(max(plan(t, experts) for t in cfg.tasks) / 2**20)
     given = (f"--budgets {_sizes(cfg.budgets, ',')}" if cfg.budgets

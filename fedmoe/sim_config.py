@@ -117,6 +117,14 @@ class SimulationConfig(FederationSettings):
     ``fusion``/``fusion_hybrid`` it trains the compact model at the smaller batch; other
     strategies leave it out of every round (the report says why). Overrides
     ``budgets``/``budget_range`` for those devices."""
+    native_devices: int = Field(0, ge=0)
+    """How many devices (the first ones) run the native device (``fedmoe-device``: C++ on
+    ExecuTorch's runtime, no Python; docs/phone-devices.md) instead of the Python SDK, with the
+    same budget and data (as token ids, :mod:`fedmoe.native_data`); the aggregator then serves
+    the base shards and training programs from a local web server
+    (:class:`fedmoe.file_server.FileServer`). They train with the task loss only: a strategy
+    whose assignments add objective terms (FedProx, FedAlign-MoE, FedMoE's ``own_p``) has them
+    refuse those rounds (the report says why)."""
     broker: str | None = None
     """broker URL to use instead of the embedded broker"""
     max_samples_per_task: int | None = Field(None, ge=1)
@@ -226,6 +234,11 @@ class SimulationConfig(FederationSettings):
         if self.small_devices > self.devices:
             bad.append(f"{option_name('small_devices')} {self.small_devices} is more than {option_name('devices')} "
                        f"{self.devices}")
+        if self.native_devices + self.small_devices > self.devices:
+            bad.append(f"{option_name('native_devices')} {self.native_devices} and {option_name('small_devices')} "
+                       f"{self.small_devices} are more than {option_name('devices')} {self.devices}")
+        if self.native_devices and self.model.family == "conv-moe":
+            bad.append(f"{option_name('native_devices')}: conv-moe has no training program (its devices run Python)")
         if self.small_devices and self.train.batch_size < 2:
             bad.append(f"{option_name('small_devices')} needs a batch size of at least 2 (they train with half of it)")
         if self.model.full_finetune and self.weight_format != "fp32":

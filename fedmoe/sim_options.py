@@ -47,6 +47,8 @@ OPTIONS: dict[str, Option] = {
                                            "process's baseline measured on this machine)", _lo_hi),
     "small_devices": Option("small_devices", "the last N devices get a budget below one expert per layer at the "
                                              "batch size (they train only under fusion/fusion_hybrid)"),
+    "native_devices": Option("native_devices", "the first N devices run the native device (fedmoe-device: C++ on "
+                                               "ExecuTorch's runtime) instead of the Python SDK"),
     "broker": Option("broker", "use this broker instead of the embedded one"),
     "seed": Option("seed"),
     "num_experts": Option("model.num_experts"),

@@ -99,6 +99,9 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
     store.unlink(missing_ok=True)
     shutil.rmtree(out / "cache", ignore_errors=True)  # fresh devices: round 1 fetches their base shards
     agg_cfg = aggregator_config(cfg, tasks, federation, f"sqlite:///{store}")
+    natives, files = _native_devices(cfg, devices, out)  # before any process starts: the build takes minutes once
+    if files is not None:
+        agg_cfg.update(shard_url=files.url, shard_dir=str(files.directory))
     (out / "aggregator.yaml").write_text(yaml.safe_dump(agg_cfg, sort_keys=False))
     log.info("simulating %d devices x %d rounds of %s (%s, %s assignment, %s aggregation, %d experts per MoE "
              "layer) -> %s", cfg.devices, cfg.rounds, cfg.strategy.name, cfg.partition, cfg.assignment.name,
@@ -127,12 +130,16 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
                                    *protocol], cfg.threads or 1)
         (out / "devices").mkdir(exist_ok=True)
         for d in devices:
+            lim = limits.get(d["device_id"])
+            if d["device_id"] in natives:
+                procs.start(d["device_id"], native_args(cfg, d, url, federation, natives[d["device_id"]], bool(broker)),
+                            cfg.device.threads or 1, preexec=lim.preexec() if lim else None, program=natives["binary"])
+                continue
             dev = device_config(cfg, d, url, federation, protocol="3.1.1" if broker else "auto")
             path = out / "devices" / f"{d['device_id']}.yaml"
             fields = dev.model_dump(mode="json", exclude_none=True)
             fields = {k: fields[k] for k in schema_options(DeviceConfig) if k in fields}  # the --help order
             path.write_text(yaml.safe_dump(fields, sort_keys=False))
-            lim = limits.get(d["device_id"])
             procs.start(d["device_id"], ["device", "--config", str(path)], cfg.device.threads or 1,
                         preexec=lim.preexec() if lim else None)
         watch(watcher, procs, narrator)
@@ -147,6 +154,8 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
         watcher.close()
         if broker is not None:
             broker.stop()
+        if files is not None:
+            files.close()
         cgroups = {d: lim.report() for d, lim in limits.items()}
         for lim in limits.values():
             lim.remove()
@@ -173,3 +182,54 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
     (out / "rounds.md").write_text("```\n" + table + "\n```\n")
     print(R.device_table(report) + "\n\n" + table + "\n\n" + R.where(report, out))
     return report
+
+
+NATIVE_FORMATS = ("fp32", "int8", "nf4")
+"""The base-shard formats the native device holds (its training programs take them as stored)."""
+
+
+def _native_devices(cfg: SimulationConfig, devices: list[dict[str, Any]], out: Path) -> tuple[dict[str, Any], Any]:
+    """For ``cfg.native_devices``: the native device built (``natives["binary"]``), each of
+    the first devices' data written as token ids (``natives[device id]``: the token file, and
+    the device marked ``"runtime": "native"``), and the local web server the aggregator serves
+    shards and programs from (None without native devices).
+
+    Raises:
+        SimulationConfigError: the native device cannot be built (the reason names what to install).
+    """
+    if not cfg.native_devices:
+        return {}, None
+    from edge_sdk.data import load_text_file
+
+    from .file_server import FileServer
+    from .native import NativeBuildError, binary
+    from .native_data import write_token_file
+
+    try:
+        natives: dict[str, Any] = {"binary": binary("fedmoe-device")}
+    except NativeBuildError as e:
+        raise SimulationConfigError(f"--native-devices: {e}") from None
+    for d in devices[: cfg.native_devices]:
+        path = Path(d["data"]).with_suffix(".tokens.safetensors")
+        natives[d["device_id"]] = write_token_file(load_text_file(d["data"]).items, cfg.model, path)
+        d["runtime"] = "native"
+    (out / "served").mkdir(exist_ok=True)
+    return natives, FileServer(out / "served")
+
+
+def native_args(cfg: SimulationConfig, device: dict[str, Any], broker: str, federation: str, tokens: Path,
+                mqtt311: bool) -> list[str]:
+    """The ``fedmoe-device`` command line of a simulated native device: the Python device's
+    settings where both have them (budget, formats, seed, validation share, hello timeout, one
+    thread unless ``device.threads`` says more)."""
+    from .sim_config import SIM_START_TIMEOUT_S
+
+    args = ["--broker", broker, "--device-id", device["device_id"], "--federation", federation, "--task",
+            device["task"], "--budget", str(int(device["budget_bytes"])), "--data", str(tokens), "--cache",
+            str(Path(cfg.out) / "cache" / device["device_id"]), "--formats",
+            ",".join(f for f in cfg.device.formats if f in NATIVE_FORMATS) or "int8", "--seed", str(cfg.device.seed),
+            "--val-fraction", str(cfg.device.val_fraction), "--hello-timeout",
+            str(cfg.device.hello_timeout_s if "hello_timeout_s" in cfg.device.model_fields_set else SIM_START_TIMEOUT_S)]
+    if (cfg.device.threads or 1) == 1:  # as the Python devices here (one torch thread each)
+        args += ["--threads", "1"]
+    return args + (["--protocol", "3.1.1"] if mqtt311 else [])

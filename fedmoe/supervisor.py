@@ -27,14 +27,16 @@ class Processes:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, args: list[str], threads: int, preexec: Callable[[], None] | None = None) -> None:
-        """Start ``python -m fedmoe ARGS`` as ``name`` with ``threads`` torch/BLAS threads;
-        ``preexec`` runs in the child before it does (e.g. joining a memory cgroup)."""
+    def start(self, name: str, args: list[str], threads: int, preexec: Callable[[], None] | None = None,
+              program: str | os.PathLike | None = None) -> None:
+        """Start ``python -m fedmoe ARGS`` (or ``program ARGS``) as ``name`` with ``threads``
+        torch/BLAS threads; ``preexec`` runs in the child before it does (e.g. joining a memory
+        cgroup)."""
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         logf = (self.log_dir / f"{name}.log").open("w")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "fedmoe", *args], stdout=logf,
-                                            stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
+        argv = [str(program), *args] if program is not None else [sys.executable, "-m", "fedmoe", *args]
+        self.procs[name] = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
 
     def tail(self, name: str, lines: int = 30) -> str:
         """The last ``lines`` lines of ``name``'s log."""

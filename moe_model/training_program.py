@@ -59,6 +59,12 @@ log = logging.getLogger(__name__)
 
 RUNTIME = "executorch-1.5"
 """The runtime a program is exported for (recorded in its manifest)."""
+PROGRAM_FORMAT = 3
+"""The version of the export (part of a program's shape, so a program of another version is
+never served from a cache): 1 = the method returns loss, logits, gradients; 2 = loss, logits,
+per-sample loss and correctness, each MoE layer's routing (probabilities, top-k indices and
+weights), gradients (:attr:`TrainingProgram.outputs`); 3 = as 2, linears with a bias computed
+by ExecuTorch's optimized ``mm`` (:func:`_core_operator_rewrites`)."""
 
 
 def slot_of(held: dict[int, list[int]]) -> dict[int, dict[int, int]]:
@@ -110,9 +116,9 @@ class TrainingProgram:
     """One exported training step (:func:`export_training_program`).
 
     Attributes:
-        pte: the ExecuTorch program (bytes). Method ``forward(*batch, *frozen)`` returns
-            ``loss`` (fp32 scalar, mean over the batch, nats), ``logits`` (fp32, ``(B, C)``
-            or ``(B, T, V)``), then the gradients of the trainable tensors.
+        pte: the ExecuTorch program (bytes). Method ``forward(*batch, *frozen)`` returns the
+            :attr:`outputs` in order (``loss`` first: fp32 scalar, mean over the batch, nats),
+            then the gradients of the trainable tensors.
         batch: the batch inputs in order, ``{"name", "shape", "dtype"}`` each
             (``bert-upcycled``/``hf-moe``: ``input_ids``, ``attention_mask`` int64
             ``(B, T)``, then ``labels`` int64 ``(B,)``, or ``(B, T)`` for causal LM).
@@ -122,7 +128,20 @@ class TrainingProgram:
         trainable: program parameter name -> adapter-state key with experts by slot, in the
             order of the gradient outputs.
         shape: what the program serves (model spec, task, labels, experts per layer, batch,
-            sequence length, weight format); :attr:`key` is its digest.
+            sequence length, weight format, :data:`PROGRAM_FORMAT`); :attr:`key` is its digest.
+        outputs: the method's outputs before the gradients, ``{"name", "shape", "dtype"}``
+            each, in order: ``loss`` ``()``; ``logits`` ``(B, C)`` or ``(B, T, V)``;
+            ``sample_loss`` ``(B,)`` (nats, :func:`moe_model.objectives.sample_loss`);
+            ``sample_correct`` ``(B,)`` (in [0, 1], :func:`~moe_model.objectives.sample_correct`);
+            then per MoE layer ``l`` ascending ``router.{l}.probs`` ``(B·T, n)`` fp32 (routing
+            probabilities over the ``n`` held experts by slot), ``router.{l}.topk_idx``
+            ``(B·T, k)`` int64 (the slots each token is sent to, best first) and
+            ``router.{l}.topk_weight`` ``(B·T, k)`` fp32 (their gate weights): what a device
+            needs for its statistics (:mod:`moe_model.stats`).
+        planned_bytes: bytes of the memory ExecuTorch plans for one step's intermediate
+            tensors (activations, gradients; the runtime allocates them once per method).
+        trainable_bytes: bytes of the trainable tensors in fp32 (a device's AdamW keeps two
+            moments of each).
     """
 
     pte: bytes
@@ -130,6 +149,9 @@ class TrainingProgram:
     frozen: list[dict[str, Any]]
     trainable: dict[str, str]
     shape: dict[str, Any] = field(default_factory=dict)
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    planned_bytes: int = 0
+    trainable_bytes: int = 0
 
     @property
     def key(self) -> str:
@@ -144,15 +166,17 @@ class TrainingProgram:
     def manifest(self) -> dict[str, Any]:
         """Everything but the program bytes, JSON-able (what a device reads beside the ``.pte``)."""
         return {"runtime": RUNTIME, "key": self.key, "sha256": self.sha256, "bytes": len(self.pte),
-                "shape": self.shape, "batch": self.batch, "frozen": self.frozen, "trainable": self.trainable}
+                "planned_bytes": self.planned_bytes, "trainable_bytes": self.trainable_bytes, "shape": self.shape,
+                "batch": self.batch, "outputs": self.outputs, "frozen": self.frozen, "trainable": self.trainable}
 
 
 def program_shape(spec: ModelSpec, task: str, num_labels: int, held: dict[int, list[int]], batch_size: int,
                   seq_len: int, weight_format: str) -> dict[str, Any]:
     """The shape of a training step (what :class:`TrainingProgram.shape` holds): the model
-    spec, task, classes, experts per MoE layer of ``held``, batch size, sequence length and
-    weight format."""
-    return {"spec": spec.model_dump(mode="json"), "task": task, "num_labels": int(num_labels),
+    spec, task, classes, experts per MoE layer of ``held``, batch size, sequence length, weight
+    format and :data:`PROGRAM_FORMAT`."""
+    return {"format": PROGRAM_FORMAT, "spec": spec.model_dump(mode="json"), "task": task,
+            "num_labels": int(num_labels),
             "experts_per_layer": layers_to_json({layer: len(ids) for layer, ids in Experts(held).items()}),
             "batch_size": int(batch_size), "seq_len": int(seq_len), "weight_format": weight_format}
 
@@ -220,8 +244,9 @@ def frozen_sources(model: SubMoE, stored: dict[str, dict[str, torch.Tensor]]) ->
 
 
 class _Step(nn.Module):
-    """``forward(*batch, *frozen) -> (loss, logits)`` over ``model`` with its frozen weights
-    taken from the inputs (``torch.func.functional_call``)."""
+    """``forward(*batch, *frozen) -> (loss, logits, sample_loss, sample_correct, then per MoE
+    layer probs, topk_idx, topk_weight)`` (:attr:`TrainingProgram.outputs`) over ``model`` with
+    its frozen weights taken from the inputs (``torch.func.functional_call``)."""
 
     def __init__(self, model: SubMoE, batch_names: list[str], frozen_names: list[str]):
         super().__init__()
@@ -229,7 +254,7 @@ class _Step(nn.Module):
         self.batch_names = batch_names
         self.frozen_names = frozen_names
 
-    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         from . import objectives
 
         nb = len(self.batch_names)
@@ -237,8 +262,26 @@ class _Step(nn.Module):
         labels = args[nb - 1]
         weights = dict(zip(self.frozen_names, args[nb:]))
         logits = torch.func.functional_call(self.model, weights, (batch,), strict=False)
-        loss = objectives.sample_loss(self.model.objective, logits, labels).mean()
-        return loss, logits.detach()
+        per_sample = objectives.sample_loss(self.model.objective, logits, labels)
+        out = [per_sample.mean(), logits.detach(), per_sample.detach(), _sample_correct(self.model.objective,
+                                                                                        logits.detach(), labels)]
+        for _, block in sorted(self.model.model.moe_blocks().items()):
+            rec = block.last
+            out += [rec.probs.detach().float(), rec.topk_idx, rec.topk_weight.detach().float()]
+        return tuple(out)
+
+
+def _sample_correct(objective: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """:func:`moe_model.objectives.sample_correct` without its ``no_grad`` region (which the
+    joint forward-backward graph cannot hold); ``logits`` detached."""
+    from .objectives import IGNORE
+
+    if objective == "causal-lm":
+        shifted = labels[:, 1:]
+        valid = shifted != IGNORE
+        hit = (logits[:, :-1].argmax(-1) == shifted) & valid
+        return hit.sum(1).float() / valid.sum(1).clamp_min(1).float()
+    return (logits.argmax(-1) == labels).float()
 
 
 @contextlib.contextmanager
@@ -295,7 +338,9 @@ def _contiguous_strides(size: list[int]) -> list[int]:
 
 
 def _core_operator_rewrites(ep) -> None:
-    """Rewrite ``aten.empty_permuted(size, layout)`` (which autograd puts in some backward
+    """Rewrite ``aten.addmm(bias, x, w)`` as ``aten.add(aten.mm(x, w), bias)`` (ExecuTorch's
+    optimized kernels compute ``mm`` with a BLAS; its ``addmm`` is the portable loop); and
+    ``aten.empty_permuted(size, layout)`` (which autograd puts in some backward
     graphs, e.g. a Hugging Face MoE's, and which is outside ExecuTorch's core operator set) as
     ``aten.permute(aten.empty(size in layout order), inverse layout)``: the same shape and
     strides; and ``aten.new_empty_strided(self, size, stride)`` (also outside it) with
@@ -306,6 +351,18 @@ def _core_operator_rewrites(ep) -> None:
         ValueError: a ``new_empty_strided`` with other strides."""
     graph = ep.graph_module.graph
     for node in list(graph.nodes):
+        if node.target is torch.ops.aten.addmm.default and not node.kwargs:
+            # addmm(bias, x, w) = mm(x, w) + bias: ExecuTorch's optimized kernels have mm, not addmm (whose
+            # portable loop made a demo-model step 25x slower than torch's)
+            bias, x, w = node.args[:3]
+            with graph.inserting_before(node):
+                mm = graph.call_function(torch.ops.aten.mm.default, (x, w))
+                mm.meta = dict(node.meta)
+                new = graph.call_function(torch.ops.aten.add.Tensor, (mm, bias))
+                new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            continue
         if node.target is torch.ops.aten.new_empty_strided.default:
             # new_empty_strided(self, size, stride) with contiguous strides: empty(size) in self's
             # dtype (a Qwen3-MoE with tied embeddings has it in its backward; ExecuTorch's
@@ -422,9 +479,21 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
         raise RuntimeError("the exported program's gradients do not cover the adapter state")
     shape = program_shape(model.spec, model.task, model.num_labels, model.experts, batch_size, seq_len, weight_format)
     describe = lambda n, t: {"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}  # noqa
+    values = [n.meta["val"] for n in ep.graph.output_node().args[0]]
+    kinds = [s.kind.name for s in ep.graph_signature.output_specs]
+    user = [v for v, k in zip(values, kinds) if k in ("LOSS_OUTPUT", "USER_OUTPUT")]
+    out_names = ["loss", "logits", "sample_loss", "sample_correct"] + [
+        f"router.{layer}.{what}" for layer in sorted(model.experts) for what in ("probs", "topk_idx", "topk_weight")]
+    if len(user) != len(out_names):
+        raise RuntimeError(f"the exported program returns {len(user)} outputs before its gradients, expected "
+                           f"{len(out_names)}")
+    plan = program.executorch_program.execution_plan[0]
     out = TrainingProgram(pte=program.buffer, batch=[describe(n, t) for n, t in example.items()],
                           frozen=[{**describe(n, t), **({"source": sources[n]} if n in sources else {})}
-                                  for n, t in frozen.items()], trainable=trainable, shape=shape)
+                                  for n, t in frozen.items()], trainable=trainable, shape=shape,
+                          outputs=[describe(n, t) for n, t in zip(out_names, user)],
+                          planned_bytes=int(sum(plan.non_const_buffer_sizes[1:])),
+                          trainable_bytes=sum(4 * p.numel() for p in model.trainable().values()))
     log.info("exported the training program %s: %d frozen inputs, %d trainable tensors, %.1f KiB",
              out.key[:12], len(out.frozen), len(trainable), len(out.pte) / 1024)
     return out

@@ -146,7 +146,8 @@ def pytest_unconfigure(config):
 
 CLUSTER_TEST_FILES = ("test_cluster.py",)
 """Test files whose tests start a NATS cluster: one xdist worker runs them all, in turn."""
-ONE_WORKER_FILES = {"test_native_trainer.py": "native-build", "test_training_program.py": "program-export"}
+ONE_WORKER_FILES = {"test_native_trainer.py": "native-build", "test_native_device.py": "native-device",
+                    "test_training_program.py": "program-export"}
 """Test files whose module-scoped fixtures are costly (the native device's CMake build, about
 30 s; an ExecuTorch program export, about 15 s): one xdist worker runs each file's tests, so
 its fixtures are built once instead of on each worker."""

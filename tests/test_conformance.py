@@ -67,3 +67,32 @@ def test_broken_devices_fail_the_rules_they_break(embedded_url, tmp_path):
     failed = {c.number: c.detail for c in report.checks if not c.passed}
     assert set(failed) == {8, 9}, "\n".join(report.lines())
     assert "stats round 1" in failed[8] and "samples" in failed[8]
+
+
+def test_the_native_device_passes(embedded_url, tmp_path):
+    """The native device (``fedmoe-device``, C++ on ExecuTorch's runtime), on MQTT 3.1.1, with
+    the shards and its training program served over HTTP."""
+    import subprocess
+
+    pytest.importorskip("executorch")
+    from fedmoe.native import NativeBuildError, binary
+    from fedmoe.native_data import write_token_file
+
+    try:
+        device = binary("fedmoe-device")
+    except NativeBuildError as e:
+        pytest.skip(f"native build unavailable: {e}")
+    cfg, _ = _config("conf-native", round_timeout_s=60.0)
+    items, _ = bbc_news()
+    data = write_token_file(items[:40], cfg.model, tmp_path / "dut.tokens.safetensors")
+    with open(tmp_path / "dut.log", "w") as log:
+        proc = subprocess.Popen([str(device), "--broker", embedded_url, "--device-id", "dut-n", "--federation",
+                                 "conf-native", "--task", "bbc", "--budget", "8GiB", "--data", str(data), "--cache",
+                                 str(tmp_path / "cache"), "--protocol", "3.1.1", "--idle-timeout", "120"], stderr=log)
+        try:
+            report = check_device(embedded_url, "dut-n", cfg.model_copy(update={"protocol": "3.1.1"}), timeout_s=300,
+                                  serve_files=True)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    assert report.passed, "\n".join(report.lines()) + "\n" + (tmp_path / "dut.log").read_text()[-3000:]

@@ -4,68 +4,40 @@ fetched by range requests and refused when their sha256 does not match."""
 from __future__ import annotations
 
 import hashlib
-import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from edge_sdk.http_shards import ShardDownloadError, download
+from fedmoe.file_server import FileServer
 from tests.federation import Federation
 
 
-class ShardServer:
-    """A web server on a free loopback port serving ``directory`` with range requests (as
-    nginx or a CDN would), optionally misbehaving: ``tamper`` flips a byte of every file,
+class ShardServer(FileServer):
+    """:class:`fedmoe.file_server.FileServer` on a free loopback port (as nginx or a CDN
+    would serve ``directory``), optionally misbehaving: ``tamper`` flips a byte of every file,
     ``ignore_ranges`` answers 200 with the whole file, ``drop_first`` closes the first
     connection after half its bytes. ``requests`` records ``(file name, Range header)``."""
 
     def __init__(self, directory: Path):
-        self.directory, self.tamper, self.ignore_ranges, self.drop_first = Path(directory), False, False, False
-        self.requests: list[tuple[str, str | None]] = []
-        server = self
+        self.tamper, self.ignore_ranges, self.drop_first = False, False, False
+        super().__init__(directory)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                name = Path(self.path).name
-                server.requests.append((name, self.headers.get("Range")))
-                path = server.directory / name
-                if not path.is_file():
-                    self.send_error(404)
-                    return
-                data = path.read_bytes()
-                if server.tamper:
-                    data = data[:-1] + bytes([data[-1] ^ 1])
-                m = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range") or "")
-                if m and not server.ignore_ranges:
-                    a, b = int(m.group(1)), min(int(m.group(2)), len(data) - 1)
-                    body = data[a:b + 1]
-                    self.send_response(206)
-                    self.send_header("Content-Range", f"bytes {a}-{b}/{len(data)}")
-                else:
-                    body = data
-                    self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if server.drop_first:
-                    server.drop_first = False
-                    self.wfile.write(body[: len(body) // 2])
-                    self.wfile.flush()
-                    self.close_connection = True
-                    return
-                self.wfile.write(body)
+    def read(self, name: str) -> bytes | None:
+        data = super().read(name)
+        return data[:-1] + bytes([data[-1] ^ 1]) if data is not None and self.tamper else data
 
-            def log_message(self, *a):
-                pass
+    def handle(self, h, ranges: bool = True) -> None:
+        super().handle(h, ranges=not self.ignore_ranges)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/shards"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def send(self, h, body: bytes) -> None:
+        if self.drop_first:
+            self.drop_first = False
+            h.wfile.write(body[: len(body) // 2])
+            h.wfile.flush()
+            h.close_connection = True
+            return
+        h.wfile.write(body)
 
 
 @pytest.fixture

@@ -224,3 +224,14 @@ def test_the_nats_cluster_tests_share_one_xdist_worker_when_run_with_others(tmp_
     passed = [line for line in out.splitlines() if "PASSED" in line]
     assert len(passed) == 2 and all("@nats-cluster" in line for line in passed), out[-2000:]
     assert len({line.split("]")[0] for line in passed}) == 1, out[-2000:]  # "[gw0] ..." on both
+
+
+def test_make_install_installs_the_packages_the_native_build_names():
+    """The Makefile's NATIVE_PACKAGES (what `make install` installs) are exactly
+    ``fedmoe.native.PACKAGES`` (what a failed native build tells the user to install)."""
+    from fedmoe.native import PACKAGES
+
+    text = (ROOT / "Makefile").read_text()
+    listed = re.search(r"^NATIVE_PACKAGES := (.+)$", text, re.M).group(1).split()
+    assert listed == list(PACKAGES)
+    assert "$(NATIVE_PACKAGES)" in text.split("$(STAMP): pyproject.toml", 1)[1].split("\n\n", 1)[0]

@@ -52,13 +52,21 @@ def slot_named(model, held):
 
 
 def _eager(model, batch, labels):
-    """torch's loss and gradients (by adapter key) of the same step (the program's mode)."""
+    """torch's loss and gradients (by adapter key) of the same step (the program's mode), and
+    the step's other outputs by name (per-sample loss and correctness, each layer's routing)."""
     with exportable(model):
         model.zero_grad()
-        loss = objectives.sample_loss(model.objective, model(batch), labels).mean()
-        loss.backward()
+        logits = model(batch)
+        per_sample = objectives.sample_loss(model.objective, logits, labels)
+        per_sample.mean().backward()
+        outputs = {"sample_loss": per_sample.detach(),
+                   "sample_correct": objectives.sample_correct(model.objective, logits, labels)}
+        for layer, block in model.model.moe_blocks().items():
+            rec = block.last
+            outputs.update({f"router.{layer}.probs": rec.probs.detach(), f"router.{layer}.topk_idx": rec.topk_idx,
+                            f"router.{layer}.topk_weight": rec.topk_weight.detach()})
     assert model.training and not any(b.dense_dispatch for b in model.model.moe_blocks().values())  # restored
-    return loss.item(), {k: p.grad.clone() for k, p in model.trainable().items()}
+    return per_sample.mean().item(), {k: p.grad.clone() for k, p in model.trainable().items()}, outputs
 
 
 def _check_step(program, model, held, items, frozen):
@@ -71,10 +79,16 @@ def _check_step(program, model, held, items, frozen):
     state = to_slots(model.adapter_state(), held)
     for name, key in program.trainable.items():
         params[name].copy_(state[key])
-    loss, logits = tm.forward_backward("forward", (*inputs, *frozen))
+    loss, logits, *rest = tm.forward_backward("forward", (*inputs, *frozen))
     grads = from_slots({program.trainable[n]: g for n, g in tm.named_gradients().items()}, held)
-    ref_loss, ref_grads = _eager(model, {"input_ids": inputs[0], "attention_mask": inputs[1]}, inputs[2])
+    ref_loss, ref_grads, ref_out = _eager(model, {"input_ids": inputs[0], "attention_mask": inputs[1]}, inputs[2])
     assert abs(loss.item() - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
+    assert [o["name"] for o in program.outputs[2:]] == list(ref_out) and len(rest) == len(ref_out)
+    for spec, got in zip(program.outputs[2:], rest):  # what a device's statistics are made of
+        want = ref_out[spec["name"]]
+        assert list(got.shape) == spec["shape"] == list(want.shape), spec
+        assert torch.equal(got, want) if want.dtype == torch.int64 else torch.allclose(got, want.float(), atol=1e-5)
+    assert program.planned_bytes > 0
     assert set(grads) == set(ref_grads)
     for k, g in ref_grads.items():
         err = ((grads[k] - g).norm() / g.norm().clamp_min(1e-12)).item()

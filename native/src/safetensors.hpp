@@ -1,8 +1,8 @@
-// safetensors files, per the format's specification (huggingface/safetensors, README
-// "Format"): an 8-byte little-endian header length N, N bytes of JSON
-// {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__"?: {...}}, then
-// the tensor data, each tensor's bytes at [begin, end) after the header, row-major,
-// little-endian. Reading checks every offset against the file; nothing is trusted.
+// safetensors files and payloads, per the format's specification (huggingface/safetensors,
+// README "Format") and PROTOCOL.md §6.5: an 8-byte little-endian header length N, N bytes of
+// JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__"?: {str: str}},
+// then the tensor data, each tensor's bytes at [begin, end) after the header, row-major,
+// little-endian. Reading checks every rule of §6.5 against the bytes; nothing is trusted.
 #pragma once
 
 #include <cstdint>
@@ -21,26 +21,48 @@ struct TensorView {
   size_t nbytes = 0;
 };
 
-/// Bytes per element of a safetensors dtype; throws std::runtime_error for an unknown one.
+/// Bytes per element of a safetensors dtype of PROTOCOL.md §6.5 (F64, F32, F16, BF16, I64,
+/// I32, I8, U8); throws std::runtime_error for any other.
 size_t dtype_size(const std::string& dtype);
 
-/// A safetensors file read into memory.
+/// Elements of a shape (1 for a scalar).
+uint64_t numel(const std::vector<int64_t>& shape);
+
+/// A safetensors file or payload held in memory (anonymous memory: what a device's memory
+/// budget counts, PROTOCOL.md §5.3a).
 class SafetensorsFile {
  public:
-  /// Reads and checks `path`; throws std::runtime_error with the reason (missing file,
-  /// truncated header or data, overlapping or out-of-range offsets, shape and size that
-  /// disagree, unknown dtype).
+  /// Reads and checks the file `path`.
   explicit SafetensorsFile(const std::string& path);
+  /// Checks and keeps `bytes`; `what` names them in errors.
+  SafetensorsFile(std::vector<uint8_t> bytes, const std::string& what);
+  SafetensorsFile(SafetensorsFile&&) = default;
+  SafetensorsFile& operator=(SafetensorsFile&&) = default;
+
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
   /// The tensor `name`; throws std::runtime_error when the file lacks it.
   const TensorView& at(const std::string& name) const;
+  /// Bytes held.
+  size_t size() const { return bytes_.size(); }
 
  private:
+  void parse(const std::string& what);
   std::vector<uint8_t> bytes_;
   std::map<std::string, TensorView> tensors_;
+  std::map<std::string, std::string> metadata_;
 };
 
-/// Writes `tensors` (name -> view) as a safetensors file; throws on an I/O error.
-void write_safetensors(const std::string& path, const std::map<std::string, TensorView>& tensors);
+/// `tensors` (name -> view, in name order) and `metadata` as safetensors bytes, the header
+/// padded with spaces to a multiple of 8.
+std::vector<uint8_t> safetensors_bytes(const std::map<std::string, TensorView>& tensors,
+                                       const std::map<std::string, std::string>& metadata = {});
+
+/// Writes safetensors_bytes(tensors) to `path`; throws on an I/O error.
+void write_safetensors(const std::string& path, const std::map<std::string, TensorView>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
+/// Reads a whole file; throws std::runtime_error when it cannot.
+std::vector<uint8_t> read_file(const std::string& path);
 
 }  // namespace fedmoe

@@ -110,14 +110,21 @@ void Trainer::bind_frozen(const std::map<std::string, SafetensorsFile>& shards,
   }
 }
 
-void Trainer::load_state(const SafetensorsFile& state) {
+void Trainer::load_state(const SafetensorsFile& state) { load_state(state.tensors()); }
+
+void Trainer::load_state(const std::map<std::string, TensorView>& state) {
   pending_.clear();
+  pending_shape_.clear();
   for (const auto& n : names_) {
-    const auto& t = state.at(manifest_.at("trainable").at(n).get<std::string>());
-    if (t.dtype != "F32") throw std::runtime_error("adapter state " + n + " is not fp32");
+    const auto key = manifest_.at("trainable").at(n).get<std::string>();
+    auto it = state.find(key);
+    if (it == state.end()) throw std::runtime_error("adapter state lacks " + key);
+    const auto& t = it->second;
+    if (t.dtype != "F32") throw std::runtime_error("adapter state " + key + " is not fp32");
     std::vector<float> v(t.nbytes / 4);
     std::memcpy(v.data(), t.data, t.nbytes);
     pending_[n] = std::move(v);
+    pending_shape_[n] = t.shape;
   }
   m_.clear();
   v_.clear();
@@ -145,23 +152,52 @@ std::vector<EValue> Trainer::run(const std::vector<TensorView>& batch) {
   return std::move(*r);
 }
 
-float Trainer::step(const std::vector<TensorView>& batch, const AdamW& opt) {
-  auto out = run(batch);
-  if (params_.empty()) {  // the parameters are outputs that alias the program's own storage
+void Trainer::prepare(const std::vector<TensorView>& batch) {
+  if (pending_.empty()) return;
+  if (params_.empty()) {  // the parameters are outputs that alias the program's own storage: run once to find them
+    auto out = run(batch);
     for (size_t i = 0; i < names_.size(); ++i) {
       auto& p = out[param_start_ + i].toTensor();
       params_[names_[i]] = TensorView{"F32", {p.sizes().begin(), p.sizes().end()}, static_cast<uint8_t*>(p.mutable_data_ptr()), p.nbytes()};
     }
   }
-  if (!pending_.empty()) {  // a state loaded since: put it in and compute this step again
-    for (auto& [n, v] : pending_) {
-      auto& p = params_.at(n);
-      if (p.nbytes != v.size() * 4) throw std::runtime_error("adapter state " + n + " has the wrong size");
-      std::memcpy(p.data, v.data(), p.nbytes);
-    }
-    pending_.clear();
-    out = run(batch);
+  for (auto& [n, v] : pending_) {  // a state loaded since: put it in
+    auto& p = params_.at(n);
+    if (p.nbytes != v.size() * 4 || (pending_shape_.count(n) && pending_shape_[n] != p.shape))
+      throw std::runtime_error("adapter state " + manifest_.at("trainable").at(n).get<std::string>() +
+                               " has another shape than the program's parameter");
+    std::memcpy(p.data, v.data(), p.nbytes);
   }
+  pending_.clear();
+  pending_shape_.clear();
+}
+
+float Trainer::evaluate(const std::vector<TensorView>& batch) {
+  prepare(batch);
+  last_ = run(batch);
+  const float loss = last_[0].toTensor().const_data_ptr<float>()[0];
+  if (!std::isfinite(loss)) throw std::runtime_error("non-finite validation loss");
+  return loss;
+}
+
+TensorView Trainer::output(const std::string& name) const {
+  const auto& outs = manifest_.value("outputs", nlohmann::json::array());
+  for (size_t i = 0; i < outs.size() && i < grad_start_ && i < last_.size(); ++i) {
+    if (outs[i].at("name").get<std::string>() != name) continue;
+    const auto& t = last_[i].toTensor();
+    const auto& d = dtype_of(outs[i].at("dtype").get<std::string>());
+    return TensorView{d.safetensors, {t.sizes().begin(), t.sizes().end()},
+                      static_cast<uint8_t*>(const_cast<void*>(t.const_data_ptr())), t.nbytes()};
+  }
+  throw std::runtime_error("the program has no output " + name + " (or nothing ran yet)");
+}
+
+uint64_t Trainer::planned_bytes() const { return manifest_.value("planned_bytes", uint64_t{0}); }
+
+float Trainer::step(const std::vector<TensorView>& batch, const AdamW& opt) {
+  prepare(batch);
+  last_ = run(batch);
+  const auto& out = last_;
   const float loss = out[0].toTensor().const_data_ptr<float>()[0];
   if (!std::isfinite(loss)) throw std::runtime_error("non-finite training loss");
   ++t_;
