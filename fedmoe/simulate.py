@@ -26,7 +26,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -99,9 +99,9 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
     store.unlink(missing_ok=True)
     shutil.rmtree(out / "cache", ignore_errors=True)  # fresh devices: round 1 fetches their base shards
     agg_cfg = aggregator_config(cfg, tasks, federation, f"sqlite:///{store}")
-    natives, files = _native_devices(cfg, devices, out)  # before any process starts: the build takes minutes once
-    if files is not None:
-        agg_cfg.update(shard_url=files.url, shard_dir=str(files.directory))
+    native = _native_devices(cfg, devices, out)  # before any process starts: the build takes minutes once
+    if native is not None:
+        agg_cfg.update(shard_url=native.server.url, shard_dir=str(native.server.directory))
     (out / "aggregator.yaml").write_text(yaml.safe_dump(agg_cfg, sort_keys=False))
     log.info("simulating %d devices x %d rounds of %s (%s, %s assignment, %s aggregation, %d experts per MoE "
              "layer) -> %s", cfg.devices, cfg.rounds, cfg.strategy.name, cfg.partition, cfg.assignment.name,
@@ -131,9 +131,10 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
         (out / "devices").mkdir(exist_ok=True)
         for d in devices:
             lim = limits.get(d["device_id"])
-            if d["device_id"] in natives:
-                procs.start(d["device_id"], native_args(cfg, d, url, federation, natives[d["device_id"]], bool(broker)),
-                            cfg.device.threads or 1, preexec=lim.preexec() if lim else None, program=natives["binary"])
+            if native is not None and d["device_id"] in native.tokens:
+                procs.start(d["device_id"], native_args(cfg, d, url, federation, native.tokens[d["device_id"]],
+                                                        bool(broker)),
+                            cfg.device.threads or 1, preexec=lim.preexec() if lim else None, program=native.binary)
                 continue
             dev = device_config(cfg, d, url, federation, protocol="3.1.1" if broker else "auto")
             path = out / "devices" / f"{d['device_id']}.yaml"
@@ -154,8 +155,8 @@ def _simulate(cfg: SimulationConfig) -> dict[str, Any]:
         watcher.close()
         if broker is not None:
             broker.stop()
-        if files is not None:
-            files.close()
+        if native is not None:
+            native.server.close()
         cgroups = {d: lim.report() for d, lim in limits.items()}
         for lim in limits.values():
             lim.remove()
@@ -188,17 +189,27 @@ NATIVE_FORMATS = ("fp32", "int8", "nf4")
 """The base-shard formats the native device holds (its training programs take them as stored)."""
 
 
-def _native_devices(cfg: SimulationConfig, devices: list[dict[str, Any]], out: Path) -> tuple[dict[str, Any], Any]:
-    """For ``cfg.native_devices``: the native device built (``natives["binary"]``), each of
-    the first devices' data written as token ids (``natives[device id]``: the token file, and
-    the device marked ``"runtime": "native"``), and the local web server the aggregator serves
-    shards and programs from (None without native devices).
+class NativeDevices(NamedTuple):
+    """What the native devices of a simulation run from (:func:`_native_devices`)."""
+
+    binary: Path
+    """``fedmoe-device``, built."""
+    tokens: dict[str, Path]
+    """Device id -> its data as token ids (:mod:`fedmoe.native_data`)."""
+    server: Any
+    """The :class:`fedmoe.file_server.FileServer` the aggregator serves shards and programs from."""
+
+
+def _native_devices(cfg: SimulationConfig, devices: list[dict[str, Any]], out: Path) -> NativeDevices | None:
+    """For ``cfg.native_devices``: the native device built, the first devices' data written as
+    token ids (each such device marked ``"runtime": "native"``), and a local web server
+    started; None without native devices.
 
     Raises:
         SimulationConfigError: the native device cannot be built (the reason names what to install).
     """
     if not cfg.native_devices:
-        return {}, None
+        return None
     from edge_sdk.data import load_text_file
 
     from .file_server import FileServer
@@ -206,15 +217,16 @@ def _native_devices(cfg: SimulationConfig, devices: list[dict[str, Any]], out: P
     from .native_data import write_token_file
 
     try:
-        natives: dict[str, Any] = {"binary": binary("fedmoe-device")}
+        program = binary("fedmoe-device")
     except NativeBuildError as e:
         raise SimulationConfigError(f"--native-devices: {e}") from None
+    tokens = {}
     for d in devices[: cfg.native_devices]:
         path = Path(d["data"]).with_suffix(".tokens.safetensors")
-        natives[d["device_id"]] = write_token_file(load_text_file(d["data"]).items, cfg.model, path)
+        tokens[d["device_id"]] = write_token_file(load_text_file(d["data"]).items, cfg.model, path)
         d["runtime"] = "native"
     (out / "served").mkdir(exist_ok=True)
-    return natives, FileServer(out / "served")
+    return NativeDevices(program, tokens, FileServer(out / "served"))
 
 
 def native_args(cfg: SimulationConfig, device: dict[str, Any], broker: str, federation: str, tokens: Path,

@@ -13,15 +13,21 @@ import pytest
 @pytest.mark.slow
 def test_simulate_tiny_writes_report_and_plots(tmp_path):
     """Also, where a memory cgroup can be created, every device runs under a hard limit equal
-    to its budget (``--device-memory-limit``), as a phone or container would run it."""
+    to its budget (``--device-memory-limit``), as a phone or container would run it; and where
+    the native device builds, the first device is one (``--native-devices 1``)."""
     from fedmoe.cgroups import unavailable
+    from fedmoe.native import NativeBuildError, binary
 
     limited = unavailable() is None
+    try:
+        native = bool(binary("fedmoe-device"))
+    except NativeBuildError:
+        native = False
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "fedmoe", "simulate", "--tiny", "--out", str(out), "--devices", "3", "--rounds", "2",
          "--max-steps", "4", "--partition", "classes:2", "--eval-max-samples", "64", "--budgets", "700MiB,720MiB"]
-        + (["--device-memory-limit"] if limited else []),
+        + (["--device-memory-limit"] if limited else []) + (["--native-devices", "1"] if native else []),
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -39,6 +45,10 @@ def test_simulate_tiny_writes_report_and_plots(tmp_path):
     for png in ("accuracy.png", "bytes.png", "expert_load.png"):
         assert (out / png).stat().st_size > 1000
     assert "round" in proc.stdout and "MiB down" in proc.stdout  # the per-round table
+    if native:  # it took part in every round beside the Python devices, and the device table says what it is
+        assert report["config"]["devices"][0]["runtime"] == "native"
+        assert all("dev-00" in rnd["devices"] for rnd in report["rounds"]), report["rounds"]
+        assert "its sub-MoE (native device)" in proc.stdout
     if limited:
         cg = report["device_cgroups"]
         assert sorted(cg) == sorted(r["devices"]) and all(c["oom_kills"] == 0 for c in cg.values()), cg

@@ -32,7 +32,7 @@ from protocol.topics import Topics  # noqa: E402
 from protocol.transport import Transport  # noqa: E402
 from tests.conftest import TINY_CONFIG  # noqa: E402
 from tests.federation import Federation  # noqa: E402
-from tests.test_http_shards import ShardServer  # noqa: E402
+from tests.test_http_shards import ShardServer, server  # noqa: E402,F401  (server: the web-server fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -163,14 +163,6 @@ class Natives:
         return out
 
 
-@pytest.fixture
-def shard_server(tmp_path):
-    server = ShardServer(tmp_path / "served")
-    server.directory.mkdir()
-    yield server
-    server.close()
-
-
 def _served(server) -> dict:
     return {"shard_url": server.url, "shard_dir": str(server.directory)}
 
@@ -189,12 +181,12 @@ def secure(tmp_path_factory):
 
 
 def test_a_signed_federation_of_python_and_native_devices_completes_three_rounds(tools, secure, tmp_path,
-                                                                                   shard_server):
+                                                                                   server):
     """TLS, per-device accounts under the ACL, Ed25519-signed updates and stats: 2 Python and 2
     native devices take part in every round, every update is accepted."""
     p, broker = secure
     fed = Federation(broker.url(tls=True), str(tmp_path), rounds=3, experts=(2, 4), min_devices=4,
-                     round_timeout_s=150, secure=p, config_kw=_served(shard_server))
+                     round_timeout_s=150, secure=p, config_kw=_served(server))
     natives = Natives(tools[1], fed.federation, fed.aggregator.cfg.model, tmp_path, broker.url(tls=True), str(p.ca_file))
     records = fed.run(extra=lambda f: [natives.start(d, f.train_items[200 + 40 * i:240 + 40 * i],
                                                      credentials=p.device_file(d)) for i, d in enumerate(("nat0", "nat1"))],
@@ -233,14 +225,14 @@ def _watch(url: str, federation: str, got: dict, stop: threading.Event) -> None:
 
 
 def test_the_native_update_equals_the_python_devices_on_the_same_data_seed_and_experts(tools, mosquitto_url, tmp_path,
-                                                                                        shard_server):
+                                                                                        server):
     """A Python device and a native device with the same data and seed, holding the same experts
     (``fixed``), train the same batches from the same state: their updates (trained minus
     received) agree within a relative L2 error of 1e-3 (fp32, no dropout), and so do their
     losses, accuracies and expert statistics."""
     fed = Federation(mosquitto_url, str(tmp_path), rounds=1, experts=(4,), min_devices=2, round_timeout_s=150,
                      spec_kw={"config": NO_DROPOUT},
-                     config_kw={**_served(shard_server),
+                     config_kw={**_served(server),
                                 "assignment": StrategyConfig(name="fixed", params={"experts": [1, 3]})})
     natives = Natives(tools[1], fed.federation, fed.aggregator.cfg.model, tmp_path, mosquitto_url)
     got, stop = {}, threading.Event()
@@ -331,8 +323,8 @@ class RogueCloud:
 
 
 def test_bad_input_from_the_cloud_gets_the_python_devices_refusals_and_nothing_crashes(tools, mosquitto_url,
-                                                                                        tmp_path, shard_server):
-    cloud = RogueCloud(mosquitto_url, shard_server, tmp_path)
+                                                                                        tmp_path, server):
+    cloud = RogueCloud(mosquitto_url, server, tmp_path)
     natives = Natives(tools[1], cloud.federation, cloud.gm.spec, tmp_path, mosquitto_url)
     data = cloud.items[:40]
     natives.start("nat0", data, budget="1GiB")
@@ -353,10 +345,10 @@ def test_bad_input_from_the_cloud_gets_the_python_devices_refusals_and_nothing_c
     assert not ack.accepted and "adapter state did not arrive before the round deadline" in ack.reason
     # 2. a shard whose bytes fail their sha256: the round fails after its acceptance
     a, chunks = cloud.assignment(2, held)
-    shard_server.tamper = True  # every file it serves: the device has fetched none but the manifest yet
+    server.tamper = True  # every file it serves: the device has fetched none but the manifest yet
     cloud.send("nat0", a, chunks)
     cloud.wait(lambda: any(x.round == 2 and not x.accepted for x in cloud.acks("nat0")), 60)
-    shard_server.tamper = False
+    server.tamper = False
     acks = [x for x in cloud.acks("nat0") if x.round == 2]
     assert acks[0].accepted and not acks[-1].accepted and "sha256" in acks[-1].reason, acks
     # 3. a program for another shape (one expert per layer for a device assigned two)

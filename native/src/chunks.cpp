@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "crypto.hpp"
+#include "messages.hpp"
 
 namespace fedmoe {
 
@@ -15,18 +16,6 @@ constexpr size_t kReserve = 512;  // magic + length + header (protocol/chunking.
 constexpr size_t kMaxHeader = 2048;
 constexpr uint64_t kMaxChunks = 1000000;
 
-bool is_hex64(const std::string& s) {
-  if (s.size() != 64) return false;
-  for (char c : s)
-    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
-  return true;
-}
-bool is_id(const std::string& s) {
-  if (s.empty() || s.size() > 64) return false;
-  for (char c : s)
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-')) return false;
-  return true;
-}
 bool is_kind(const std::string& s) {
   if (s.empty() || s.size() > 32) return false;
   for (char c : s)

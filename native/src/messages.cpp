@@ -42,13 +42,6 @@ bool as_bool(const json& v, const std::string& what) {
   return v.get<bool>();
 }
 
-bool is_hex64(const std::string& s) {
-  if (s.size() != 64) return false;
-  for (char c : s)
-    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
-  return true;
-}
-
 bool is_url(const std::string& s) {
   if (s.size() > 2048 || !(s.rfind("http://", 0) == 0 || s.rfind("https://", 0) == 0)) return false;
   for (char c : s)
@@ -95,6 +88,13 @@ std::string format(const json& v, const std::string& what) {
 }
 
 }  // namespace
+
+bool is_hex64(const std::string& s) {
+  if (s.size() != 64) return false;
+  for (char c : s)
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  return true;
+}
 
 bool is_id(const std::string& s) {
   if (s.empty() || s.size() > 64) return false;

@@ -89,5 +89,7 @@ std::string ack_json(const std::string& device_id, uint64_t round, uint64_t atte
 
 /// True when `s` is an id (1-64 of [A-Za-z0-9_.-]).
 bool is_id(const std::string& s);
+/// True when `s` is 64 lowercase hex digits (a sha256).
+bool is_hex64(const std::string& s);
 
 }  // namespace fedmoe
