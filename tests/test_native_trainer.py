@@ -143,6 +143,6 @@ def test_native_trainer_refuses_bad_input_with_a_reason(binary, files, tmp_path)
     wrong = tmp_path / "state.safetensors"
     save_file({"x": torch.zeros(2)}, str(wrong))
     r = _run(binary, d, **{"--state": wrong})
-    assert r.returncode == 2 and "no tensor" in r.stderr
+    assert r.returncode == 2 and "adapter state lacks" in r.stderr
     r = _run(binary, d, **{"--steps": 99})
     assert r.returncode == 2 and "fewer batches" in r.stderr

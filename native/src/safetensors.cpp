@@ -53,7 +53,7 @@ void SafetensorsFile::parse(const std::string& what) {
   if (size < 8) throw std::runtime_error(what + ": shorter than the 8-byte header length");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes_[i];
-  if (n > kMaxHeader || n > size - 8) throw std::runtime_error(what + ": header length beyond the limit or the data");
+  if (n > kMaxHeader || n > size - 8) throw std::runtime_error(what + ": header length beyond the file (or the 16 MiB limit)");
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(bytes_.begin() + 8, bytes_.begin() + 8 + static_cast<long>(n));
