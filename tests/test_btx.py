@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import random
 
 import pytest
@@ -19,7 +20,7 @@ from transformers import (AutoModelForCausalLM, BertConfig, BertForMaskedLM, Lla
 from moe_model.models import all_experts, btx, get_adapter
 from moe_model.models.bert_upcycled import BTX_WEIGHTS
 from moe_model.models.btx_bert import build_btx_bert, mask_tokens, tokenize_blocks as bert_blocks
-from moe_model.models.btx_hf import build_btx_llm, lm_logits, moe_views, tokenize_blocks
+from moe_model.models.btx_hf import build_btx_llm, lm_logits, lm_loss, moe_views, tokenize_blocks
 from moe_model.models.hf_moe import checkpoint_model
 from moe_model.models.upcycle_hf import upcycle_checkpoint
 from moe_model.shards import split_base
@@ -261,3 +262,21 @@ def test_pack_texts_caps_each_document_so_blocks_span_many_documents():
     assert {chr(c) for c in uncapped.flatten().tolist() if c} == {"A"}
     with pytest.raises(ValueError, match="doc_blocks"):
         btx.pack_texts(tok, docs, length=10, sep=0, max_blocks=8, doc_blocks=0)
+
+
+def test_a_bf16_build_trains_its_branches_under_autocast_and_keeps_fp32_weights(llama_dir, tmp_path):
+    """``--precision bf16``: the branch and router steps run under bfloat16 autocast (their losses
+    differ from the fp32 build's), the checkpoint's weights stay fp32, the precision is recorded
+    and an fp32 branch checkpoint is not reused for it; an unknown precision is refused."""
+    kw = {**LLM_KW, "router_steps": 2}
+    fp32 = build_btx_llm(str(llama_dir), tmp_path / "fp32", _domains(), work_dir=tmp_path / "work", **kw)
+    bf16 = build_btx_llm(str(llama_dir), tmp_path / "bf16", _domains(), work_dir=tmp_path / "work", precision="bf16",
+                         **kw)
+    meta32, meta16 = (json.loads((p / "btx.json").read_text()) for p in (fp32, bf16))
+    assert meta16["precision"] == "bf16" and meta32["precision"] == "fp32"
+    assert meta16["branch_loss"] != meta32["branch_loss"]  # trained again, in bfloat16
+    assert all(math.isfinite(v["last"]) for v in meta16["branch_loss"].values())
+    model = AutoModelForCausalLM.from_pretrained(bf16)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match="precision"):
+        btx.autocast_loss(lm_loss, "fp8", "cpu")
