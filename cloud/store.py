@@ -84,6 +84,7 @@ class Store:
         self._name = redact_url(url)
         self._lock = threading.RLock()
         self._conn: Connection | None = None  # the open transaction() block's connection
+        self._failed: StoreError | None = None  # a statement that failed inside it
         self._leader: Connection | IO | None = None  # what holds the leader lock
         self._path: str | None = None  # the SQLite file
         u = urlparse(url)
@@ -135,7 +136,10 @@ class Store:
         try:
             yield
         except SQLAlchemyError as e:
-            raise StoreError(f"{what} {self._name}: {getattr(e, 'orig', None) or e}") from None
+            error = StoreError(f"{what} {self._name}: {getattr(e, 'orig', None) or e}")
+            if self._conn is not None:  # the open transaction() block must not commit what is left
+                self._failed = error
+            raise error from None
 
     def _exec(self, *stmts: Any) -> list[Any]:
         """Run ``stmts`` in the open :meth:`transaction` or in one of their own; the last one's rows."""
@@ -155,16 +159,26 @@ class Store:
     @contextmanager
     def transaction(self) -> Iterator["Store"]:
         """Group writes atomically (nestable; the outermost block commits, an exception
-        rolls everything back). Raises StoreError."""
+        rolls everything back, and so does a failed statement inside that a caller caught:
+        nothing after it is committed as if it had worked). Raises StoreError."""
         with self._lock:
             if self._conn is not None:  # nested: join the outer block
                 yield self
                 return
+            self._failed = None
             with self._guard(), self._engine.begin() as self._conn:
                 try:
                     yield self
+                    if self._failed is not None:  # a statement inside failed and its caller went on
+                        raise StoreError(f"transaction rolled back: {self._failed}")
                 finally:
                     self._conn = None
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a :meth:`transaction` block is open (a caller must not commit and
+        acknowledge inside someone else's)."""
+        return self._conn is not None
 
     # kv
     def put_json(self, key: str, value: Any) -> None:

@@ -43,8 +43,9 @@ import time
 import uuid
 import zlib
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 from urllib.parse import unquote, urlparse
 
 import paho.mqtt.client as mqtt
@@ -59,6 +60,9 @@ from .messages import BlobRef
 log = logging.getLogger(__name__)
 SUBSCRIBE_RETRY_S = 2.0
 """Seconds before a subscription the broker refused (SUBACK failure) is asked for again."""
+INBOX_WAIT_S = 5.0
+"""Longest (seconds) paho's network thread holds one message back while the inbox is full
+(``inbox_max_bytes``): well inside a 30 s keepalive, which it must keep answering."""
 
 
 class TransportError(ConnectionError):
@@ -174,6 +178,20 @@ class Transport:
         manual_ack: acknowledge a received QoS 1 message only when the owner calls
             :meth:`ack` (after handling and persisting it), so a crash before that makes
             the broker redeliver it to the persistent session instead of losing it.
+        receive_maximum: MQTT 5: at most this many received QoS 1 messages unacknowledged
+            at once (the CONNECT's Receive Maximum; None: the protocol's 65,535). A consumer
+            slower than its senders then leaves the backlog in the broker instead of its
+            inbox: unbounded, a 1,000-device round of 1 MiB updates queued 1 GiB in the
+            aggregator's. MQTT 3.1.1 has no such property (the broker's own limit applies,
+            e.g. Mosquitto's ``max_inflight_messages``).
+        inbox_max_bytes: flow control on this side: while the inbox holds this many payload
+            bytes, paho's network thread waits (up to :data:`INBOX_WAIT_S` per message, so
+            keepalives still go out) before queueing the next message, and the socket it
+            does not read leaves the backlog in the broker. Not while this client waits for
+            its own publishes to be acknowledged (that needs the network thread). Needed
+            because Mosquitto 2.0.11 stops holding a client to its Receive Maximum once the
+            client acknowledges (measured: 6,516 chunks, 1.6 GiB, queued in the aggregator's
+            inbox with Receive Maximum 256). None: unbounded.
     """
 
     def __init__(
@@ -193,6 +211,8 @@ class Transport:
         inbox_max: int = 200_000,
         max_inflight: int = 32,
         manual_ack: bool = False,
+        receive_maximum: int | None = None,
+        inbox_max_bytes: int | None = None,
     ):
         if protocol not in ("auto", "5", "3.1.1"):
             raise ValueError(f"protocol must be auto, 5 or 3.1.1, not {protocol!r}")
@@ -244,6 +264,18 @@ class Transport:
         self.reconnects = 0
         self._ever_connected = False
         self.manual_ack = manual_ack
+        if receive_maximum is not None and not 1 <= receive_maximum <= 65535:
+            raise ValueError(f"receive_maximum must be within 1..65535, not {receive_maximum}")
+        self.receive_maximum = receive_maximum
+        self.inbox_max_bytes = inbox_max_bytes
+        self._inbox_bytes = 0
+        self._room = threading.Condition()
+        """Guards ``_inbox_bytes`` and ``_publishing``; notified when either drops."""
+        self._publishing = 0
+        """Calls of this client waiting for the broker's answer (:meth:`_awaiting_broker`)."""
+        self.inbox_waits = 0
+        """Messages that arrived with the inbox full (paho's network thread held them back unless this
+        client was waiting for the broker)."""
         self._generation = 0
         self._connect_kwargs: dict = {}
 
@@ -341,6 +373,8 @@ class Transport:
             props = Properties(PacketTypes.CONNECT)
             if self.session_expiry_s:
                 props.SessionExpiryInterval = int(self.session_expiry_s)
+            if self.receive_maximum is not None:
+                props.ReceiveMaximum = self.receive_maximum
             cs = mqtt.MQTT_CLEAN_START_FIRST_ONLY if self.clean_start == "first_only" else bool(self.clean_start)
             kwargs = {"clean_start": cs, "properties": props}
         self._connect_kwargs = kwargs
@@ -429,12 +463,36 @@ class Transport:
         payload = bytes(msg.payload)
         if payload.startswith(envelope.MAGIC) and (opened := envelope.unwrap(payload)) is not None:
             payload, props = opened[0], {**opened[1], **props}  # sent over MQTT 3.1.1 (protocol.envelope)
+        if self.inbox_max_bytes is not None:
+            self._wait_for_room(len(payload))
         try:
             self.inbox.put_nowait(Incoming(msg.topic, payload, bool(msg.retain), props, msg.mid, msg.qos,
                                            self._generation))
         except queue.Full:
+            self._took(len(payload))
             self.dropped += 1
             self._drop_log.log("inbox full", logging.ERROR, "inbox full: dropped a message on %s", clip(msg.topic))
+
+    def _wait_for_room(self, size: int) -> None:
+        """Hold paho's network thread while the inbox is over ``inbox_max_bytes`` (at most
+        :data:`INBOX_WAIT_S`, and not while this client waits for its own PUBACKs), then
+        count ``size`` bytes in."""
+        with self._room:
+            deadline = time.monotonic() + INBOX_WAIT_S
+            if self._inbox_bytes >= self.inbox_max_bytes:
+                self.inbox_waits += 1
+            while self._inbox_bytes >= self.inbox_max_bytes and not self._publishing and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._room.wait(min(left, 0.1))
+            self._inbox_bytes += size
+
+    def _took(self, size: int) -> None:
+        if self.inbox_max_bytes is not None:
+            with self._room:
+                self._inbox_bytes -= size
+                self._room.notify_all()
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
         with self._lock:
@@ -497,7 +555,7 @@ class Transport:
         mid = self._send_subscribe(self._client, topic, qos)
         if timeout is None:
             return True
-        with self._suback:
+        with self._awaiting_broker(), self._suback:
             ok = self._suback.wait_for(lambda: mid in self._subacked, timeout)
             self._subacked.discard(mid)
         return ok and topic not in self._sub_failed
@@ -556,9 +614,11 @@ class Transport:
     def get(self, timeout: float | None = None) -> Incoming | None:
         """Next received message, or None after ``timeout`` seconds."""
         try:
-            return self.inbox.get(timeout=timeout)
+            m = self.inbox.get(timeout=timeout)
         except queue.Empty:
             return None
+        self._took(len(m.payload))
+        return m
 
     # ------------------------------------------------------------------ publishing
     @property
@@ -634,7 +694,24 @@ class Transport:
         """
         if self._client is None:
             raise PublishError("transport is not connected")
-        deadline = time.monotonic() + timeout
+        with self._awaiting_broker():
+            self._publish_window(items, qos, time.monotonic() + timeout, user_properties)
+
+    @contextmanager
+    def _awaiting_broker(self) -> Iterator[None]:
+        """While this client waits for the broker's answer (a PUBACK, a SUBACK), paho's
+        network thread, which reads it, must not wait for room in the inbox."""
+        with self._room:
+            self._publishing += 1
+            self._room.notify_all()
+        try:
+            yield
+        finally:
+            with self._room:
+                self._publishing -= 1
+
+    def _publish_window(self, items: list[tuple[str, bytes, bool]], qos: int, deadline: float,
+                        user_properties: dict[str, str] | None) -> None:
         props, props_len = self._props(user_properties)
         wrapped = bool(user_properties) and not self.v5  # MQTT 3.1.1: the properties travel in an envelope
         window: deque = deque()

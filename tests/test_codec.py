@@ -87,6 +87,26 @@ def test_rejects_nan_and_inf():
             decode_tensors(encode_tensors(t), LIMIT)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_value_anywhere_in_a_run_of_tensors_is_found_and_named(dtype, bad):
+    """Adjacent tensors of one dtype are checked as one run of bytes: the bad value is found
+    in any of them, whatever the float dtype, and the error names its tensor."""
+    t = {f"t{i}": torch.linspace(-1e3, 1e3, 50).to(dtype).reshape(5, 10) for i in range(5)}
+    decode_tensors(save(t), LIMIT)                                           # finite: accepted
+    t["t3"][4, 9] = bad
+    with pytest.raises(CodecError, match="tensor 't3' holds NaN or Inf"):
+        decode_tensors(save(t), LIMIT)
+
+
+def test_a_finite_int8_scale_that_overflows_when_dequantized_is_rejected():
+    data = encode_tensors({"w": torch.ones(4, 4)}, "int8")
+    raw = load(data)
+    raw["w::scale"] = torch.full_like(raw["w::scale"], 3e38)                # finite, but 127 x 3e38 is Inf
+    with pytest.raises(CodecError, match="tensor 'w' holds NaN or Inf"):
+        decode_tensors(save(raw, metadata={"format": "int8"}), LIMIT)
+
+
 def test_rejects_oversized_before_parsing():
     data = encode_tensors({"w": torch.zeros(100, 100)})
     with pytest.raises(CodecError, match="exceeds limit"):

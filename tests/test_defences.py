@@ -365,3 +365,64 @@ def test_a_round_whose_closing_killed_the_aggregator_twice_is_failed_on_restart(
         assert agg2.store.blob_keys("quarantine/1/update/") and not agg2.store.blob_keys("inflight/")
         assert agg2.store.get_json("closing_round") is None
     agg2.store.close()
+
+
+def test_a_round_past_its_warm_up_streams_into_sums_and_closes_as_a_held_round_does(tmp_path, monkeypatch):
+    """One process, a method that aggregates by sums (no robust rule): after the warm-up
+    (the first STREAM_WARMUP reporters, screened together) each reported update is screened
+    alone and folded in, its tensors dropped; a wild update is still rejected. At every
+    batch's end each accepted update is in the store as its payload or in the stored sums,
+    never both or neither; a batch whose payloads would weigh at least the sums stores the
+    sums instead. The new global state equals the held round's, also across restarts."""
+    import cloud.rounds.streaming as streaming
+    from cloud.service import Aggregator
+    from tests.test_bounds import _hello, _send, _stats, _upload
+    from tests.test_fuzz import _Wire
+
+    monkeypatch.setattr(streaming, "STREAM_WARMUP", 3)  # screening's min_reference
+    devices = [f"d{i}" for i in range(6)]
+    values = {d: 0.02 + 0.001 * i for i, d in enumerate(devices)}
+    values["d5"] = 50.0  # after the warm-up
+    batches = [devices[:3], devices[3:4], devices[4:]]  # 3 folded (settles), 1 (stored whole), 2 (settles)
+
+    def one_round(folder, stream: bool, restart_after: int | None = None):
+        folder.mkdir()
+        agg, _ = _offline(folder, monkeypatch, defences={"guard": None, "robust": {"name": "none"}})
+        if not stream:
+            agg.engine.streams = lambda: False
+        for d in devices:
+            _hello(agg, d, 10)
+        assert agg.engine.start_round()
+        n = agg.engine.current.number
+        for b, batch in enumerate(batches):
+            for d in batch:
+                _send(agg, d, _stats(agg, d, _upload(agg, d, values[d]), 10))
+            agg.engine.end_batch()  # the end of the batch the messages came in (Aggregator._pump)
+            if stream:
+                sent = [d for x in batches[:b + 1] for d in x]
+                payloads = {k.rsplit("/", 1)[1] for k in agg.store.blob_keys(f"inflight/{n}/update/")}
+                folded = {k.rsplit("/", 1)[1] for k in agg.store.json_keys(f"inflight/{n}/folded/")}
+                assert payloads | folded == set(sent) and not payloads & folded, (b, payloads, folded)
+                assert payloads == ({"d3"} if b == 1 else set())
+            if b == restart_after:
+                agg.store.close()
+                agg = Aggregator(agg.cfg, "mqtt://127.0.0.1:1")
+                agg.engine.wire = _Wire()
+        return agg, agg.engine.current
+
+    held_agg, held = one_round(tmp_path / "held", stream=False)
+    assert held.stream is None and all(held.updates[d][1] for d in devices)
+    held_rec = held_agg.engine.close_round()
+    for restart_after in (None, 0, 1):
+        agg, rnd = one_round(tmp_path / f"stream{restart_after}", stream=True, restart_after=restart_after)
+        assert rnd.stream is not None and rnd.stream.warmup is None and rnd.stream.sums.devices == 5
+        assert all(rnd.updates[d][1] == {} for d in devices)                  # nothing held
+        assert rnd.stream.markers["d5"]["status"] == "rejected"
+        rec = agg.engine.close_round()
+        assert rec["status"] == held_rec["status"] == "ok"
+        assert set(rec["screening"]["rejected"]) == set(held_rec["screening"]["rejected"]) == {"d5"}
+        assert rec["screening"]["streaming"] is True
+        for k, v in held_agg.model.state.items():
+            assert torch.allclose(agg.model.state[k], v, atol=1e-6), (restart_after, k)
+        agg.store.close()
+    held_agg.store.close()

@@ -91,15 +91,19 @@ def gate_round1(client: EdgeClient, gate: threading.Event) -> None:
     client._train_round = gated
 
 
-@pytest.mark.parametrize("store_url,takeover", [("sqlite", "restart"), ("postgresql", "standby")],
+@pytest.mark.parametrize("store_url,takeover,streaming", [("sqlite", "restart", False),
+                                                           ("postgresql", "standby", False),
+                                                           ("sqlite", "restart", True)],
                          indirect=["store_url"])
-def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_url, takeover):
+def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_url, takeover, streaming):
     """The aggregator is SIGKILLed after accepting one of round 1's two updates; the other
     device publishes meanwhile. ``restart``: the operator starts it again; ``standby``: a
     second aggregator started with ``--standby`` at the beginning takes the store's
     leader lock as the first dies. Both rounds complete with every update applied once.
     Two of the four store x takeover pairs (each store and each takeover once: the store's
-    code paths do not depend on how the aggregator comes back; 35 s a pair)."""
+    code paths do not depend on how the aggregator comes back; 35 s a pair), and once with
+    streaming rounds (no robust rule and no screening: each update folded into the round's
+    sums as it is reported, its payload replaced in the store by the sums)."""
     items, labels = bbc_news()
     spec = tiny_spec(upcycle_noise=0.01)
     fed = f"kill-{os.getpid()}-{int(time.time())}"
@@ -107,6 +111,8 @@ def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_ur
            "rounds": 2, "min_devices": 2, "round_timeout_s": 90, "train": {"max_steps": 3, "batch_size": 8},
            "store": store_url, "clear_retained_on_exit": True, "threads": 1,
            "resume_drain_s": 2.0}
+    if streaming:
+        cfg["defences"] = {"robust": {"name": "none"}, "screening": None}
     (tmp_path / "agg.yaml").write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "fedmoe", "aggregator", "--broker", broker.url(), "--config", str(tmp_path / "agg.yaml")]
 
@@ -164,6 +170,7 @@ def test_aggregator_sigkill_and_restart_loses_nothing(broker, tmp_path, store_ur
         th.join(30)
     log2 = (tmp_path / "agg2.log").read_text()
     assert "resumed round 1" in log2 and "1 updates and 1 stats already accepted" in log2
+    assert ("round 1: resumed streaming with 1 update folded" in log2) == streaming
     store = Store(cfg["store"])
     rounds = store.rounds()
     assert [r["round"] for r in rounds] == [1, 2]

@@ -13,6 +13,7 @@ import math
 import struct
 import tracemalloc
 
+import pytest
 import torch
 from safetensors.torch import save as st_save
 from hypothesis import HealthCheck, given, settings
@@ -347,6 +348,8 @@ def test_restart_keeps_accepted_updates_and_partial_chunks(tmp_path):
     assert len(chunks) >= 3
     for c in chunks[:2]:
         agg._handle("fl/v1/fz/dev/d0/up/update", c, {})
+    assert agg.store.blob_keys("chunks/") == []         # kept in memory until the batch ends
+    agg._save_chunks()                                  # its end (Aggregator._pump), before the broker ack
     agg.store.close()                                   # "killed" here
     agg2 = Aggregator(agg.cfg, "mqtt://127.0.0.1:1")
     agg2.engine.wire = _Wire()
@@ -360,4 +363,45 @@ def test_restart_keeps_accepted_updates_and_partial_chunks(tmp_path):
     agg3 = Aggregator(agg.cfg, "mqtt://127.0.0.1:1")   # the accepted update is in the store
     assert "d0" in agg3.engine.current.updates
     assert all(torch.equal(v, torch.ones_like(v)) for v in agg3.engine.current.updates["d0"][1].values())
+    agg3.store.close()
+
+
+def test_a_batch_is_one_commit_and_chunks_of_an_update_completed_in_it_never_reach_the_store(tmp_path):
+    """Group commit (Aggregator._pump): the messages of a batch are stored in one
+    transaction; an update whose chunks all came in the batch stores only the update, and
+    a batch that does not commit (the process killed) leaves nothing, for the broker to
+    redeliver."""
+    from cloud.service import Aggregator
+    from protocol.transport import Incoming
+
+    agg, _ = _aggregator(str(tmp_path))
+    rnd = agg.engine.current
+    expected = agg.model.expected_for(rnd.selected["d0"], "bbc")
+    data = encode_tensors({k: torch.ones(s) for k, (s, _) in expected.items()})
+    chunks, _ = split_blob(data, 2048, "u1", "update", rnd.number)
+    topic = "fl/v1/fz/dev/d0/up/update"
+    writes = []
+    agg.store.put_blob = lambda key, value, put=agg.store.put_blob: (writes.append(key), put(key, value))[1]
+    acked = []
+    agg.transport = type("T", (), {"get": lambda self, timeout=None: inbox.pop(0) if inbox else None,
+                                   "ack": lambda self, m: acked.append(m)})()
+    inbox = [Incoming(topic, c, False, {}, i, 1, 0) for i, c in enumerate(chunks)]
+    agg._pump(0)
+    assert "d0" in rnd.updates and len(acked) == len(chunks)
+    assert writes == [f"inflight/{rnd.number}/update/d0"]                     # no chunk written
+    agg.store.close()
+
+    agg2, _ = _aggregator(str(tmp_path / "b"))
+    rnd2 = agg2.engine.current
+    inbox = [Incoming(topic, c, False, {}, i, 1, 0) for i, c in enumerate(chunks[:2])]
+    agg2.transport = agg.transport
+
+    def killed(*_):
+        raise KeyboardInterrupt  # the process dies before the batch commits
+    agg2._save_chunks = killed
+    with pytest.raises(KeyboardInterrupt):
+        agg2._pump(0)
+    agg2.store.close()
+    agg3 = Aggregator(agg2.cfg, "mqtt://127.0.0.1:1")
+    assert agg3.updates.progress("d0", rnd2.number, "u1")[0] == 0 and agg3.store.blob_keys("chunks/") == []
     agg3.store.close()

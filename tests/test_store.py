@@ -52,6 +52,26 @@ def test_transaction_is_atomic(store_url):
     s.close()
 
 
+def test_a_failed_statement_a_caller_caught_rolls_the_whole_transaction_back(store_url):
+    """Group commit handles many messages in one transaction and a handler may catch a
+    StoreError: what the transaction wrote must then not be committed as if it had worked
+    (PostgreSQL would end an aborted transaction's COMMIT as a ROLLBACK without an error)."""
+    s = Store(store_url)
+    s.put_json("kept", 1)
+    with pytest.raises(StoreError, match="transaction rolled back|transaction is aborted"):  # SQLite | PostgreSQL
+        with s.transaction():
+            s.put_json("kept", 2)
+            s.put_blob("new", b"x")
+            with pytest.raises(StoreError):
+                s._exec(text("SELECT * FROM no_such_table"))      # caught: the caller goes on
+            s.put_json("after", 3)
+    assert s.get_json("kept") == 1 and s.get_blob("new") is None and s.get_json("after") is None
+    with s.transaction():                                            # the next one commits
+        s.put_json("kept", 4)
+    assert s.get_json("kept") == 4
+    s.close()
+
+
 def test_move_prefix_renames_json_and_blobs(store_url):
     """A failed round's in-flight messages move to quarantine/ (literal prefix, replacing
     an older quarantine of the same round)."""

@@ -34,14 +34,13 @@ class RoundSums:
         Raises:
             ValueError: ``tensor``'s shape differs from what ``name`` already holds.
         """
-        x = tensor.to(torch.float64) * w
         have = self.weighted.get(name)
         if have is None:
-            self.weighted[name] = x
-        elif have.shape != x.shape:
-            raise ValueError(f"{name}: shape {tuple(x.shape)} differs from the sums' {tuple(have.shape)}")
+            self.weighted[name] = tensor.to(torch.float64) * w
+        elif have.shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from the sums' {tuple(have.shape)}")
         else:
-            have += x
+            have.add_(tensor, alpha=w)  # in place, computed in float64: no temporary
         self.weight[name] = self.weight.get(name, 0.0) + w
 
     def copy(self) -> "RoundSums":

@@ -28,17 +28,25 @@ One round (docs/architecture.md data flow):
    pre-commit guard checks the step; otherwise the state stays.
 6. The strategy evaluates; load metrics and a round record go to the store.
 
+Memory: a method that aggregates by running sums streams its rounds in one process
+(:mod:`.streaming`): each reported update is screened and folded into the round's sums
+and its tensors dropped. Other methods (robust rules, DP-FedAvg, the fusion methods) hold
+every update until the close.
+
 Crash safety: the round in flight (selection, deadline, plan) is stored before any
 assignment goes out, and every accepted update and statistics message is stored when
-accepted (``inflight/...``); closing a round writes the new global state, the round
-record and ``last_round`` in one transaction and drops the in-flight data. A restarted
-aggregator (:meth:`RoundEngine.restore`) therefore resumes the open round with what it
-had accepted, and never applies a round twice.
+accepted (``inflight/...``; a streaming round's folded updates as its sums), in the same
+transaction as the other messages of its batch (the service's group commit, acknowledged
+to the broker only after it commits); closing a round writes the new global state, the
+round record and ``last_round`` in one transaction and drops the in-flight data. A
+restarted aggregator (:meth:`RoundEngine.restore`) therefore resumes the open round with
+what it had accepted, and never applies a round twice.
 
 The package holds one module per job of :class:`RoundEngine` (:mod:`.engine`, the
 coordinator that wires them): :mod:`.eligibility` (which devices can take part),
 :mod:`.plan` (the strategy's plan completed and checked), :mod:`.dispatch` (assignments,
 their state slices, re-sending, notices), :mod:`.intake` (acks, updates, statistics),
+:mod:`.streaming` (running sums as updates arrive),
 :mod:`.closing` (screen, aggregate, guard, evaluate, record) and :mod:`.recovery`
 (persist and restore); :mod:`.state` holds the round's state and settings.
 """

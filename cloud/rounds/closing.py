@@ -93,6 +93,8 @@ class Closing(EngineState):
             self.sync(markers)
             if not sums_mode(self):
                 sums = None
+        elif rnd.stream is not None and rnd.stream.warmup is None:  # streamed: screened and folded as they came
+            markers, sums = rnd.stream.markers, rnd.stream.sums
         results, failures = [], []
         for d, experts in sorted(rnd.selected.items()):
             dev = self.registry.get(d)

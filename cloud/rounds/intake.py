@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 class Intake(EngineState):
     """The round engine's receiving side (a part of :class:`cloud.rounds.RoundEngine`; it
     uses :meth:`_view` of eligibility, :meth:`_invalid_entries` and :meth:`_train_for` of
-    the plan checks, and :meth:`_send_assignment` and :meth:`_sent_state` of dispatch)."""
+    the plan checks, :meth:`_send_assignment` and :meth:`_sent_state` of dispatch, and
+    :meth:`fold_reported` of streaming)."""
 
     filters: list[InboundFilter]
 
@@ -115,9 +116,11 @@ class Intake(EngineState):
     def on_update(self, device_id: str, blob: Blob) -> None:
         """A reassembled update blob (safetensors bytes, checksum verified by the transport
         layer): decoded against exactly the names, shapes and dtypes of ``device_id``'s
-        assignment (finite values, at most ``max_update_bytes``), stored in flight, and
-        accepted once; a second, different update for the round is refused with a reply,
-        an exact repeat ignored. Never raises for bad input."""
+        assignment (finite values, at most ``max_update_bytes``), stored in flight (in a
+        streaming round at the end of its batch, and only if not folded by then:
+        :mod:`cloud.rounds.streaming`), and accepted once; a second, different update for
+        the round is refused with a reply, an exact repeat ignored. Never raises for bad
+        input."""
         refers = {"kind": "update", "upload_id": blob.header.id}
         rnd = self.check_current(device_id, blob.header.round, "update", blob.header.id)
         if rnd is None:
@@ -133,7 +136,10 @@ class Intake(EngineState):
             self.reject(device_id, rnd.number, f"update rejected: {e}", **refers)
             return
         rnd.updates[device_id] = (blob.header.sha, tensors)
-        self.store.put_blob(f"inflight/{rnd.number}/update/{device_id}", blob.data)
+        if rnd.stream is not None:  # stored at the batch's end unless folded by then
+            rnd.stream.unsaved[device_id] = blob.data
+        else:
+            self.store.put_blob(f"inflight/{rnd.number}/update/{device_id}", blob.data)
         self._maybe_report(rnd, device_id)
 
     def decode_update(self, device_id: str, experts: Experts, data: bytes, rank: int | None = None
@@ -234,8 +240,10 @@ class Intake(EngineState):
 
     def _maybe_report(self, rnd: OpenRound, device_id: str) -> None:
         if rnd.reported(device_id):
+            if rnd.stream is not None:
+                self.fold_reported(rnd, device_id)
             st = rnd.stats[device_id]
-            reported = sum(rnd.reported(d) for d in rnd.selected)  # O(selected) per report: once
+            reported = rnd.note_reported(device_id)
             log.info("round %d: update from %s accepted (%d/%d)", rnd.number, device_id, reported, len(rnd.selected))
             self.progress("report", rnd.number, {"device": device_id, "val_accuracy": st.val_accuracy,
                                                  "reported": reported, "selected": len(rnd.selected)})

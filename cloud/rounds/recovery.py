@@ -30,7 +30,8 @@ failed on the next restart, its messages quarantined, instead of being closed ag
 class Recovery(EngineState):
     """The round engine's persistence (a part of :class:`cloud.rounds.RoundEngine`; a
     restored round's messages are checked again by :meth:`stats_problem` and
-    :meth:`decode_update` of intake, and a round that keeps killing the aggregator is
+    :meth:`decode_update` of intake, a streaming round's sums are read back by
+    :meth:`restore_stream` of streaming, and a round that keeps killing the aggregator is
     failed by :meth:`_fail` of closing)."""
 
     window: LoadWindow
@@ -50,7 +51,7 @@ class Recovery(EngineState):
             "plan_info": jsonable(rnd.plan_info), "assignment_seconds": rnd.assignment_seconds, "train": rnd.train,
             "excluded": rnd.excluded, "selected": experts_by_device_to_json(rnd.selected),
             "objectives": {d: [o.model_dump(mode="json") for o in x] for d, x in rnd.objectives.items()},
-            "sample_cap": rnd.sample_cap, "ranks": rnd.ranks,
+            "sample_cap": rnd.sample_cap, "ranks": rnd.ranks, "streams": rnd.stream is not None,
         })
 
     def _persist(self, record: dict[str, Any]) -> None:
@@ -144,6 +145,13 @@ class Recovery(EngineState):
                     rnd.rejected[d] = f"stored update no longer decodes: {type(e).__name__}: {e}"[:500]
                     self.store.delete(f"{prefix}update/{d}")
         self.current = rnd
+        if cur.get("streams"):
+            try:
+                self.restore_stream(rnd)
+            except (RuntimeError, ValueError) as e:
+                log.error("round %d: its stored running sums cannot be used (%s); failing it", rnd.number, e)
+                self._fail(rnd, f"stored running sums unusable: {e}"[:500])
+                return
         closing = self.store.get_json("closing_round", {})
         if closing.get("round") == rnd.number and closing.get("attempts", 0) >= MAX_CLOSE_ATTEMPTS:
             # The process died while closing this round, more than once: something in it (a message that

@@ -11,6 +11,7 @@ import torch
 
 from protocol.messages import Ack, BlobRef, Objective, Stats, TrainConfig
 
+from ..aggregation.base import RoundSums
 from ..strategy import Experts
 
 if TYPE_CHECKING:
@@ -71,6 +72,35 @@ class RoundSettings:
 
 
 @dataclass
+class Stream:
+    """A streaming round's state (:mod:`cloud.rounds.streaming`): one process, a method
+    that aggregates by running sums; each reported update is screened and folded in at once
+    and its tensors dropped, so memory does not grow with the round."""
+
+    sums: RoundSums = field(default_factory=RoundSums)
+    warmup: list[str] | None = field(default_factory=list)
+    """The round's first reporters, held whole until :data:`cloud.rounds.streaming.STREAM_WARMUP`
+    of them are in (or the round closes); None once they were screened together and folded
+    (or with screening off: no warm-up)."""
+    references: dict[str, float] = field(default_factory=dict)
+    """The reference norms the warm-up set (kind -> L2 norm), which every later update is
+    screened against."""
+    markers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """device -> what became of its update (``status`` folded or rejected, screening
+    ``norms``/``kinds``: the markers of :mod:`cloud.workers`)."""
+    unsaved: dict[str, bytes] = field(default_factory=dict)
+    """device -> its accepted update's payload, not folded and not yet in the store
+    (written at the end of the batch it came in, :meth:`Streaming.end_batch`)."""
+    loose: dict[str, bytes] = field(default_factory=dict)
+    """device -> its payload, folded within the batch it came in and not in the store: written
+    at the batch's end unless the batch settles (:meth:`Streaming.end_batch`)."""
+    stored: set[str] = field(default_factory=set)
+    """Devices whose update payload is in the store (dropped once folded)."""
+    saved: set[str] = field(default_factory=set)
+    """Devices whose marker is in the store (with the sums that include them)."""
+
+
+@dataclass
 class OpenRound:
     """The round in flight: whom it selected with which experts, its plan, and what it has
     received so far."""
@@ -103,8 +133,22 @@ class OpenRound:
     ranks: dict[str, int] = field(default_factory=dict)
     """device -> the LoRA rank it trains, where below the model's (``min_lora_rank``)."""
     sample_cap: int | None = None
-    """The cap on claimed samples that aggregator workers apply (set by a coordinator,
-    :meth:`cloud.robust.defences.Defences.round_sample_cap`)."""
+    """The cap on claimed samples that update-by-update screening applies (aggregator workers
+    or a streaming round; :meth:`cloud.robust.defences.Defences.round_sample_cap`)."""
+    stream: Stream | None = None
+    """A streaming round's running sums and what became of each update
+    (:mod:`cloud.rounds.streaming`); None: every update is held until the close."""
+
+    reporters: set[str] | None = None
+    """Devices that reported (:meth:`note_reported`; None until the first report)."""
+
+    def note_reported(self, device_id: str) -> int:
+        """Record that ``device_id`` reported; returns how many of the selected have (found
+        in full once a round, then counted: per report it cost O(selected), O(n^2) a round)."""
+        if self.reporters is None:
+            self.reporters = {d for d in self.selected if self.reported(d)}
+        self.reporters.add(device_id)
+        return len(self.reporters)
 
     def reported(self, device_id: str) -> bool:
         """Whether ``device_id``'s update and the statistics that name it were both accepted."""
