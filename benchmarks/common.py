@@ -261,7 +261,7 @@ def holm_text(setting_stats: dict, name: str = "global") -> str | None:
     """The setting's Holm-Bonferroni line for figure ``name``: which of its paired tests stay
     significant (adjusted p < 0.05) when corrected for the number of tests; None without a
     test that has a p-value (e.g. one seed)."""
-    tested = [t for t in setting_stats["tests"] if t[name].get("p_holm") is not None]
+    tested = [t for t in setting_stats["tests"] if (t.get(name) or {}).get("p_holm") is not None]
     if not tested:
         return None
     kept = [f"{t['a']} − {t['b']} (p_Holm={t[name]['p_holm']:.3f})" for t in tested if t[name]["p_holm"] < 0.05]

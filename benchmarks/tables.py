@@ -57,8 +57,9 @@ def markdown(result: dict[str, Any], cfg: dict[str, Any], layout: Layout) -> str
             lines += ["", layout.test_header, "|" + "---|" * width]
             lines += ["| " + " | ".join([f"{t['a']} − {t['b']}", *(f(t, st) for f in layout.test_columns)]) + " |"
                       for t in st["tests"]]
-        if (line := holm_text(st)):
-            lines += ["", line]
+        for name in ("global", "local"):  # local: each device's own sub-model on its own data
+            if (line := holm_text(st, name)):
+                lines += ["", line]
         lines.append("")
     lines += layout.sections(result, cfg)
     problems = [f"- s{c['seed']} {c['setting']} / {c['method']}: {p}" for c in result["cells"]

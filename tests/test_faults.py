@@ -228,8 +228,9 @@ def test_device_sigkill_will_marks_offline_round_closes_with_quorum_and_device_r
     sent_r1 = [tp for tp, p in obs.seen if tp.endswith("/assignment") and p and json.loads(p)["round"] == 1]
     if "dev2" in r1["devices"]:
         # killed before it acknowledged: the aggregator re-sent round 1's assignment, and the
-        # restarted dev2 reported before the deadline (seen in a loaded full test run)
-        assert len(sent_r1) >= 2
+        # restarted dev2 reported before the deadline (seen in a loaded full test run); or the
+        # first process trained (0.3 s) and uploaded before the kill landed (seen too)
+        assert len(sent_r1) >= 2 or "dev2 round 1:" in (tmp_path / "dev2a.log").read_text()
     else:
         assert r1["failures"] == {"dev2": "no update before the deadline"}
     assert r2["status"] == "ok" and set(r2["devices"]) == {"dev0", "dev1", "dev2"}   # rejoined
