@@ -14,7 +14,7 @@ expert), each rule run the way the round engine runs it:
 Measured for ``--sizes`` (default 100, 300, 1000) on this machine's CPU (one thread);
 10,000 is extrapolated from the two largest sizes by a power law in ``n`` (time; an exponent
 below 1 is taken as 1) and linearly (memory), and marked so. Memory: what the round holds (``n`` fp32 updates, or the
-float64 sums) plus the rule's own peak on top (psutil RSS sampled every 10 ms).
+float64 sums) plus the rule's own peak on top (the kernel's RSS high-water mark).
 
     python -m benchmarks.aggregation_cost                 # ~9 min on 2 cores
     python -m benchmarks.aggregation_cost --sizes 50,100  # a quick look
@@ -29,9 +29,10 @@ import gc
 import math
 import os
 import sys
-import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from benchmarks.common import ROOT, fmt, heavy_lock, write_result
 
@@ -39,31 +40,16 @@ MIB = 2**20
 RULES = ("modular (streaming)", "modular", "median", "trimmed_mean", "multi_krum")
 
 
-class PeakRSS:
-    """The process's peak RSS above a baseline while the block runs (psutil, every 10 ms)."""
+@contextmanager
+def peak_above() -> Iterator[list[int]]:
+    """The process's peak RSS above its RSS at the start of the block, in bytes, as the one
+    item of the yielded list once the block ends (the kernel's high-water mark,
+    :class:`moe_model.budget.PeakMeter`)."""
+    from moe_model.budget import PeakMeter, current_rss_bytes
 
-    def __enter__(self) -> "PeakRSS":
-        import psutil
-
-        self._p, self._stop = psutil.Process(), threading.Event()
-        self.base = self.peak = self._p.memory_info().rss
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self._p.memory_info().rss)
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, self._p.memory_info().rss)
-
-    @property
-    def above(self) -> int:
-        """Bytes of peak RSS above the baseline."""
-        return self.peak - self.base
+    base, meter, out = current_rss_bytes(), PeakMeter().start(), []
+    yield out
+    out.append(max(0, meter.peaks()[0] - base))
 
 
 def _strategy(rule: str, model):
@@ -105,7 +91,7 @@ def measure(rule: str, n: int, seed: int = 0) -> dict:
     gc.collect()
     if rule == "modular (streaming)":
         sums, cpu = RoundSums(), 0.0
-        with PeakRSS() as rss:
+        with peak_above() as above:
             for i in range(n):
                 r = update(i)  # made outside the timed part, dropped after the fold
                 t0 = time.process_time()
@@ -116,16 +102,16 @@ def measure(rule: str, n: int, seed: int = 0) -> dict:
             strategy.finish(1, model, sums)
             cpu += time.process_time() - t0
         held = sum(t.numel() * t.element_size() for t in sums.weighted.values())
-        rule_peak = max(0, rss.above - held)
+        rule_peak = max(0, above[0] - held)
     else:
         results = [update(i) for i in range(n)]
         held = n * update_bytes
         gc.collect()
-        with PeakRSS() as rss:
+        with peak_above() as above:
             t0 = time.process_time()
             strategy.aggregate(1, model, results, [])
             cpu = time.process_time() - t0
-        rule_peak = rss.above
+        rule_peak = above[0]
         del results
     gc.collect()
     return {"rule": rule, "n": n, "cpu_s": cpu, "cpu_ms_per_update": 1000 * cpu / n, "held_bytes": held,

@@ -85,7 +85,8 @@ BATCH_MESSAGES = 64
 BATCH_S = 0.2
 """Group commit (:meth:`Aggregator._pump`): the messages handled in one store transaction,
 at most this many or for this many seconds, are acknowledged to the broker after it
-commits. One commit per update cost ~20 ms of a 1 MiB update's ~40 (results/fleet/profile.md)."""
+commits. With one commit per message the store took 11.3 ms of a 1 MiB update's 34.8 ms of CPU
+(results/fleet/profile_baseline.md)."""
 RECEIVE_MAXIMUM = 4 * BATCH_MESSAGES
 INBOX_MAX_BYTES = 64 * 2**20
 """Flow control: received messages the broker may leave unacknowledged with the aggregator
@@ -190,11 +191,10 @@ class Aggregator:
         else:
             self.engine.restore()
         self.updates = Reassembler(config.max_update_bytes)
-        self._kept: dict[tuple[str, int, str], dict[str, bytes | None]] = {}
-        """(device, round, upload id) -> store key of each chunk kept -> its payload until it is
-        written (:meth:`_keep_chunk`, :meth:`_save_chunks`), then None."""
-        self._unsaved: set[tuple[str, int, str]] = set()
-        """The uploads in ``_kept`` with chunks not yet written."""
+        self._kept: dict[tuple[str, int, str], set[str]] = {}
+        """(device, round, upload id) -> store keys of its chunks kept (:meth:`_keep_chunk`)."""
+        self._unsaved: dict[str, bytes] = {}
+        """Store key -> payload of the kept chunks not yet written: at the end of their batch (:meth:`_save_chunks`)."""
         if self.role == "all":
             self._reload_chunks()
         self.near_miss: NearMissHellos | None = None
@@ -737,23 +737,20 @@ class Aggregator:
         header, _ = parse_chunk(payload, self.cfg.max_update_bytes)
         if self.updates.progress(device_id, header.round, header.id)[0] and header.n > 1:
             key = f"chunks/{header.round}/{device_id}/{header.id}/{header.seq}"
-            transfer = (device_id, header.round, header.id)
-            if self._kept.setdefault(transfer, {}).setdefault(key, payload) is not None:
-                self._unsaved.add(transfer)
+            kept = self._kept.setdefault((device_id, header.round, header.id), set())
+            if key not in kept:  # a redelivery of a kept chunk is stored already, or will be
+                kept.add(key)
+                self._unsaved[key] = payload
 
     def _save_chunks(self) -> None:
         """Write the kept chunks not yet in the store (end of a batch). Raises StoreError."""
-        for transfer in self._unsaved:
-            keys = self._kept.get(transfer, {})
-            for key, payload in keys.items():
-                if payload is not None:
-                    self.store.put_blob(key, payload)
-                    keys[key] = None
+        for key, payload in self._unsaved.items():
+            self.store.put_blob(key, payload)
         self._unsaved.clear()
 
     def _forget_chunks(self, device_id: str, round_: int, transfer_id: str) -> None:
-        self._unsaved.discard((device_id, round_, transfer_id))
-        stored = [k for k, v in self._kept.pop((device_id, round_, transfer_id), {}).items() if v is None]
+        keys = self._kept.pop((device_id, round_, transfer_id), set())
+        stored = [k for k in keys if self._unsaved.pop(k, None) is None]
         if stored:
             with self.store.transaction():
                 for key in stored:
@@ -768,7 +765,7 @@ class Aggregator:
                 continue
             try:
                 self.updates.add(device_id, self.store.get_blob(key))
-                self._kept.setdefault((device_id, int(rnd), transfer_id), {})[key] = None
+                self._kept.setdefault((device_id, int(rnd), transfer_id), set()).add(key)
             except ChunkError as e:
                 log.warning("dropped stored chunk %s: %s", key, e)
 

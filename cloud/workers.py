@@ -100,6 +100,23 @@ def _key(n: int, what: str, name: str = "") -> str:
     return f"inflight/{n}/{what}/{name}"
 
 
+def screened_marker(screened: Screened, device_id: str, sha: str) -> tuple[dict[str, Any], ClientResult | None]:
+    """What became of ``device_id``'s update (sha256 ``sha``) in ``screened``, as the marker
+    of the module docstring (``status`` folded, or rejected with its ``reason``; the screening
+    ``norms`` and ``kinds``; what was ``clipped`` or ``capped_samples``), and its result to
+    fold (None when rejected). A worker's and a streaming round's markers alike."""
+    marker: dict[str, Any] = {"sha": sha, "norms": screened.norms.get(device_id, {}), "kinds": screened.kinds}
+    result = next((r for r in screened.results if r.device_id == device_id), None)
+    if result is None:
+        marker.update(status="rejected", reason=screened.rejected.get(device_id, "rejected by screening"))
+    else:
+        marker["status"] = "folded"
+        for what in ("clipped", "capped_samples"):
+            if device_id in screened.report.get(what, {}):
+                marker[what] = screened.report[what][device_id]
+    return marker, result
+
+
 def sums_mode(engine: Any) -> bool:
     """Whether the round engine's method and defences aggregate by running sums."""
     return engine.strategy.decomposes and engine.defences.streamable
@@ -335,16 +352,8 @@ class Ingest:
         if sums_mode(self.engine):
             candidate = ClientResult(device_id, dev.task, stats.num_samples, rnd.selected[device_id], tensors, stats)
             screened = self.engine.defences.screen_update(n, self.engine.model.state, candidate, rnd.sample_cap)
-            marker["norms"] = screened.norms.get(device_id, {})
-            marker["kinds"] = screened.kinds
-            if screened.rejected:
-                marker.update(status="rejected", reason=screened.rejected[device_id])
-            else:
-                result = screened.results[0]
-                marker["status"] = "folded"
-                for what in ("clipped", "capped_samples"):
-                    if screened.report.get(what):
-                        marker[what] = screened.report[what][device_id]
+            screen_marker, result = screened_marker(screened, device_id, sha)
+            marker.update(screen_marker)
         else:
             marker["status"] = "stored"
         self._pending[device_id] = (n, result, marker, chunks)

@@ -270,8 +270,8 @@ class Transport:
         self.inbox_max_bytes = inbox_max_bytes
         self._inbox_bytes = 0
         self._room = threading.Condition()
-        """Guards ``_inbox_bytes`` and ``_publishing``; notified when either drops."""
-        self._publishing = 0
+        """Guards ``_inbox_bytes`` and ``_awaiting``; notified when either drops."""
+        self._awaiting = 0
         """Calls of this client waiting for the broker's answer (:meth:`_awaiting_broker`)."""
         self.inbox_waits = 0
         """Messages that arrived with the inbox full (paho's network thread held them back unless this
@@ -481,7 +481,7 @@ class Transport:
             deadline = time.monotonic() + INBOX_WAIT_S
             if self._inbox_bytes >= self.inbox_max_bytes:
                 self.inbox_waits += 1
-            while self._inbox_bytes >= self.inbox_max_bytes and not self._publishing and not self._closing:
+            while self._inbox_bytes >= self.inbox_max_bytes and not self._awaiting and not self._closing:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -702,13 +702,13 @@ class Transport:
         """While this client waits for the broker's answer (a PUBACK, a SUBACK), paho's
         network thread, which reads it, must not wait for room in the inbox."""
         with self._room:
-            self._publishing += 1
+            self._awaiting += 1
             self._room.notify_all()
         try:
             yield
         finally:
             with self._room:
-                self._publishing -= 1
+                self._awaiting -= 1
 
     def _publish_window(self, items: list[tuple[str, bytes, bool]], qos: int, deadline: float,
                         user_properties: dict[str, str] | None) -> None:

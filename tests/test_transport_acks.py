@@ -87,64 +87,54 @@ def test_publish_queued_while_broker_down_completes_after_reconnect(tmp_path):
         broker.stop()
 
 
-@pytest.mark.skipif(not MosquittoBroker.available(), reason="no mosquitto binary")
-def test_receive_maximum_leaves_a_backlog_in_the_broker_until_messages_are_acknowledged(tmp_path):
+def test_receive_maximum_leaves_a_backlog_in_the_broker_until_messages_are_acknowledged(mosquitto_url):
     """A consumer with manual acks and Receive Maximum 4 is handed at most 4 unacknowledged
     QoS 1 messages by a real Mosquitto; each ack lets the next one in, and nothing is lost."""
-    broker = MosquittoBroker(str(tmp_path / "broker")).start()
-    try:
-        sub = Transport(broker.url(), f"rm-sub-{uuid.uuid4().hex[:6]}", protocol="5", manual_ack=True,
-                        receive_maximum=4).connect()
-        assert sub.subscribe("rm/x", qos=1)
-        pub = Transport(broker.url(), protocol="5").connect()
-        for i in range(10):
-            pub.publish("rm/x", str(i).encode(), qos=1)
-        first = [sub.get(5) for _ in range(4)]
-        assert all(m is not None for m in first)
-        assert sub.get(1.0) is None                      # the other 6 wait in the broker
-        got = [m.payload for m in first]
-        for m in first:
-            sub.ack(m)
-        while len(got) < 10:
-            m = sub.get(5)
-            assert m is not None, got
-            got.append(m.payload)
-            sub.ack(m)
-        assert got == [str(i).encode() for i in range(10)]
-        with pytest.raises(ValueError, match="receive_maximum"):
-            Transport(broker.url(), receive_maximum=0)
-        pub.close()
-        sub.close()
-    finally:
-        broker.stop()
+    sub = Transport(mosquitto_url, f"rm-sub-{uuid.uuid4().hex[:6]}", protocol="5", manual_ack=True,
+                    receive_maximum=4).connect()
+    assert sub.subscribe("rm/x", qos=1)
+    pub = Transport(mosquitto_url, protocol="5").connect()
+    for i in range(10):
+        pub.publish("rm/x", str(i).encode(), qos=1)
+    first = [sub.get(5) for _ in range(4)]
+    assert all(m is not None for m in first)
+    assert sub.get(1.0) is None                      # the other 6 wait in the broker
+    got = [m.payload for m in first]
+    for m in first:
+        sub.ack(m)
+    while len(got) < 10:
+        m = sub.get(5)
+        assert m is not None, got
+        got.append(m.payload)
+        sub.ack(m)
+    assert got == [str(i).encode() for i in range(10)]
+    with pytest.raises(ValueError, match="receive_maximum"):
+        Transport(mosquitto_url, receive_maximum=0)
+    pub.close()
+    sub.close()
 
 
-@pytest.mark.skipif(not MosquittoBroker.available(), reason="no mosquitto binary")
-def test_a_full_inbox_stops_reading_without_blocking_own_publishes_and_loses_nothing(tmp_path):
+def test_a_full_inbox_stops_reading_without_blocking_own_publishes_and_loses_nothing(mosquitto_url):
     """inbox_max_bytes: with the inbox full, paho's network thread stops reading (the
     backlog stays in the broker), a publish of the consumer's own still gets its PUBACK,
     and once the consumer takes messages everything arrives in order."""
-    broker = MosquittoBroker(str(tmp_path / "broker")).start()
-    try:
-        sub = Transport(broker.url(), f"ib-sub-{uuid.uuid4().hex[:6]}", protocol="5", manual_ack=True,
-                        inbox_max_bytes=3000).connect()
-        assert sub.subscribe("ib/x", qos=1)
-        pub = Transport(broker.url(), protocol="5").connect()
-        for i in range(20):
-            pub.publish("ib/x", b"%04d" % i + b"." * 996, qos=1)
-        time.sleep(1.0)
-        assert sub.inbox.qsize() <= 4 and sub.inbox_waits >= 1   # 3,000 bytes and the one let in after the wait
-        t0 = time.monotonic()
-        sub.publish("ib/own", b"x", qos=1)                      # its PUBACK is read meanwhile
-        assert time.monotonic() - t0 < 2.0
-        got = []
-        while len(got) < 20:
-            m = sub.get(10)
-            assert m is not None, len(got)
-            got.append(m.payload[:4])
-            sub.ack(m)
-        assert got == [b"%04d" % i for i in range(20)]
-        pub.close()
-        sub.close()
-    finally:
-        broker.stop()
+    sub = Transport(mosquitto_url, f"ib-sub-{uuid.uuid4().hex[:6]}", protocol="5", manual_ack=True,
+                    inbox_max_bytes=3000).connect()
+    assert sub.subscribe("ib/x", qos=1)
+    pub = Transport(mosquitto_url, protocol="5").connect()
+    for i in range(20):
+        pub.publish("ib/x", b"%04d" % i + b"." * 996, qos=1)
+    time.sleep(1.0)
+    assert sub.inbox.qsize() <= 4 and sub.inbox_waits >= 1   # 3,000 bytes and the one let in after the wait
+    t0 = time.monotonic()
+    sub.publish("ib/own", b"x", qos=1)                      # its PUBACK is read meanwhile
+    assert time.monotonic() - t0 < 2.0
+    got = []
+    while len(got) < 20:
+        m = sub.get(10)
+        assert m is not None, len(got)
+        got.append(m.payload[:4])
+        sub.ack(m)
+    assert got == [b"%04d" % i for i in range(20)]
+    pub.close()
+    sub.close()

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..aggregation.base import RoundSums
 from ..strategy import ClientResult
-from ..workers import sums_mode
+from ..workers import screened_marker, sums_mode
 from .state import EngineState, OpenRound, Stream
 
 log = logging.getLogger(__name__)
@@ -89,19 +89,10 @@ class Streaming(EngineState):
 
     def _fold_screened(self, rnd: OpenRound, devices: list[str], screened: Any) -> None:
         stream = rnd.stream
-        kept = {r.device_id: r for r in screened.results}
         for d in devices:
-            marker: dict[str, Any] = {"sha": rnd.updates[d][0], "norms": screened.norms.get(d, {}),
-                                      "kinds": screened.kinds}
-            if d in kept:
-                self.strategy.fold(stream.sums, kept[d])
-                marker["status"] = "folded"
-                for what in ("clipped", "capped_samples"):
-                    if d in screened.report.get(what, {}):
-                        marker[what] = screened.report[what][d]
-            else:
-                marker.update(status="rejected", reason=screened.rejected.get(d, "rejected by screening"))
-            stream.markers[d] = marker
+            stream.markers[d], result = screened_marker(screened, d, rnd.updates[d][0])
+            if result is not None:
+                self.strategy.fold(stream.sums, result)
             data = stream.unsaved.pop(d, None)
             if data is not None:  # folded within its batch: stored only if the batch does not settle
                 stream.loose[d] = data
