@@ -253,6 +253,11 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     (default): :data:`CLUSTER_RESEND_S` (60 s) when the broker URL names several nodes (a
     cluster, where devices take their downlink at QoS 0 and can miss a message while moving
     between nodes), else never; 0: never."""
+    reconnect_grace_s: float = Field(15.0, ge=0, allow_inf_nan=False)
+    """A round does not start while a registered device that went offline less than this
+    many seconds ago may still come back (at most this long): a broker node's failover moves
+    every client it held, and a round started meanwhile would leave them out of it (the
+    default is above the devices' longest reconnect back-off, 10 s). 0: start at once."""
     resume_drain_s: float = Field(3.0, ge=0, allow_inf_nan=False)
     """After a restart the resumed round stays open at least this many seconds, so the
     messages the broker queued for the session are handled before it closes."""

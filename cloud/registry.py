@@ -105,6 +105,11 @@ class Registry:
         """The devices currently online, in registration order."""
         return [d for d in self.devices.values() if d.online]
 
+    def offline(self) -> list[Device]:
+        """The registered devices currently offline, in registration order (``last_seen``:
+        when they went offline, Unix seconds)."""
+        return [d for d in self.devices.values() if not d.online]
+
     def get(self, device_id: str) -> Device | None:
         """The registered device, or None."""
         return self.devices.get(device_id)

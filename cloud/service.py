@@ -193,6 +193,8 @@ class Aggregator:
         self.updates = Reassembler(config.max_update_bytes)
         self._kept: dict[tuple[str, int, str], set[str]] = {}
         """(device, round, upload id) -> store keys of its chunks kept (:meth:`_keep_chunk`)."""
+        self._awaited: list[str] = []
+        """Offline devices the next round waits for (:meth:`_awaiting_reconnect`)."""
         self._unsaved: dict[str, bytes] = {}
         """Store key -> payload of the kept chunks not yet written: at the end of their batch (:meth:`_save_chunks`)."""
         if self.role == "all":
@@ -400,6 +402,9 @@ class Aggregator:
                 self._wait_for_devices()
             idle_since = None
             while not self._stop.is_set() and self.engine.completed < self.cfg.rounds:
+                if self.engine.current is None and self._awaiting_reconnect():
+                    self._pump(0.5)
+                    continue
                 no_worker = self._no_worker() if self.engine.current is None else None
                 if self.engine.current is None and (no_worker or not self.engine.start_round()):
                     idle_since = idle_since or time.monotonic()
@@ -554,6 +559,17 @@ class Aggregator:
         rnd.deadline = max(rnd.deadline, time.time() + self.cfg.resume_drain_s)
         log.info("round %d resumed: %d/%d reported, assignment re-sent to %d devices", rnd.number,
                  sum(rnd.reported(d) for d in rnd.selected), len(rnd.selected), n)
+
+    def _awaiting_reconnect(self) -> bool:
+        """Whether the next round waits for registered devices that went offline less than
+        ``reconnect_grace_s`` ago (a broker failover in progress); logged once per such set."""
+        now, grace = time.time(), self.cfg.reconnect_grace_s
+        waiting = [d.device_id for d in self.registry.offline() if now - d.last_seen < grace]
+        if waiting and waiting != self._awaited:
+            log.info("round %d waits up to %.0f s for %d device(s) that went offline to reconnect: %s",
+                     self.engine.completed + 1, grace, len(waiting), ", ".join(clip(d) for d in waiting[:10]))
+        self._awaited = waiting
+        return bool(waiting)
 
     def _wait_for_devices(self) -> None:
         deadline = time.time() + self.cfg.start_timeout_s

@@ -87,3 +87,35 @@ def test_non_finite_aggregate_is_not_committed(mosquitto_url, tmp_path):
     assert all(r["global_state_norm"] > 0 for r in records)
     for c in fed.clients:
         assert [n.round for n in c.notices if n.kind == "round_failed"] == [1]
+
+
+def test_a_round_waits_for_a_device_that_just_went_offline_and_names_the_absent(caplog):
+    """``reconnect_grace_s``: a registered device offline for less than the grace holds the
+    next round's start (a broker failover moves every client), once it has been offline
+    longer the round starts without it; the wait is logged once per set of devices, and a
+    round record names who was offline (``offline``)."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from cloud.registry import Device, Registry
+    from cloud.rounds.state import OpenRound
+    from cloud.service import Aggregator
+
+    reg = Registry.__new__(Registry)
+    reg.devices = {d: Device(d, "bbc", 2**30, 10, ["int8"]) for d in ("dev0", "dev1")}
+    agg = SimpleNamespace(cfg=SimpleNamespace(reconnect_grace_s=15.0), registry=reg,
+                          engine=SimpleNamespace(completed=1), _awaited=[])
+    assert not Aggregator._awaiting_reconnect(agg)
+    reg.devices["dev1"].online, reg.devices["dev1"].last_seen = False, time.time() - 5
+    with caplog.at_level(logging.INFO, logger="cloud.service"):
+        assert Aggregator._awaiting_reconnect(agg) and Aggregator._awaiting_reconnect(agg)
+    assert [r.getMessage() for r in caplog.records if "waits up to" in r.getMessage()] == \
+        ["round 2 waits up to 15 s for 1 device(s) that went offline to reconnect: dev1"]
+    reg.devices["dev1"].last_seen = time.time() - 16
+    assert not Aggregator._awaiting_reconnect(agg)
+    assert [d.device_id for d in reg.offline()] == ["dev1"]
+    rnd = OpenRound(2, 0.0, 1.0, {}, {}, 0.0, offline=["dev1"])
+    from cloud.rounds.recovery import Recovery
+    assert Recovery.round_from_json({"number": 2, "started": 0.0, "deadline": 1.0, "selected": {},
+                                     "offline": rnd.offline}).offline == ["dev1"]

@@ -261,6 +261,7 @@ class Closing(EngineState):
             "failures": {f.device_id: f.reason for f in failures},
             "reassigned": rnd.reassigned,
             "excluded": rnd.excluded,
+            "offline": rnd.offline,
             "aggregator_rss_bytes": current_rss_bytes(),
             "devices": devices,
         }

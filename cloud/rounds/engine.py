@@ -170,7 +170,8 @@ class RoundEngine(Eligibility, PlanChecks, Dispatch, Intake, Streaming, Closing,
         now = time.time()  # the round's deadline counts from here, after any program export
         rnd = OpenRound(number, now, now + self.settings.round_timeout_s,
                         {d: Experts(e) for d, e in plan.assignments.items()},
-                        plan.info, seconds, excluded=dict(self.excluded))
+                        plan.info, seconds, excluded=dict(self.excluded),
+                        offline=[d.device_id for d in self.registry.offline()])
         rnd.train = {d: t for d, t in plan.train.items() if d in rnd.selected}
         rnd.objectives = {d: list(o) for d, o in plan.objectives.items() if d in rnd.selected and o}
         rnd.tensors = {d: {k: t.detach().clone() for k, t in x.items()}
@@ -191,5 +192,6 @@ class RoundEngine(Eligibility, PlanChecks, Dispatch, Intake, Streaming, Closing,
         log.info("round %d: %d devices assigned (%s, %.3f s)", number, len(rnd.selected), self.strategy.label,
                  seconds)
         self.progress("round_start", number, {"devices": sorted(rnd.selected), "assignment_seconds": seconds,
-                                              "excluded": rnd.excluded})
+                                              "excluded": rnd.excluded,
+                                              "offline": rnd.offline})
         return True

@@ -49,7 +49,7 @@ class Recovery(EngineState):
         self.store.put_json("current_round", {
             "number": rnd.number, "started": rnd.started, "deadline": rnd.deadline,
             "plan_info": jsonable(rnd.plan_info), "assignment_seconds": rnd.assignment_seconds, "train": rnd.train,
-            "excluded": rnd.excluded, "selected": experts_by_device_to_json(rnd.selected),
+            "excluded": rnd.excluded, "offline": rnd.offline, "selected": experts_by_device_to_json(rnd.selected),
             "objectives": {d: [o.model_dump(mode="json") for o in x] for d, x in rnd.objectives.items()},
             "sample_cap": rnd.sample_cap, "ranks": rnd.ranks, "streams": rnd.stream is not None,
         })
@@ -170,7 +170,7 @@ class Recovery(EngineState):
         return OpenRound(cur["number"], cur["started"], cur["deadline"], experts_by_device_from_json(cur["selected"]),
                       cur.get("plan_info", {}), cur.get("assignment_seconds", 0.0), train=cur.get("train", {}),
                       attempts={d: int(a) for d, a in cur.get("attempts", {}).items()},
-                      excluded=cur.get("excluded", {}),
+                      excluded=cur.get("excluded", {}), offline=list(cur.get("offline", [])),
                       objectives={d: [Objective.model_validate(o) for o in x]
                                   for d, x in cur.get("objectives", {}).items()},
                       sample_cap=cur.get("sample_cap"),

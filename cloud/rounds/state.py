@@ -124,6 +124,8 @@ class OpenRound:
     reassigned: dict[str, dict[str, Any]] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
     """Online devices the round could not use, and why (each was told)."""
+    offline: list[str] = field(default_factory=list)
+    """Registered devices that were offline when the round started (not selected)."""
     takers: dict[str, str] = field(default_factory=dict)
     """device -> the aggregator worker that took its update (``role: coordinator``)."""
     sent: dict[str, float] = field(default_factory=dict)
