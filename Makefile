@@ -78,6 +78,9 @@ test: $(STAMP)
 test-cluster: $(STAMP)
 	$(PY) -m pytest -q $(CLUSTER_TESTS)
 
+# where the native device's Debian packages are installed, a native build that fails fails its tests
+# (tests/conftest.py native_binary) instead of skipping them
+test-rest: export FEDMOE_REQUIRE_NATIVE = $(shell dpkg -s $(NATIVE_PACKAGES) >/dev/null 2>&1 && echo 1 || echo 0)
 test-rest: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadgroup $(addprefix --ignore=,$(CLUSTER_TESTS))
 

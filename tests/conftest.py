@@ -34,6 +34,24 @@ def spec() -> ModelSpec:
     return tiny_spec()
 
 
+def native_binary(name: str = "fedmoe-device", *, optional: bool = False):
+    """The native device's binary ``name`` (built on first use, ``fedmoe.native``). Where it
+    cannot be built the test skips, saying why, or, with ``optional``, gets None; under
+    ``FEDMOE_REQUIRE_NATIVE=1`` (``make test`` sets it where the build's Debian packages are
+    installed) a failed build fails the test instead: a native device that stops building must
+    not pass as a skip."""
+    from fedmoe.native import NativeBuildError, binary
+
+    try:
+        return binary(name)
+    except NativeBuildError as e:
+        if os.environ.get("FEDMOE_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"the native build failed and FEDMOE_REQUIRE_NATIVE=1: {e}")
+        if optional:
+            return None
+        pytest.skip(f"native build unavailable: {e}")
+
+
 def _listening(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):

@@ -16,13 +16,10 @@ def test_simulate_tiny_writes_report_and_plots(tmp_path):
     to its budget (``--device-memory-limit``), as a phone or container would run it; and where
     the native device builds, the first device is one (``--native-devices 1``)."""
     from fedmoe.cgroups import unavailable
-    from fedmoe.native import NativeBuildError, binary
+    from tests.conftest import native_binary
 
     limited = unavailable() is None
-    try:
-        native = bool(binary("fedmoe-device"))
-    except NativeBuildError:
-        native = False
+    native = native_binary(optional=True) is not None
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "fedmoe", "simulate", "--tiny", "--out", str(out), "--devices", "3", "--rounds", "2",

@@ -75,13 +75,10 @@ def test_the_native_device_passes(embedded_url, tmp_path):
     import subprocess
 
     pytest.importorskip("executorch")
-    from fedmoe.native import NativeBuildError, binary
     from fedmoe.native_data import write_token_file
+    from tests.conftest import native_binary
 
-    try:
-        device = binary("fedmoe-device")
-    except NativeBuildError as e:
-        pytest.skip(f"native build unavailable: {e}")
+    device = native_binary()
     cfg, _ = _config("conf-native", round_timeout_s=60.0)
     items, _ = bbc_news()
     data = write_token_file(items[:40], cfg.model, tmp_path / "dut.tokens.safetensors")

@@ -22,7 +22,6 @@ pytest.importorskip("executorch")
 from safetensors.torch import load_file  # noqa: E402
 
 from cloud.config import StrategyConfig  # noqa: E402
-from fedmoe.native import NativeBuildError, binary  # noqa: E402
 from fedmoe.native_data import write_token_file  # noqa: E402
 from protocol.chunking import Reassembler, split_blob  # noqa: E402
 from protocol.codec import decode_tensors, encode_tensors  # noqa: E402
@@ -30,7 +29,7 @@ from protocol.messages import Ack, Assignment, parse_message  # noqa: E402
 from protocol.signing import generate_key, private_key_b64  # noqa: E402
 from protocol.topics import Topics  # noqa: E402
 from protocol.transport import Transport  # noqa: E402
-from tests.conftest import TINY_CONFIG  # noqa: E402
+from tests.conftest import TINY_CONFIG, native_binary  # noqa: E402
 from tests.federation import Federation  # noqa: E402
 from tests.test_http_shards import ShardServer, server  # noqa: E402,F401  (server: the web-server fixture)
 
@@ -39,10 +38,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tools():
-    try:
-        return binary("fedmoe-native-check"), binary("fedmoe-device")
-    except NativeBuildError as e:
-        pytest.skip(f"native build unavailable: {e}")
+    return native_binary("fedmoe-native-check"), native_binary("fedmoe-device")
 
 
 def _check(tool, *args, ok=True):

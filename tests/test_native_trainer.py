@@ -15,12 +15,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from cloud.global_model import GlobalModel  # noqa: E402
 from cloud.programs import ProgramCache  # noqa: E402
 from fedmoe.datasets import bbc_news  # noqa: E402
-from fedmoe.native import NativeBuildError, build  # noqa: E402
 from moe_model import objectives  # noqa: E402
 from moe_model.shards import shards_for  # noqa: E402
 from moe_model.training_program import (  # noqa: E402
     export_training_program, exportable, frozen_tensors, pad_batch, to_slots)
-from tests.conftest import tiny_spec  # noqa: E402
+from tests.conftest import native_binary, tiny_spec  # noqa: E402
 
 B, T, STEPS, LR, WD = 4, 24, 3, 5e-3, 0.01
 pytestmark = pytest.mark.slow
@@ -28,10 +27,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def binary():
-    try:
-        return build()
-    except NativeBuildError as e:
-        pytest.skip(f"native build unavailable: {e}")
+    return native_binary("fedmoe-train")
 
 
 @pytest.fixture(scope="module")

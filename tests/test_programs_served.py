@@ -83,12 +83,9 @@ def _phone(fed: Federation, got: dict) -> None:
 def test_a_program_device_fetches_its_program_over_http_and_the_native_core_trains_with_it(mosquitto_url,
                                                                                             tmp_path):
     pytest.importorskip("executorch")
-    from fedmoe.native import NativeBuildError, build
+    from tests.conftest import native_binary
 
-    try:
-        binary = build()
-    except NativeBuildError as e:
-        pytest.skip(f"native build unavailable: {e}")
+    binary = native_binary("fedmoe-train")
     server = ShardServer(tmp_path / "served")
     server.directory.mkdir()
     try:
