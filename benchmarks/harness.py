@@ -52,6 +52,8 @@ override any of these by dotted key::
       Ranks 8-2: {strategy: composed, assignment: full, min_lora_rank: 2}   # heterogeneous LoRA ranks
       Rank 2: {strategy: composed, assignment: full, lora_rank: 2}          # every device at rank 2 (budgets
                                                                             # stay those of the model's rank)
+      FlexLoRA: {strategy: composed, assignment: full, min_lora_rank: 2, lora: {train_a: true},
+                 aggregation: flexlora}  # model.lora fields for this method (budgets: the config's model's)
     compare: [[FedMoE, FedAvg]]      # a − b, paired over seeds, in every setting
     target_fraction: 0.9             # rounds to this fraction of the best method's final accuracy
     profiles:
@@ -266,11 +268,18 @@ def budgets_for(cfg: dict[str, Any], spec, labels: int, devices: int, seed: int,
     """Each device's budget (bytes, model only; ``moe_model.budget.estimate`` at the
     training batch size): ``experts: [lo, hi]``: a seeded uniform draw between the plans of
     lo and hi experts per layer; ``cycle: [k, ...]``: device i gets the plan of
-    ``k[i % len]`` experts plus 1 byte."""
+    ``k[i % len]`` experts plus 1 byte, where ``k`` may be ``"k@r"``: k experts per layer at
+    LoRA rank r (a budget below one expert at the model's rank: docs/ranks.md)."""
     from moe_model.budget import estimate
+    from moe_model.ranks import spec_at_rank
 
     batch = cfg["train"].get("batch_size", 8)
-    plan = lambda k: estimate(spec, int(k), batch, labels, runtime_bytes=0, weight_format=weight_format).total  # noqa
+
+    def plan(k: int | str) -> int:
+        experts, _, rank = str(k).partition("@")
+        at = spec_at_rank(spec, int(rank)) if rank else spec
+        return estimate(at, int(experts), batch, labels, runtime_bytes=0, weight_format=weight_format).total
+
     b = cfg["budgets"]
     if b.get("cycle"):
         return [plan(b["cycle"][i % len(b["cycle"])]) + 1 for i in range(devices)]
@@ -282,18 +291,25 @@ def budgets_for(cfg: dict[str, Any], spec, labels: int, devices: int, seed: int,
 def run_cell(cfg: dict[str, Any], setting: dict[str, Any], method: dict[str, Any], seed: int, out: Path,
              url: str) -> dict[str, Any]:
     """One federation of the grid (:func:`cells.federate`); returns its report. A method's
+    ``lora`` (``LoraSpec`` fields, e.g. ``train_a``) changes the model's LoRA for it, and its
     ``lora_rank`` trains the whole federation at that rank (the LoRA scaling kept,
-    ``moe_model.ranks.spec_at_rank``) with the budgets of the config's model."""
+    ``moe_model.ranks.spec_at_rank``); the budgets stay those of the config's model."""
     from fedmoe.partition import partition
     from moe_model.ranks import spec_at_rank
+    from protocol.messages import LoraSpec
 
     data = setting["data"]
     train, test, labels = cells.load_data(data, seed, cfg["samples"], cfg["eval_samples"])
     parts = partition([cells.label_id(y, labels) for _, y in train], setting["devices"], setting["partition"], seed)
     spec = spec_for(cfg, data, seed)
     fmt_ = _per_data(cfg["weight_format"], data)
+    model = spec
+    if "lora" in method:
+        model = spec.model_copy(update={"lora": LoraSpec.model_validate({**spec.lora.model_dump(), **method["lora"]})})
+    if "lora_rank" in method:
+        model = spec_at_rank(model, method["lora_rank"])
     return cells.federate(
-        out, url, spec=spec_at_rank(spec, method["lora_rank"]) if "lora_rank" in method else spec, task=data,
+        out, url, spec=model, task=data,
         labels=labels, test=test, device_data=[[train[j] for j in part] for part in parts],
         budgets=budgets_for(cfg, spec, len(labels), setting["devices"], seed, fmt_), method=method,
         train=cfg["train"], rounds=cfg["rounds"], weight_format=method.get("weight_format", fmt_),

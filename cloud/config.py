@@ -58,7 +58,9 @@ class TaskConfig(BaseModel):
     server-reserved set D^r, strategy ``fusion``); never sent to a device."""
 
 
-SVD_AGGREGATIONS = ("flexlora", "hlora")
+RANKED_AGGREGATIONS = ("flexlora", "hlora", "rankwise")
+"""The aggregations for heterogeneous ranks of trained ``A`` and ``B``: the two SVD rules
+and the rank-wise averaging they are measured against (docs/ranks.md)."""
 """Aggregations that average LoRA products and factor them back to the rank (trained ``A``
 of heterogeneous ranks)."""
 
@@ -131,8 +133,8 @@ class FederationSettings(BaseModel):
     may train a rank below ``model.lora.rank``, halved down to this, so that a small budget
     holds more experts: its experts are chosen at this rank, then its rank is raised as far
     as its budget allows with them. With a frozen, shared ``A`` (``model.lora.train_a``
-    false) any aggregation is exact; with trained ``A`` the aggregation must be ``flexlora``
-    or ``hlora``. None: every device trains ``model.lora.rank``."""
+    false) any aggregation is exact; with trained ``A`` the aggregation must be ``flexlora``,
+    ``hlora`` or ``rankwise``. None: every device trains ``model.lora.rank``."""
 
     @model_validator(mode="after")
     def _check_min_lora_rank(self) -> "FederationSettings":
@@ -142,9 +144,9 @@ class FederationSettings(BaseModel):
                 raise ValueError(f"min_lora_rank {r} is above the model's LoRA rank {self.model.lora.rank}")
             if self.model.full_finetune:
                 raise ValueError("min_lora_rank needs LoRA (no full fine-tuning)")
-            if self.model.lora.train_a and self.aggregation.name not in SVD_AGGREGATIONS:
+            if self.model.lora.train_a and self.aggregation.name not in RANKED_AGGREGATIONS:
                 raise ValueError("min_lora_rank with trained A factors (model.lora.train_a) needs an aggregation "
-                                 f"that factors the mean product back to the rank: {' or '.join(SVD_AGGREGATIONS)} "
+                                 f"for factors of different ranks: {', '.join(RANKED_AGGREGATIONS)} "
                                  "(a frozen, shared A aggregates exactly with any rule)")
         return self
 

@@ -68,6 +68,9 @@ class ClientResult:
     experts: Experts
     state: dict[str, torch.Tensor]
     stats: Stats
+    lora_rank: int | None = None
+    """The LoRA rank the device trained where below the model's (``min_lora_rank``); its
+    ``state`` arrives padded to the model's rank (``moe_model.ranks.pad_rank``)."""
 
 
 @dataclass

@@ -350,7 +350,8 @@ class Ingest:
         marker: dict[str, Any] = {"worker": self.worker_id, "sha": sha, "stats": raw}
         result = None
         if sums_mode(self.engine):
-            candidate = ClientResult(device_id, dev.task, stats.num_samples, rnd.selected[device_id], tensors, stats)
+            candidate = ClientResult(device_id, dev.task, stats.num_samples, rnd.selected[device_id], tensors, stats,
+                                     rnd.ranks.get(device_id))
             screened = self.engine.defences.screen_update(n, self.engine.model.state, candidate, rnd.sample_cap)
             screen_marker, result = screened_marker(screened, device_id, sha)
             marker.update(screen_marker)

@@ -86,7 +86,7 @@ def test_min_lora_rank_is_refused_with_trained_a_or_above_the_rank(tmp_path):
     assert FederationSettings(min_lora_rank=2).min_lora_rank == 2
     with pytest.raises(ValueError, match="above the model's LoRA rank"):
         FederationSettings(min_lora_rank=16)
-    with pytest.raises(ValueError, match="flexlora or hlora"):
+    with pytest.raises(ValueError, match="flexlora, hlora, rankwise"):
         FederationSettings(model=ModelSpec(lora=LoraSpec(train_a=True)), min_lora_rank=2)
     assert FederationSettings(model=ModelSpec(lora=LoraSpec(train_a=True)), min_lora_rank=2,
                               aggregation={"name": "hlora"}).min_lora_rank == 2
@@ -146,13 +146,51 @@ def test_the_svd_rules_aggregate_products_of_heterogeneous_ranks(rule):
                                               + 10 * results[1].state["router.1.0"]) / 40, atol=1e-6)
 
 
+def test_rankwise_averages_each_rank_component_over_the_devices_that_trained_it():
+    """``rankwise``: row j of A and column j of B are the |D_c|-weighted mean over the
+    devices whose rank covers j (the padded tail of a lower-rank device does not count);
+    other tensors FedAvg; the spectrum is that of the aggregated product; it decomposes
+    (sums folded in two halves and merged give the same)."""
+    from cloud.aggregation import get_aggregation
+    from cloud.aggregation.base import RoundSums
+    from cloud.aggregation.rankwise import product_singular_values
+    from cloud.strategy import ClientResult
+
+    gen = torch.Generator().manual_seed(3)
+    a_key, b_key = "expert.1.0.fc1.lora_A", "expert.1.0.fc1.lora_B"
+    full = {a_key: torch.randn(4, 6, generator=gen), b_key: torch.randn(5, 4, generator=gen), "router.1.0": torch.zeros(6)}
+    results = []
+    for i, (r, n) in enumerate(((4, 30), (2, 10), (4, 20))):
+        trained = {k: v + torch.randn(v.shape, generator=gen) for k, v in at_rank(full, r).items()}
+        results.append(ClientResult(f"d{i}", "bbc", n, {1: [0]}, pad_rank(trained, full, r), None, r))
+    rule = get_aggregation("rankwise")()
+    out = rule.aggregate(1, full, results, [])
+    s = [r.state for r in results]
+    assert torch.allclose(out[a_key][:2], (30 * s[0][a_key][:2] + 10 * s[1][a_key][:2] + 20 * s[2][a_key][:2]) / 60)
+    assert torch.allclose(out[a_key][2:], (30 * s[0][a_key][2:] + 20 * s[2][a_key][2:]) / 50)  # d1's tail left out
+    assert torch.allclose(out[b_key][:, 2:], (30 * s[0][b_key][:, 2:] + 20 * s[2][b_key][:, 2:]) / 50)
+    assert torch.allclose(out["router.1.0"], sum(n * x["router.1.0"] for n, x in zip((30, 10, 20), s)) / 60)
+    assert torch.allclose(product_singular_values(out[b_key], out[a_key]),
+                          torch.linalg.svdvals((out[b_key] @ out[a_key]).double())[:4], atol=1e-6)
+    assert rule.metrics()["lora_spectrum"]["modules"] == 1
+    first, second = RoundSums(), RoundSums()
+    rule.fold(first, results[0])
+    for r in results[1:]:
+        rule.fold(second, r)
+    first.merge(RoundSums.from_bytes(second.to_bytes()))
+    assert all(torch.allclose(rule.finish(full, first)[k], out[k]) for k in full)
+    only_small = rule.aggregate(1, full, results[1:2], [])  # nobody trained components 2-3: they stay
+    assert torch.equal(only_small[a_key][2:], full[a_key][2:])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("train_a,aggregation", [(False, "modular"), (True, "flexlora"), (True, "hlora")])
+@pytest.mark.parametrize("train_a,aggregation", [(False, "modular"), (True, "flexlora"), (True, "hlora"),
+                                                 (True, "rankwise")])
 def test_a_small_device_trains_a_lower_rank_and_more_experts(mosquitto_url, tmp_path, train_a, aggregation):
     """min_lora_rank 2: dev0's budget holds 2 experts per layer at rank 8 but 3 at rank 2,
     so it is given 3 at the highest rank that fits them; its update comes back padded to
     rank 8 and the round aggregates both devices (frozen A by modular FedAvg; trained A by
-    FlexLoRA or HLoRA)."""
+    FlexLoRA, HLoRA or rank-wise averaging)."""
     from cloud.config import StrategyConfig
     from moe_model.budget import estimate
     from tests.federation import Federation

@@ -100,7 +100,8 @@ class Closing(EngineState):
             dev = self.registry.get(d)
             if rnd.reported(d):
                 st = rnd.stats[d]
-                results.append(ClientResult(d, dev.task, st.num_samples, experts, rnd.updates[d][1], st))
+                results.append(ClientResult(d, dev.task, st.num_samples, experts, rnd.updates[d][1], st,
+                                            rnd.ranks.get(d)))
             else:
                 ack = rnd.acks.get(d)
                 reason = rnd.rejected.get(d) or (ack.reason if ack is not None and not ack.accepted else None)

@@ -85,7 +85,7 @@ class Streaming(EngineState):
     def _result(self, rnd: OpenRound, device_id: str) -> ClientResult:
         st = rnd.stats[device_id]
         return ClientResult(device_id, self.registry.get(device_id).task, st.num_samples, rnd.selected[device_id],
-                            rnd.updates[device_id][1], st)
+                            rnd.updates[device_id][1], st, rnd.ranks.get(device_id))
 
     def _fold_screened(self, rnd: OpenRound, devices: list[str], screened: Any) -> None:
         stream = rnd.stream
