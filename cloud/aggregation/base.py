@@ -142,6 +142,19 @@ class AggregationStrategy(Registered):
         raise NotImplementedError(f"aggregation {self.name!r} does not decompose into running sums")
 
 
+class ReportsLoraSpectrum:
+    """Mixin of the rules for trained LoRA factors of heterogeneous ranks (:mod:`flexlora`,
+    :mod:`hlora`, :mod:`rankwise`): their :meth:`finish` sets ``_spectrum`` to
+    :func:`moe_model.ranks.spectrum_summary` of the aggregated products ``B A``, reported as
+    ``lora_spectrum`` (rank collapse shows as an effective rank near 1, a top share near 1)."""
+
+    _spectrum: dict[str, Any] = {}
+
+    def metrics(self) -> dict[str, Any]:
+        """``{"lora_spectrum": ...}`` of the last round, or ``{}`` before the first."""
+        return {"lora_spectrum": self._spectrum} if self._spectrum else {}
+
+
 def get_aggregation(name: str) -> type[AggregationStrategy]:
     """The aggregation strategy class registered as ``name``.
 

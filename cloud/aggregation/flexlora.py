@@ -19,34 +19,25 @@ the memory FlexLoRA costs, which :mod:`hlora` avoids.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from moe_model.ranks import lora_pairs, spectrum_summary, truncated_factors
 from protocol import keys
 
 from ..strategy import ClientResult
-from .base import RoundSums
+from .base import ReportsLoraSpectrum, RoundSums
 from .modular import Modular
 
 PRODUCT = ".lora_BA"
 """Suffix of a module's running sum of products ``w_i B_i A_i`` in :class:`RoundSums`."""
 
 
-class FlexLoRA(Modular):
+class FlexLoRA(ReportsLoraSpectrum, Modular):
     """FlexLoRA (module docstring): weighted mean of the devices' ``B_i A_i`` per LoRA module,
     factored back to the global rank by truncated SVD; other tensors as :class:`Modular`."""
 
     name = "flexlora"
     decomposes = True
-    _spectrum: dict[str, Any] = {}
-
-    def metrics(self) -> dict[str, Any]:
-        """``lora_spectrum``: :func:`moe_model.ranks.spectrum_summary` of the last round's
-        aggregated products (rank collapse shows as an effective rank near 1)."""
-        return {"lora_spectrum": self._spectrum} if self._spectrum else {}
-
     def fold_unpaired(self, sums: RoundSums, result: ClientResult) -> dict[str, tuple[str, str]]:
         """Add ``w · theta`` for each tensor of ``result`` outside a LoRA pair (``w`` =
         :meth:`weight`, |D_c|); returns its LoRA pairs (:func:`moe_model.ranks.lora_pairs`)."""

@@ -21,15 +21,13 @@ each rank component received (``{factor}.rank_weight``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from moe_model.ranks import lora_pairs, spectrum_summary
 from protocol import keys
 
 from ..strategy import ClientResult
-from .base import RoundSums
+from .base import ReportsLoraSpectrum, RoundSums
 from .modular import Modular
 
 RANK_WEIGHT = ".rank_weight"
@@ -45,19 +43,12 @@ def product_singular_values(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.svdvals(rb @ ra.T)
 
 
-class RankWise(Modular):
+class RankWise(ReportsLoraSpectrum, Modular):
     """Rank-wise averaging (module docstring): each rank component of each LoRA factor the
     weighted mean over the devices whose rank covers it; other tensors as :class:`Modular`."""
 
     name = "rankwise"
     decomposes = True
-    _spectrum: dict[str, Any] = {}
-
-    def metrics(self) -> dict[str, Any]:
-        """``lora_spectrum``: :func:`moe_model.ranks.spectrum_summary` of the last round's
-        aggregated products ``B A`` (the same figures :mod:`flexlora` reports)."""
-        return {"lora_spectrum": self._spectrum} if self._spectrum else {}
-
     def fold(self, sums: RoundSums, result: ClientResult) -> None:
         """Add ``w · theta`` per tensor of ``result`` (``w`` = :meth:`weight`, |D_c|), each
         LoRA factor with its rank components beyond ``result.lora_rank`` zeroed, and ``w`` to
