@@ -61,8 +61,6 @@ class TaskConfig(BaseModel):
 RANKED_AGGREGATIONS = ("flexlora", "hlora", "rankwise")
 """The aggregations for heterogeneous ranks of trained ``A`` and ``B``: the two SVD rules
 and the rank-wise averaging they are measured against (docs/ranks.md)."""
-"""Aggregations that average LoRA products and factor them back to the rank (trained ``A``
-of heterogeneous ranks)."""
 
 
 class FederationSettings(BaseModel):
