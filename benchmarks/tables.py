@@ -110,7 +110,8 @@ def plot(result: dict[str, Any], path: Path, methods: list[str]) -> None:
     for a in axes[0]:
         a.set_visible(False)
     _bars(ax, stats, settings, main, colors)
-    ax.legend(fontsize=8, ncol=min(len(main), 6))
+    # at most 2 legend columns per panel column: long method names stay inside the figure
+    ax.legend(fontsize=8, ncol=min(len(main), 2 * cols - 1))
     for k, s in enumerate(settings[:cols]):
         a = axes[1][k]
         for j, m in enumerate(main):
