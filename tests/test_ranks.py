@@ -153,7 +153,6 @@ def test_rankwise_averages_each_rank_component_over_the_devices_that_trained_it(
     (sums folded in two halves and merged give the same)."""
     from cloud.aggregation import get_aggregation
     from cloud.aggregation.base import RoundSums
-    from cloud.aggregation.rankwise import product_singular_values
     from cloud.strategy import ClientResult
 
     gen = torch.Generator().manual_seed(3)
@@ -170,7 +169,7 @@ def test_rankwise_averages_each_rank_component_over_the_devices_that_trained_it(
     assert torch.allclose(out[a_key][2:], (30 * s[0][a_key][2:] + 20 * s[2][a_key][2:]) / 50)  # d1's tail left out
     assert torch.allclose(out[b_key][:, 2:], (30 * s[0][b_key][:, 2:] + 20 * s[2][b_key][:, 2:]) / 50)
     assert torch.allclose(out["router.1.0"], sum(n * x["router.1.0"] for n, x in zip((30, 10, 20), s)) / 60)
-    assert torch.allclose(product_singular_values(out[b_key], out[a_key]),
+    assert torch.allclose(stacked_factors([1.0], [(out[b_key].double(), out[a_key].double())], 4)[2],
                           torch.linalg.svdvals((out[b_key] @ out[a_key]).double())[:4], atol=1e-6)
     assert rule.metrics()["lora_spectrum"]["modules"] == 1
     first, second = RoundSums(), RoundSums()

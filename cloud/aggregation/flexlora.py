@@ -38,6 +38,7 @@ class FlexLoRA(ReportsLoraSpectrum, Modular):
 
     name = "flexlora"
     decomposes = True
+
     def fold_unpaired(self, sums: RoundSums, result: ClientResult) -> dict[str, tuple[str, str]]:
         """Add ``w · theta`` for each tensor of ``result`` outside a LoRA pair (``w`` =
         :meth:`weight`, |D_c|); returns its LoRA pairs (:func:`moe_model.ranks.lora_pairs`)."""

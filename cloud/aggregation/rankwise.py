@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_model.ranks import lora_pairs, spectrum_summary
+from moe_model.ranks import lora_pairs, spectrum_summary, stacked_factors
 from protocol import keys
 
 from ..strategy import ClientResult
@@ -34,21 +34,13 @@ RANK_WEIGHT = ".rank_weight"
 """Suffix of a factor's ``(R,)`` running sum of the weights its rank components received."""
 
 
-def product_singular_values(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """The singular values of ``b @ a`` (``b`` ``(out, R)``, ``a`` ``(R, in)``; ``(R,)``,
-    descending) from the QR factors of ``b`` and ``aᵀ`` (``R x R``), without the ``(out, in)``
-    product."""
-    _, rb = torch.linalg.qr(b.double())
-    _, ra = torch.linalg.qr(a.double().T)
-    return torch.linalg.svdvals(rb @ ra.T)
-
-
 class RankWise(ReportsLoraSpectrum, Modular):
     """Rank-wise averaging (module docstring): each rank component of each LoRA factor the
     weighted mean over the devices whose rank covers it; other tensors as :class:`Modular`."""
 
     name = "rankwise"
     decomposes = True
+
     def fold(self, sums: RoundSums, result: ClientResult) -> None:
         """Add ``w · theta`` per tensor of ``result`` (``w`` = :meth:`weight`, |D_c|), each
         LoRA factor with its rank components beyond ``result.lora_rank`` zeroed, and ``w`` to
@@ -84,6 +76,7 @@ class RankWise(ReportsLoraSpectrum, Modular):
                 keep = (got > 0).unsqueeze(axis ^ 1)
                 out[name] = torch.where(keep, mean, global_state[name].double()).to(global_state[name].dtype)
             rank = global_state[a].shape[0]
-            spectra.append(product_singular_values(out[b], out[a]))
+            # the aggregated product's singular values from the QR of its factors (no (out, in) matrix)
+            spectra.append(stacked_factors([1.0], [(out[b].double(), out[a].double())], rank)[2])
         self._spectrum = spectrum_summary(spectra, rank)
         return out
