@@ -26,7 +26,16 @@ from protocol.messages import ModelSpec
 from .models.base import MoEModel, get_adapter, trains_all_weights
 from .quant import QuantEmbedding, QuantLinear, swap_in_quantized
 from .quant_bnb import convert
+from .notices import quiet_kernels_notice
 from .shards import block_paths, join_shards
+
+quiet_kernels_notice()
+try:  # peft (>= 0.22) imports bitsandbytes, where installed, at its first LoRA injection: import it now,
+    # so that the footprint a device measures before any model (its runtime_bytes) holds it (42 MiB with
+    # bitsandbytes 0.50), not the first round's peak
+    import bitsandbytes  # noqa: F401
+except ImportError:
+    pass
 
 ROUTER_INIT_STD = 0.02
 
