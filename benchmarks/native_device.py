@@ -24,6 +24,7 @@ program's mode (no dropout), as ``tests/test_native_trainer.py`` does.
     python -m benchmarks.native_device                  # 2 experts per MoE layer, B 8, T 64, 5 steps
     python -m benchmarks.native_device --experts 4
     python -m benchmarks.native_device --model qwen3-moe --experts 16 --batch 4 --name native_qwen3moe
+    python -m benchmarks.native_device --model qwen3-moe --experts 64 --batch 2 --capacity-factor 2
 
 Writes ``results/native/native_device.{json,md,png}`` (``--name`` changes the stem).
 """
@@ -117,8 +118,31 @@ def spec_for(model: str, seq: int):
                      top_k=CHECKPOINT["num_experts_per_tok"], max_seq_len=seq, objective="causal-lm")
 
 
-def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: str = "demo") -> dict[str, Any]:
-    """Both sides on one shape (module docstring)."""
+def dropped_share(model, batches: list[dict], capacity_factor: float | None) -> float:
+    """The share of routed (token, expert) pairs that skip their expert because it is full
+    (``MoELayer.capacity`` under ``capacity_factor``), over ``batches`` and every MoE layer,
+    at ``model``'s current adapter state (the round's start); 0 without a factor."""
+    import torch
+
+    from moe_model.training_program import exportable
+
+    routed = dropped = 0
+    with torch.no_grad(), exportable(model, capacity_factor):
+        for b in batches:
+            model({"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]})
+            for block in model.model.moe_blocks().values():
+                idx = block.last.topk_idx
+                cap = block.capacity(idx.shape[0], idx.shape[1])
+                counts = torch.bincount(idx.reshape(-1), minlength=len(block.expert_ids))
+                routed += int(counts.sum())
+                dropped += 0 if cap is None else int((counts - cap).clamp_min(0).sum())
+    return dropped / max(routed, 1)
+
+
+def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: str = "demo",
+        capacity_factor: float | None = None) -> dict[str, Any]:
+    """Both sides on one shape (module docstring); the native program's experts each on their
+    capacity of tokens under ``capacity_factor`` (None: every token)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -137,7 +161,7 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: s
     held = {layer: list(range(experts)) for layer in gm.all_experts}
     cache = ProgramCache(gm, WORK / "programs")
     t0 = time.perf_counter()
-    manifest = cache.get("bbc", held, batch, seq)
+    manifest = cache.get("bbc", held, batch, seq, capacity_factor)
     export_s = time.perf_counter() - t0
     (WORK / "manifest.json").write_text(json.dumps(manifest))
     (WORK / "shards").mkdir(exist_ok=True)
@@ -172,6 +196,8 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: s
             "experts_per_layer": experts, "moe_layers": sorted(held), "batch": batch, "seq_len": seq, "steps": steps,
             "lr": lr, "weight_format": "int8", "program_bytes": manifest["bytes"], "export_s": export_s,
             "expert_shard_bytes": expert_bytes, "backbone_shard_bytes": len(gm.shard_bytes["backbone"]),
+            "capacity_factor": capacity_factor, "planned_bytes": manifest["planned_bytes"],
+            "dropped_share": dropped_share(cache.model_for("bbc", held)[0], batches, capacity_factor),
             "native": nat, "python": pyr, "native_update_norm": moved}
 
 
@@ -192,6 +218,12 @@ def markdown(r: dict[str, Any]) -> str:
             ("experts' share of the peak", f"{r['expert_shard_bytes'] / n['peak_rss_bytes']:.1%}",
              f"{r['expert_shard_bytes'] / p['peak_rss_bytes']:.1%}", ""),
             ("step time (median after the first)", f"{ns * 1000:.0f} ms", f"{ps * 1000:.0f} ms", f"{ns / ps:.2f}")]
+    cf = r.get("capacity_factor")
+    dispatch = ("every held expert on every token (dense dispatch; the Python device runs each token's top-k)"
+                if cf is None else
+                f"each held expert on at most ceil({cf} x B·T x k / n) tokens of largest gate (capacity factor {cf}); "
+                f"{r['dropped_share']:.1%} of the routed (token, expert) pairs of these batches skip a full expert "
+                "(the Python device runs every token's top-k)")
     return "\n".join([
         "# The native training core against the Python device", "",
         f"Measured {r['date']} on {r['machine']}. {r['note']}", "", f"Command: `{r['command']}`", "",
@@ -199,7 +231,9 @@ def markdown(r: dict[str, Any]) -> str:
         f"{r.get('num_experts', 4)} experts in each of the MoE layers {r['moe_layers']}, batch {r['batch']} x {r['seq_len']} tokens, {r['steps']} AdamW steps (lr "
         f"{r['lr']}) on the same BBC News batches, each side a fresh process. Expert shards "
         f"{mib(r['expert_shard_bytes'])}, backbone shard {mib(r['backbone_shard_bytes'])}; training program "
-        f"{r['program_bytes'] / 1024:.0f} KiB, built by the cloud in {r['export_s']:.0f} s.", "",
+        f"{r['program_bytes'] / 1024:.0f} KiB, built by the cloud in {r['export_s']:.0f} s"
+        + (f", {r['planned_bytes'] / 2**20:.1f} MiB planned by ExecuTorch for a step's intermediate tensors"
+           if "planned_bytes" in r else "") + f". The program runs {dispatch}.", "",
         "| | native (C++, ExecuTorch) | Python device | native / Python |", "|---|---|---|---|",
         *[f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows], "",
         f"Losses, native: {', '.join(f'{x:.4f}' for x in n['losses'])} (no dropout); the Python device trains with "
@@ -238,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--capacity-factor", type=float, default=None,
+                    help="the native program's experts' capacity factor (default: none, dense dispatch)")
     ap.add_argument("--note", default="", help="what else ran on the machine (recorded)")
     ap.add_argument("--out", default=str(ROOT / "results" / "native"))
     ap.add_argument("--name", default="native_device")
@@ -249,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         held = layers_from_json(json.loads((WORK / "manifest.json").read_text())["shape"]["experts_per_layer"])
         print(json.dumps(python_worker(WORK, {layer: list(range(n)) for layer, n in held.items()}, args.steps, args.lr)))
         return 0
-    r = run(args.experts, args.batch, args.seq, args.steps, args.lr, args.model)
+    r = run(args.experts, args.batch, args.seq, args.steps, args.lr, args.model, args.capacity_factor)
     r.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              machine=f"{platform.machine()}, {os.cpu_count()} CPU cores", note=args.note,
              command="python -m benchmarks.native_device " + " ".join(argv if argv is not None else sys.argv[1:]))

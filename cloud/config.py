@@ -188,6 +188,13 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     shard_dir: str | None = None
     """Directory the aggregator writes the content-addressed shard files to (required with
     ``shard_url``)."""
+    program_capacity_factor: float | None = Field(None, gt=0, le=64)
+    """Devices that train with a program (phone-class, ``executorch``): each held expert runs
+    on at most ``ceil(c · B·T · k / n)`` tokens per step, those of largest gate, and routed
+    tokens beyond that skip it (``moe_model.models.moe.MoELayer.capacity``; GShard's and
+    Switch Transformers' capacity factor). Activations and expert compute then scale with ``c·k``
+    instead of the ``n`` held experts, at the cost of the dropped tokens. None (the default):
+    every held expert runs on every token, the same function as a Python device's step."""
     metrics: str | None = Field(None, max_length=300, pattern=r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]*):\d{1,5}$")
     """``HOST:PORT`` for the Prometheus ``/metrics`` and the ``/healthz``/``/readyz``
     endpoints (``cloud.observability``; port 0: a free one); e.g. ``127.0.0.1:9464``.

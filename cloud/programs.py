@@ -72,10 +72,12 @@ class ProgramCache:
         shards = {sid: held_tensors(t, meta, True) for sid, (t, meta) in raw.items()}
         return SubMoE(gm.spec, experts, task, len(gm.tasks[task]), shards), {sid: t for sid, (t, _) in raw.items()}
 
-    def get(self, task: str, held: dict[int, list[int]], batch_size: int, seq_len: int) -> dict:
+    def get(self, task: str, held: dict[int, list[int]], batch_size: int, seq_len: int,
+            capacity_factor: float | None = None) -> dict:
         """The manifest of the program for a device holding ``held`` (layer -> global expert
-        ids) for ``task`` at ``batch_size`` x ``seq_len``; built and stored the first time.
-        The program's bytes are :meth:`path` ``(manifest["key"])``.
+        ids) for ``task`` at ``batch_size`` x ``seq_len`` (each expert on at most its capacity
+        of tokens under ``capacity_factor``: ``export_training_program``); built and stored
+        the first time. The program's bytes are :meth:`path` ``(manifest["key"])``.
 
         Raises:
             KeyError: unknown task. ValueError: ``held`` is not a valid expert set of the
@@ -89,16 +91,17 @@ class ProgramCache:
         if task not in self.model.tasks:
             raise KeyError(f"unknown task {task!r}; the model has {sorted(self.model.tasks)}")
         key = shape_key(program_shape(self.model.spec, task, len(self.model.tasks[task]), held, batch_size, seq_len,
-                                      self.model.weight_format))
+                                      self.model.weight_format, capacity_factor))
         manifest_path = self.directory / f"{key}.json"
         if manifest_path.exists() and self.path(key).exists():
             return json.loads(manifest_path.read_text())
         model, stored = self.model_for(task, slot_shape(held))
         t0 = time.perf_counter()
-        log.info("building the training program for %s, experts per layer %s, batch %d x %d (once per shape)",
-                 task, {layer: len(ids) for layer, ids in held.items()}, batch_size, seq_len)
+        log.info("building the training program for %s, experts per layer %s, batch %d x %d, capacity factor %s "
+                 "(once per shape)", task, {layer: len(ids) for layer, ids in held.items()}, batch_size, seq_len,
+                 capacity_factor)
         program: TrainingProgram = export_training_program(model, batch_size, seq_len, self.model.weight_format,
-                                                           stored=stored)
+                                                           stored=stored, capacity_factor=capacity_factor)
         self.path(key).write_bytes(program.pte)
         manifest_path.write_text(json.dumps(program.manifest(), indent=1))
         self.built += 1
@@ -137,6 +140,8 @@ class ProgramPublisher:
         shard_dir: the directory a web server serves at ``shard_url`` (the base shards'
             ``AggregatorConfig.shard_dir``); programs are cached in ``{shard_dir}/programs``.
         shard_url: the base URL of ``shard_dir``.
+        capacity_factor: the experts' capacity factor of every program
+            (``AggregatorConfig.program_capacity_factor``; None: dense dispatch).
 
     A program is exported the first time a device of its shape is assigned, before the round
     opens (``RoundEngine._prepare_programs``: its deadline starts after the export, which
@@ -145,8 +150,11 @@ class ProgramPublisher:
     aggregator, reuse it. A failed export is not tried again for that shape.
     """
 
-    def __init__(self, model: GlobalModel, shard_dir: str | Path, shard_url: str):
+    def __init__(self, model: GlobalModel, shard_dir: str | Path, shard_url: str,
+                 capacity_factor: float | None = None):
         self.cache = ProgramCache(model, Path(shard_dir) / "programs")
+        self.capacity_factor = capacity_factor
+        """Every program's experts' capacity factor (``AggregatorConfig.program_capacity_factor``)."""
         self.directory, self.url = Path(shard_dir), shard_url.rstrip("/")
         self._refs: dict[tuple, ProgramRef] = {}
         self._failed: dict[tuple, str] = {}
@@ -175,7 +183,7 @@ class ProgramPublisher:
         ref = self._refs.get(key)
         if ref is None:
             try:
-                manifest = self.cache.get(task, held, batch_size, seq_len)
+                manifest = self.cache.get(task, held, batch_size, seq_len, self.capacity_factor)
                 lora_a = self.cache.lora_a(manifest, held)
                 ref = ProgramRef(runtime=manifest["runtime"], key=manifest["key"],
                                  program=self._put(self.cache.path(manifest["key"]).read_bytes(), ".pte"),

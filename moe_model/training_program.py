@@ -21,12 +21,16 @@ format) so that one program serves every device of that shape:
   head), each mapped to its adapter-state key in :attr:`TrainingProgram.trainable`.
 - **Static shapes**: every MoE block runs in its dense-dispatch form (every held expert on
   every token, combined by the zero-padded top-k gates: the function of the sparse
-  dispatch without data-dependent control flow), attention in its eager form (the fused
+  dispatch without data-dependent control flow) or, under a capacity factor, each held
+  expert on its capacity of tokens of largest gate (``MoELayer.capacity``), attention in its eager form (the fused
   scaled-dot-product attention's backward is not in ExecuTorch's core ATen operator set),
   and the batch is ``(batch_size, seq_len)``; a device pads a short last batch.
 - **Without dropout**: the step runs the model in evaluation mode, so a program's step is
   deterministic (ExecuTorch cannot reproduce torch's dropout draws) and a Python device
   training with dropout off computes the same update.
+- **Dequantized weights are recomputed** for the backward pass instead of kept from the
+  forward pass (:func:`_recompute_frozen_casts`), and the memory plan is ExecuTorch's greedy
+  one computed in numpy (:mod:`moe_model.program_memory`).
 - **The task loss only** (``moe_model.objectives.sample_loss`` averaged over the batch);
   the assignment's extra local terms (FedProx, FedAlign-MoE's) are not in the program.
 
@@ -41,6 +45,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -59,12 +64,14 @@ log = logging.getLogger(__name__)
 
 RUNTIME = "executorch-1.5"
 """The runtime a program is exported for (recorded in its manifest)."""
-PROGRAM_FORMAT = 3
+PROGRAM_FORMAT = 4
 """The version of the export (part of a program's shape, so a program of another version is
 never served from a cache): 1 = the method returns loss, logits, gradients; 2 = loss, logits,
 per-sample loss and correctness, each MoE layer's routing (probabilities, top-k indices and
 weights), gradients (:attr:`TrainingProgram.outputs`); 3 = as 2, linears with a bias computed
-by ExecuTorch's optimized ``mm`` (:func:`_core_operator_rewrites`)."""
+by ExecuTorch's optimized ``mm`` (:func:`_core_operator_rewrites`); 4 = as 3, dequantized
+weights recomputed for the backward pass instead of kept from the forward pass
+(:func:`_recompute_frozen_casts`), and the shape's ``capacity_factor``."""
 
 
 def slot_of(held: dict[int, list[int]]) -> dict[int, dict[int, int]]:
@@ -171,14 +178,20 @@ class TrainingProgram:
 
 
 def program_shape(spec: ModelSpec, task: str, num_labels: int, held: dict[int, list[int]], batch_size: int,
-                  seq_len: int, weight_format: str) -> dict[str, Any]:
+                  seq_len: int, weight_format: str, capacity_factor: float | None = None) -> dict[str, Any]:
     """The shape of a training step (what :class:`TrainingProgram.shape` holds): the model
     spec, task, classes, experts per MoE layer of ``held``, batch size, sequence length, weight
-    format and :data:`PROGRAM_FORMAT`."""
+    format, the experts' capacity factor (None: every routed token) and :data:`PROGRAM_FORMAT`.
+
+    Raises:
+        ValueError: a capacity factor that is not a positive finite number."""
+    if capacity_factor is not None and not (0 < capacity_factor < math.inf):
+        raise ValueError(f"capacity_factor must be a positive number or None, got {capacity_factor}")
     return {"format": PROGRAM_FORMAT, "spec": spec.model_dump(mode="json"), "task": task,
             "num_labels": int(num_labels),
             "experts_per_layer": layers_to_json({layer: len(ids) for layer, ids in Experts(held).items()}),
-            "batch_size": int(batch_size), "seq_len": int(seq_len), "weight_format": weight_format}
+            "batch_size": int(batch_size), "seq_len": int(seq_len), "weight_format": weight_format,
+            "capacity_factor": None if capacity_factor is None else float(capacity_factor)}
 
 
 def shape_key(shape: dict[str, Any]) -> str:
@@ -285,25 +298,27 @@ def _sample_correct(objective: str, logits: torch.Tensor, labels: torch.Tensor) 
 
 
 @contextlib.contextmanager
-def exportable(model: SubMoE) -> Iterator[None]:
-    """``model`` in evaluation mode, dense dispatch and eager attention; restored after."""
+def exportable(model: SubMoE, capacity_factor: float | None = None) -> Iterator[None]:
+    """``model`` in evaluation mode, dense dispatch (under ``capacity_factor``: each expert
+    on its capacity of tokens, ``moe_model.models.moe.MoELayer.capacity``) and eager
+    attention; restored after."""
     from transformers import PreTrainedModel
 
     blocks = list(model.model.moe_blocks().values())
-    before = [b.dense_dispatch for b in blocks]
+    before = [(b.dense_dispatch, b.capacity_factor) for b in blocks]
     hf = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
     attn = [m.config._attn_implementation for m in hf]
     was_training = model.training
     model.eval()
     for b in blocks:
-        b.dense_dispatch = True
+        b.dense_dispatch, b.capacity_factor = True, capacity_factor
     for m in hf:
         m.set_attn_implementation("eager")
     try:
         yield
     finally:
-        for b, d in zip(blocks, before):
-            b.dense_dispatch = d
+        for b, (d, c) in zip(blocks, before):
+            b.dense_dispatch, b.capacity_factor = d, c
         for m, a in zip(hf, attn):
             m.set_attn_implementation(a)
         model.train(was_training)
@@ -396,6 +411,71 @@ def _core_operator_rewrites(ep) -> None:
     ep.graph_module.recompile()
 
 
+def _recompute_frozen_casts(ep, frozen: set[str]) -> int:
+    """Every value computed from frozen inputs alone (a quantized weight's dequantization,
+    a transpose of a weight) recomputed right before each operator that uses it, instead of
+    computed once and kept: autograd keeps a linear's fp32 weight from the forward pass until
+    the backward pass needs it for the input's gradient, so every dequantized weight of the
+    step would be alive at once (37 MiB of the demo model's 137 MiB plan; the eager
+    ``moe_model.quant._DequantLinear`` recomputes it the same way). Costs one more
+    dequantization per weight and step. In place on the exported program's graph.
+
+    Args:
+        ep: the exported joint forward-backward program.
+        frozen: the names of its frozen-weight placeholders.
+
+    Returns:
+        The number of operators added (the recomputations; the originals they replace are
+        removed once unused).
+    """
+    from torch.fx.node import map_arg
+
+    graph = ep.graph_module.graph
+    derived = {n for n in graph.nodes if n.op == "placeholder" and n.name in frozen}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.all_input_nodes and all(a in derived for a in n.all_input_nodes):
+            derived.add(n)
+    made = 0
+    for user in list(graph.nodes):
+        if user in derived or user.op not in ("call_function", "output"):
+            continue
+        copies: dict[Any, Any] = {}
+
+        def copy(node):
+            nonlocal made
+            if node.op == "placeholder":
+                return node
+            if node not in copies:
+                args = map_arg(node.args, lambda a: copy(a) if a in derived else a)
+                kwargs = map_arg(node.kwargs, lambda a: copy(a) if a in derived else a)
+                with graph.inserting_before(user):
+                    copies[node] = graph.call_function(node.target, args, kwargs)
+                copies[node].meta = dict(node.meta)
+                made += 1
+            return copies[node]
+
+        for a in list(user.all_input_nodes):
+            if a in derived and a.op != "placeholder":
+                user.replace_input_with(a, copy(a))
+    graph.eliminate_dead_code()
+    ep.graph_module.recompile()
+    return made
+
+
+def _backend_config():
+    """ExecuTorch's lowering configuration: its defaults, with its greedy memory plan computed
+    by :func:`moe_model.program_memory.greedy` (the same plan, in numpy: ExecuTorch's takes
+    time quadratic in the program's tensors in Python)."""
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.memory_planning import MemoryPlanningAlgorithmSuite
+    from executorch.exir.passes import MemoryPlanningPass
+
+    from .program_memory import greedy
+
+    return ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(
+        memory_planning_algo=MemoryPlanningAlgorithmSuite(algo_list=[greedy])))
+
+
 def example_batch(model: SubMoE, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
     """A batch of the program's shape: ``input_ids`` (token 0...), ``attention_mask`` (ones),
     ``labels`` (zeros; ``(B,)`` for classification, ``(B, T)`` for causal LM), int64."""
@@ -429,7 +509,8 @@ def pad_batch(batch: dict[str, torch.Tensor], labels: torch.Tensor, seq_len: int
 
 
 def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight_format: str = "fp32",
-                            stored: dict[str, dict[str, torch.Tensor]] | None = None) -> TrainingProgram:
+                            stored: dict[str, dict[str, torch.Tensor]] | None = None,
+                            capacity_factor: float | None = None) -> TrainingProgram:
     """Capture ``model``'s training step for its shape (module docstring).
 
     Args:
@@ -441,6 +522,11 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
             the shape.
         stored: the stored shard tensors ``model`` was built from; each frozen input then
             records its ``source`` (:func:`frozen_sources`).
+        capacity_factor: None: every held expert runs on every token (dense dispatch, the
+            function of the Python device's sparse dispatch). A factor ``c``: each runs on its
+            ``ceil(c · B·T · k / n)`` tokens of largest gate (``MoELayer.capacity``): activations
+            and expert compute ``c · k / n`` of the dense dispatch's, and routed tokens beyond
+            an expert's capacity skip it (equal to a Python sub-MoE with the same factor).
 
     Returns:
         The :class:`TrainingProgram`.
@@ -449,9 +535,10 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
         ImportError: ExecuTorch missing (docs/phone-devices.md says how to install it).
         ValueError: ``model`` holds experts other than its slots, a ``conv-moe`` model, a
             full fine-tuning family (its every weight trains: nothing is frozen), or a
-            frozen input that ``stored`` does not hold (:func:`frozen_sources`).
+            frozen input that ``stored`` does not hold (:func:`frozen_sources`), a capacity
+            factor that is not a positive number.
     """
-    from executorch.exir import ExecutorchBackendConfig, to_edge
+    from executorch.exir import to_edge
     from torch.export import export
     from torch.export.experimental import _export_forward_backward
 
@@ -466,18 +553,20 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
     names = list(example)
     step = _Step(model, names, list(frozen))
     params = {id(p): k for k, p in model.trainable().items()}
-    with exportable(model), _hollow_buffers(model, list(frozen)), warnings.catch_warnings():
+    shape = program_shape(model.spec, model.task, model.num_labels, model.experts, batch_size, seq_len, weight_format,
+                          capacity_factor)
+    with exportable(model, capacity_factor), _hollow_buffers(model, list(frozen)), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = export(step, (*example.values(), *frozen.values()), strict=False)
         ep = _export_forward_backward(ep)
+        _recompute_frozen_casts(ep, set(list(ep.graph_signature.user_inputs)[len(names):]))
         _core_operator_rewrites(ep)
-        program = to_edge(ep).to_executorch(config=ExecutorchBackendConfig())
+        program = to_edge(ep).to_executorch(config=_backend_config())
     fqn = dict(step.named_parameters())
     grads = [s.target for s in ep.graph_signature.output_specs if s.kind.name == "GRADIENT_TO_PARAMETER"]
     trainable = {name: params[id(fqn[name])] for name in grads}
     if sorted(trainable.values()) != sorted(params.values()):
         raise RuntimeError("the exported program's gradients do not cover the adapter state")
-    shape = program_shape(model.spec, model.task, model.num_labels, model.experts, batch_size, seq_len, weight_format)
     describe = lambda n, t: {"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}  # noqa
     values = [n.meta["val"] for n in ep.graph.output_node().args[0]]
     kinds = [s.kind.name for s in ep.graph_signature.output_specs]

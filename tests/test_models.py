@@ -166,6 +166,43 @@ def test_moe_block_routes_top_k_over_held_experts_only():
     assert torch.allclose(rec.topk_weight.sum(-1), torch.ones(rec.topk_weight.shape[0]))
 
 
+def test_capacity_dispatch_drops_the_lowest_gates_beyond_an_experts_capacity():
+    """Under a capacity factor each held expert runs on its ``ceil(c·N·k/n)`` tokens of largest
+    gate: at a capacity of every token the output is the exact dispatch's; below it, equal to
+    the exact sum with each expert's routed tokens beyond its capacity (lowest gates) left out."""
+    import math
+
+    from moe_model.models.moe import MoELayer
+
+    spec = tiny_spec()
+    model = SubMoE(spec, {1: [0, 1, 2, 3]}, "bbc", 5, None).eval()
+    block = model.model.moe_blocks()[1]
+    torch.manual_seed(0)
+    flat = torch.randn(40, spec.config["hidden_size"])
+    probs = torch.softmax(torch.randn(40, 4), -1)
+    weight, idx = probs.topk(2, dim=-1)
+    weight = weight / weight.sum(-1, keepdim=True)
+    exact = block.dispatch(flat, idx, weight, probs)
+    block.capacity_factor = 2.0  # n / k: a capacity of every token
+    assert block.capacity(40, 2) is None
+    assert torch.equal(block.dispatch(flat, idx, weight, probs), exact)
+    block.capacity_factor = 0.5
+    cap = block.capacity(40, 2)
+    assert cap == math.ceil(0.5 * 40 * 2 / 4) == 10
+    got = block.dispatch(flat, idx, weight, probs)
+    want, dropped = torch.zeros_like(flat), 0
+    for j, e in enumerate(block.expert_ids):
+        tok, slot = (idx == j).nonzero(as_tuple=True)
+        g = weight[tok, slot]
+        keep = g.argsort(descending=True)[:cap]
+        dropped += len(tok) - len(keep)
+        want.index_add_(0, tok[keep], block.experts[str(e)](flat[tok[keep]]) * g[keep, None])
+    assert dropped > 0 and not torch.allclose(got, exact, atol=1e-4)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert isinstance(block, MoELayer) and block.last.topk_idx is idx  # the record keeps every decision
+    block.capacity_factor = None
+
+
 def test_local_training_logs_its_progress_rate_limited(caplog):
     """A device is not silent while it trains: one line per ``log_every_s`` with the step,
     the loss and the seconds elapsed; none at all when training is shorter than that."""

@@ -155,11 +155,12 @@ def test_the_round_deadline_starts_after_the_program_export_and_a_failed_export_
     from tests.test_bounds import _offline
 
     agg, _ = _offline(str(tmp_path), monkeypatch, round_timeout_s=60)
-    publisher = ProgramPublisher(agg.model, tmp_path / "served", "http://127.0.0.1:1/shards")
+    publisher = ProgramPublisher(agg.model, tmp_path / "served", "http://127.0.0.1:1/shards", capacity_factor=1.5)
     agg.engine.programs = publisher
     exports = []
 
-    def slow_export(task, held, batch_size, seq_len):
+    def slow_export(task, held, batch_size, seq_len, capacity_factor):
+        assert capacity_factor == 1.5  # the configured factor reaches the export
         exports.append(time.time())
         time.sleep(1.5)
         raise ValueError("this model cannot be exported")

@@ -51,10 +51,10 @@ def slot_named(model, held):
     return out
 
 
-def _eager(model, batch, labels):
+def _eager(model, batch, labels, capacity_factor=None):
     """torch's loss and gradients (by adapter key) of the same step (the program's mode), and
     the step's other outputs by name (per-sample loss and correctness, each layer's routing)."""
-    with exportable(model):
+    with exportable(model, capacity_factor):
         model.zero_grad()
         logits = model(batch)
         per_sample = objectives.sample_loss(model.objective, logits, labels)
@@ -65,7 +65,7 @@ def _eager(model, batch, labels):
             rec = block.last
             outputs.update({f"router.{layer}.probs": rec.probs.detach(), f"router.{layer}.topk_idx": rec.topk_idx,
                             f"router.{layer}.topk_weight": rec.topk_weight.detach()})
-    assert model.training and not any(b.dense_dispatch for b in model.model.moe_blocks().values())  # restored
+    assert model.training and not any(b.dense_dispatch or b.capacity_factor for b in model.model.moe_blocks().values())
     return per_sample.mean().item(), {k: p.grad.clone() for k, p in model.trainable().items()}, outputs
 
 
@@ -81,7 +81,8 @@ def _check_step(program, model, held, items, frozen):
         params[name].copy_(state[key])
     loss, logits, *rest = tm.forward_backward("forward", (*inputs, *frozen))
     grads = from_slots({program.trainable[n]: g for n, g in tm.named_gradients().items()}, held)
-    ref_loss, ref_grads, ref_out = _eager(model, {"input_ids": inputs[0], "attention_mask": inputs[1]}, inputs[2])
+    ref_loss, ref_grads, ref_out = _eager(model, {"input_ids": inputs[0], "attention_mask": inputs[1]}, inputs[2],
+                                          program.shape["capacity_factor"])
     assert abs(loss.item() - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
     assert [o["name"] for o in program.outputs[2:]] == list(ref_out) and len(rest) == len(ref_out)
     for spec, got in zip(program.outputs[2:], rest):  # what a device's statistics are made of
@@ -201,13 +202,13 @@ def test_the_cloud_builds_each_shape_once_and_gives_a_device_its_lora_a(setup, t
         cache.get("tweets", held, B, T)
 
 
-def _check_device_step(gm, task, held, items, fmt):
+def _check_device_step(gm, task, held, items, fmt, capacity_factor=None):
     """Export the program of ``held``'s shape (experts by slot, with sources), run it in
     ExecuTorch for a device holding ``held`` whose frozen inputs come from its own stored
     shards and the cloud's LoRA A, and compare loss and gradients with torch's."""
     cache = ProgramCache(gm, tempfile.mkdtemp())
     slot_model, slot_stored = cache.model_for(task, slot_shape(held))
-    program = export_training_program(slot_model, B, T, fmt, stored=slot_stored)
+    program = export_training_program(slot_model, B, T, fmt, stored=slot_stored, capacity_factor=capacity_factor)
     model, stored = _device(gm, held, task)
     lora_a = cache.lora_a(program.manifest(), held)  # what the cloud sends
     frozen = [lora_a[f["source"]["lora_a"]] if (sid := _source(f["source"], held)) is None
@@ -241,6 +242,31 @@ def test_a_hugging_face_moe_step_equals_torchs(tmp_path):
     _check_device_step(gm, "lm", {0: [1, 3], 1: [0, 2]}, TEXTS * 2, "int8")
 
 
+@pytest.mark.slow
+def test_a_capacity_bounded_step_equals_torchs_and_keeps_dequantized_weights_out_of_the_plan(tmp_path):
+    """A program whose experts each take ``ceil(c·B·T·k/n)`` tokens (capacity factor 0.75 on a
+    Qwen3-MoE holding all 4 experts, top-2: 36 of the 96 tokens each, so routed tokens are
+    dropped) equals torch's step under the same factor, and plans less memory than the dense
+    dispatch."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_hf_moe import FAMILIES, TEXTS, _spec, _tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(FAMILIES["qwen3_moe"]()).save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    gm = GlobalModel(_spec(tmp_path, max_seq_len=T), {"lm": ["a", "b"]}, "int8")
+    held = {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
+    capped = _check_device_step(gm, "lm", held, TEXTS * 2, "int8", capacity_factor=0.75)
+    assert capped.shape["capacity_factor"] == 0.75
+    dense = _check_device_step(gm, "lm", held, TEXTS * 2, "int8")
+    assert dense.shape["capacity_factor"] is None and capped.key != dense.key
+    assert capped.planned_bytes < dense.planned_bytes
+    with pytest.raises(ValueError, match="capacity_factor"):
+        export_training_program(ProgramCache(gm, tmp_path / "c").model_for("lm", held)[0], B, T, "int8",
+                                capacity_factor=0.0)
+
+
 def test_new_empty_strided_is_rewritten_into_the_core_operator_set():
     """``aten.new_empty_strided`` (in a tied-embedding Qwen3-MoE's backward; ExecuTorch's
     runtime has no kernel for it or for ``empty_strided``) becomes ``aten.empty`` in the
@@ -267,3 +293,68 @@ def test_new_empty_strided_is_rewritten_into_the_core_operator_set():
     bad = torch.export.export(M([1, 2]), (x,))
     with pytest.raises(ValueError, match="non-contiguous"):
         _core_operator_rewrites(bad)
+
+
+def test_dequantized_weights_are_recomputed_for_the_backward_pass():
+    """A weight dequantized inside the program (int8 data x row scales) is used by the
+    forward product and again by the backward product (the input's gradient): the export
+    recomputes it right before each use, so no fp32 copy lives from the forward pass to the
+    backward pass; the step's loss and gradients are unchanged."""
+    from torch.export.experimental import _export_forward_backward
+
+    from moe_model.training_program import _recompute_frozen_casts
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 32)
+
+        def forward(self, x, data, scale):
+            y = torch.nn.functional.linear(self.a(x).relu(), data.float() * scale[:, None])
+            return (y ** 2).mean(), y.detach()
+
+    torch.manual_seed(0)
+    module = Step()
+    args = (torch.randn(4, 8), torch.randint(-127, 128, (32, 32), dtype=torch.int8), torch.rand(32) / 100)
+
+    def joint(recompute):
+        ep = _export_forward_backward(torch.export.export(module, args, strict=False))
+        frozen = set(list(ep.graph_signature.user_inputs)[1:])
+        if recompute:
+            assert _recompute_frozen_casts(ep, frozen) > 0
+        nodes = list(ep.graph.nodes)
+        derived = {n for n in nodes if n.op == "placeholder" and n.name in frozen}
+        for n in nodes:
+            if n.op == "call_function" and n.all_input_nodes and all(a in derived for a in n.all_input_nodes):
+                derived.add(n)
+        gap = max(nodes.index(u) - nodes.index(n) for n in derived if n.op != "placeholder" for u in n.users)
+        return ep, gap
+
+    kept, gap_kept = joint(False)
+    recomputed, gap = joint(True)
+    assert gap_kept > 5 and gap <= 3  # kept from the forward pass / made right before each use
+
+
+    def run(ep):  # the joint graph on its parameters and the inputs: loss, output, then the gradients
+        user = iter(args)
+        flat = [ep.state_dict[s.target] if s.kind.name == "PARAMETER" else next(user)
+                for s in ep.graph_signature.input_specs]
+        return ep.graph_module(*flat)
+
+    want, got = run(kept), run(recomputed)
+    assert len(want) == len(got) == 4 and all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_the_numpy_memory_plan_is_executorchs_greedy_plan(setup, monkeypatch):
+    """The export plans memory with moe_model.program_memory.greedy: the program's bytes (every
+    tensor's arena offset included) equal those of ExecuTorch's own greedy planner."""
+    from executorch.exir import ExecutorchBackendConfig
+
+    from moe_model import training_program
+
+    model, stored = _device(setup[0], {1: [0, 1]})
+    ours = export_training_program(model, B, T, "int8", stored=stored)
+    monkeypatch.setattr(training_program, "_backend_config", ExecutorchBackendConfig)
+    theirs = export_training_program(model, B, T, "int8", stored=stored)
+    assert ours.planned_bytes == theirs.planned_bytes > 0
+    assert ours.pte == theirs.pte

@@ -8,6 +8,7 @@ sub-MoE holding experts {1, 5} names them exactly as the full MoE does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,10 @@ class MoELayer(nn.Module):
         self.dense_dispatch = False
         """Run every held expert on every token and combine by the (zero-padded) top-k
         gates: the same result without data-dependent control flow (ONNX export)."""
+        self.capacity_factor: float | None = None
+        """When set, each held expert takes at most :meth:`capacity` of the tokens routed to
+        it, those with the largest gates, with static shapes (a training program's sparse
+        dispatch); None: every routed token."""
         self.last: RoutingRecord | None = None
 
     @property
@@ -107,6 +112,20 @@ class MoELayer(nn.Module):
         """A pretrained router row ``(hidden,)`` for a held global expert id, or None (then
         the row starts random, ``moe_model.submoe.ROUTER_INIT_STD``)."""
         return None
+
+    def capacity(self, tokens: int, k: int) -> int | None:
+        """Tokens each held expert takes per forward pass under :attr:`capacity_factor` ``c``:
+        ``ceil(c · tokens · k / n_held)``, the expert capacity of GShard (Lepikhin et al., 2020,
+        "GShard: Scaling Giant Models with Conditional Computation and Automatic Sharding",
+        arXiv:2006.16668, §2.2) and Switch Transformers (Fedus, Zoph and Shazeer, 2021,
+        arXiv:2101.03961, eq. 3, with ``k`` experts per token). A token routed to an expert
+        that is full (not among its ``capacity`` largest gates) skips that expert; its other
+        experts and the residual stream still carry it. None when no factor is set or the
+        capacity reaches ``tokens`` (then nothing can be dropped and the dispatch is exact)."""
+        if self.capacity_factor is None:
+            return None
+        cap = math.ceil(self.capacity_factor * tokens * k / len(self.expert_ids))
+        return cap if cap < tokens else None
 
     def dispatch(self, flat: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
                  probs: torch.Tensor) -> torch.Tensor:
@@ -120,14 +139,23 @@ class MoELayer(nn.Module):
 
         Returns:
             ``(N, hidden)``. Stores a :class:`RoutingRecord` in :attr:`last` (``hidden`` only
-            when ``record_hidden`` and not ``dense_dispatch``).
+            when ``record_hidden`` and not ``dense_dispatch``). Under a :attr:`capacity_factor`
+            whose :meth:`capacity` is below ``N``, each expert runs on that many tokens
+            (static shapes, also in dense-dispatch mode) and the routed tokens beyond it skip it;
+            the record still holds every routing decision.
         """
         out = torch.zeros_like(flat)
-        if self.dense_dispatch:
+        cap = self.capacity(flat.shape[0], idx.shape[1])
+        if self.dense_dispatch or cap is not None:
             gates = torch.zeros_like(probs).scatter(1, idx, weight.to(probs.dtype)).to(flat.dtype)
             for j, e in enumerate(self.expert_ids):
-                out = out + self.experts[str(e)](flat) * gates[:, j:j + 1]
-            self.last = RoutingRecord(probs, idx, weight, None)
+                if cap is None:
+                    out = out + self.experts[str(e)](flat) * gates[:, j:j + 1]
+                else:  # the cap tokens of largest gate (unrouted tokens have gate 0 and add nothing)
+                    g, tok = gates[:, j].topk(cap)
+                    out = out.index_add(0, tok, self.experts[str(e)](flat.index_select(0, tok)) * g[:, None])
+            self.last = RoutingRecord(probs, idx, weight, None if self.dense_dispatch or not self.record_hidden
+                                      else flat.detach())
             return out
         for j, e in enumerate(self.expert_ids):
             tok, slot = (idx == j).nonzero(as_tuple=True)
