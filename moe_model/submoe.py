@@ -24,9 +24,9 @@ from protocol.experts import Experts
 from protocol.messages import ModelSpec
 
 from .models.base import MoEModel, get_adapter, trains_all_weights
+from .notices import quiet_kernels_notice
 from .quant import QuantEmbedding, QuantLinear, swap_in_quantized
 from .quant_bnb import convert
-from .notices import quiet_kernels_notice
 from .shards import block_paths, join_shards
 
 quiet_kernels_notice()

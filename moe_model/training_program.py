@@ -22,8 +22,9 @@ format) so that one program serves every device of that shape:
 - **Static shapes**: every MoE block runs in its dense-dispatch form (every held expert on
   every token, combined by the zero-padded top-k gates: the function of the sparse
   dispatch without data-dependent control flow) or, under a capacity factor, each held
-  expert on its capacity of tokens of largest gate (``MoELayer.capacity``), attention in its eager form (the fused
-  scaled-dot-product attention's backward is not in ExecuTorch's core ATen operator set),
+  expert on its capacity of tokens of largest gate (``MoELayer.capacity``), attention in
+  its eager form (the fused scaled-dot-product attention's backward is not in ExecuTorch's
+  core ATen operator set),
   and the batch is ``(batch_size, seq_len)``; a device pads a short last batch.
 - **Without dropout**: the step runs the model in evaluation mode, so a program's step is
   deterministic (ExecuTorch cannot reproduce torch's dropout draws) and a Python device
@@ -411,6 +412,16 @@ def _core_operator_rewrites(ep) -> None:
     ep.graph_module.recompile()
 
 
+def computed_from(graph: torch.fx.Graph, frozen: set[str]) -> set[torch.fx.Node]:
+    """The nodes of ``graph`` computed from the placeholders named in ``frozen`` alone (those
+    placeholders included): what :func:`_recompute_frozen_casts` recomputes before each use."""
+    derived = {n for n in graph.nodes if n.op == "placeholder" and n.name in frozen}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.all_input_nodes and all(a in derived for a in n.all_input_nodes):
+            derived.add(n)
+    return derived
+
+
 def _recompute_frozen_casts(ep, frozen: set[str]) -> int:
     """Every value computed from frozen inputs alone (a quantized weight's dequantization,
     a transpose of a weight) recomputed right before each operator that uses it, instead of
@@ -431,10 +442,7 @@ def _recompute_frozen_casts(ep, frozen: set[str]) -> int:
     from torch.fx.node import map_arg
 
     graph = ep.graph_module.graph
-    derived = {n for n in graph.nodes if n.op == "placeholder" and n.name in frozen}
-    for n in graph.nodes:
-        if n.op == "call_function" and n.all_input_nodes and all(a in derived for a in n.all_input_nodes):
-            derived.add(n)
+    derived = computed_from(graph, frozen)
     made = 0
     for user in list(graph.nodes):
         if user in derived or user.op not in ("call_function", "output"):
