@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
+import linecache
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -52,10 +55,34 @@ state count as sending states, the store's writes of an update as the store)."""
 
 
 STARTUP = CATEGORIES[0][0]
+WAITING = "waiting (blocked, sampled as running)"
+"""Samples whose innermost Python frame is on a line that blocks (``select``, a lock's
+``acquire``, ``wait``, ``sleep``, a queue's ``get``): py-spy counted about half of the
+aggregator's samples as running while its threads sat in ``Condition.wait`` (waiting for the
+PUBACKs of the states it sent) and paho's ``select``, against the CPU that psutil measured.
+They are left out of the shares that split the measured CPU."""
+_BLOCKING = re.compile(r"\bselect\.select\(|\.acquire\(|\.wait\(|\bsleep\(|\.get\(.*timeout|\.poll\(")
+
+
+@functools.cache
+def blocks(frame: str) -> bool:
+    """Whether py-spy's ``frame`` (``func (path:line)``, the path relative to an entry of
+    ``sys.path`` or absolute) is a line that blocks (:data:`WAITING`)."""
+    m = re.fullmatch(r".* \((.+):(\d+)\)", frame)
+    if m is None:
+        return False
+    for root in ["", *sys.path]:
+        path = os.path.join(root, m.group(1))
+        if os.path.isfile(path):
+            return bool(_BLOCKING.search(linecache.getline(path, int(m.group(2)))))
+    return False
 
 
 def category(frames: list[str]) -> str:
-    """The :data:`CATEGORIES` name of one stack, or ``other``."""
+    """:data:`WAITING` where the innermost frame blocks, else the :data:`CATEGORIES` name of
+    one stack, or ``other``."""
+    if frames and blocks(frames[-1]):
+        return WAITING
     for name, keys in CATEGORIES:
         if any(k in frame for frame in frames for k in keys):
             return name
@@ -75,7 +102,7 @@ def read_stacks(path: Path) -> collections.Counter:
 
 def summarise(stacks: collections.Counter, rate: float, updates: int, measured_ms: float | None) -> dict:
     """Sampled seconds per category; each category's milliseconds per update (its share of
-    the samples outside start-up times ``measured_ms``, the aggregator's CPU per update that
+    the samples outside start-up and :data:`WAITING` times ``measured_ms``, the aggregator's CPU per update that
     the fleet measured in its rounds with psutil); the top functions by own time."""
     total = sum(stacks.values())
     by_cat: collections.Counter = collections.Counter()
@@ -84,11 +111,11 @@ def summarise(stacks: collections.Counter, rate: float, updates: int, measured_m
         by_cat[category(list(st))] += n
         if st:
             own[st[-1]] += n
-    running = total - by_cat[STARTUP]
+    running = total - by_cat[STARTUP] - by_cat[WAITING]
     return {
         "sampled_s": total / rate, "updates": updates, "measured_ms_per_update": measured_ms,
         "categories": [{"name": c, "sampled_s": n / rate, "share": n / total,
-                        "ms_per_update": None if c == STARTUP or measured_ms is None or not running
+                        "ms_per_update": None if c in (STARTUP, WAITING) or measured_ms is None or not running
                         else measured_ms * n / running}
                        for c, n in by_cat.most_common()],
         "top_functions": [{"frame": f, "sampled_s": n / rate, "share": n / total} for f, n in own.most_common(20)],
@@ -111,7 +138,7 @@ def markdown(r: dict) -> str:
              f"({f['not_accepted']} lost, {f['reported_twice']} twice), {fmt(f['ingest_per_s'], '.1f')} updates/s "
              f"ingesting, aggregator peak RSS {fmt((f['aggregator_peak_rss_bytes'] or 0) / 2**20, '.0f')} MiB. "
              f"py-spy sampled {s['sampled_s']:.1f} s in all (start-up included). A category's ms per update is its "
-             f"share of the samples outside start-up times the measured figure.", "",
+             f"share of the samples outside start-up and waiting times the measured figure; samples whose innermost frame is a line that blocks (select, a lock, a wait, a queue get) count as waiting.", "",
              "| category | sampled s | share | ms per update |", "|---|---|---|---|"]
     lines += [f"| {c['name']} | {c['sampled_s']:.1f} | {100 * c['share']:.1f}% | {fmt(c['ms_per_update'], '.1f')} |"
               for c in s["categories"]]
@@ -126,7 +153,7 @@ MAX_DEPTH = 24
 
 
 def plot(r: dict, path: Path) -> None:
-    """Icicle graph of the stacks outside start-up (frames under 0.5% of those samples, and
+    """Icicle graph of the stacks outside start-up and waiting (frames under 0.5% of those samples, and
     below :data:`MAX_DEPTH`, left out)."""
     import matplotlib
 
@@ -134,7 +161,7 @@ def plot(r: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     stacks = collections.Counter({st: v for k, v in r["stacks"].items()
-                                  if category(list(st := tuple(k.split(";")))) != STARTUP})
+                                  if category(list(st := tuple(k.split(";")))) not in (STARTUP, WAITING)})
     total = sum(stacks.values())
     fig, ax = plt.subplots(figsize=(16, 9))
     colours = {name: plt.cm.tab10(i) for i, (name, _) in enumerate(CATEGORIES)}
@@ -161,7 +188,7 @@ def plot(r: dict, path: Path) -> None:
     draw((), 0.0, 0)
     ax.set_xlim(0, 1)
     ax.set_yticks([])
-    ax.set_xlabel("share of the aggregator's CPU samples outside start-up")
+    ax.set_xlabel("share of the aggregator's CPU samples outside start-up and waiting")
     ax.set_title(f"{r['name']}: {fmt(r['summary']['measured_ms_per_update'], '.1f')} ms of aggregator CPU per update "
                  "(callers above callees, width = share of samples)")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], labels=list(colours),

@@ -205,7 +205,7 @@ class Ingest:
         Raises:
             ChunkError: a malformed chunk.
         """
-        header, data = parse_chunk(payload, self.max_update_bytes)
+        header, data = parse_chunk(payload, self.max_update_bytes, verify=False)
         rnd = self._current(device_id, header.round, "update", header.id)
         if rnd is None:
             return
@@ -245,7 +245,7 @@ class Ingest:
         Raises:
             ChunkError: the stored chunks, all there, do not make one update (they are dropped).
         """
-        assembler, blob = Reassembler(self.max_update_bytes), None
+        assembler, blob = Reassembler(self.max_update_bytes, verify_chunks=False), None
         try:
             for _, data in self.store.blob_items(prefix):
                 blob = assembler.add(device_id, data) or blob

@@ -128,25 +128,26 @@ def split_blob(data: bytes, max_payload: int, transfer_id: str, kind: str, round
     return out, sha
 
 
-_last_parsed: tuple[bytes, int, tuple[ChunkHeader, bytes]] | None = None
+_last_parsed: tuple[bytes, int, tuple[ChunkHeader, bytes], bool] | None = None
 """The last valid chunk :func:`parse_chunk` parsed (the payload object, the limit, the
-result): the aggregator's signature check, reassembly and chunk store each parse the same
+result, whether its data was hashed): the aggregator's signature check, reassembly and chunk store each parse the same
 message; the sha256 and header validation ran three times per chunk (fleet profile,
 ``results/fleet/profile.md``). Only immutable ``bytes`` are remembered, by identity, and the
 reference held keeps that identity from being reused."""
 
 
-def parse_chunk(payload: bytes, max_blob_bytes: int) -> tuple[ChunkHeader, bytes]:
+def parse_chunk(payload: bytes, max_blob_bytes: int, verify: bool = True) -> tuple[ChunkHeader, bytes]:
     """Validate one chunk message. The same ``bytes`` object parsed again returns the
-    same result without hashing it again.
+    same result without hashing it again. ``verify=False`` leaves the data's sha256 to the
+    caller (a :class:`Reassembler` of ``verify_chunks=False`` checks the whole blob's instead).
 
     Raises:
         ChunkError: bad magic, malformed header, blob larger than ``max_blob_bytes``,
-            sequence out of range, or data whose sha256 differs from the header's.
+            sequence out of range, or (``verify``) data whose sha256 differs from the header's.
     """
     global _last_parsed
     last = _last_parsed
-    if last is not None and last[0] is payload and last[1] == max_blob_bytes:
+    if last is not None and last[0] is payload and last[1] == max_blob_bytes and (last[3] or not verify):
         return last[2]
     if len(payload) < 8 or payload[:4] != MAGIC:
         raise ChunkError("not a chunk message (bad magic)")
@@ -164,18 +165,23 @@ def parse_chunk(payload: bytes, max_blob_bytes: int) -> tuple[ChunkHeader, bytes
     if header.n > max(1, header.size):
         raise ChunkError(f"{header.n} chunks for {header.size} bytes")
     data = payload[8 + hlen :]
-    if sha256_hex(data) != header.csha:
-        raise ChunkError(f"chunk {header.seq}/{header.n} of {header.id} is corrupted (sha256 mismatch)")
+    if verify and sha256_hex(data) != header.csha:
+        raise ChunkError(_corrupted(header))
     result = (header, data)
     if type(payload) is bytes:
-        _last_parsed = (payload, max_blob_bytes, result)
+        _last_parsed = (payload, max_blob_bytes, result, verify)
     return result
+
+
+def _corrupted(header: ChunkHeader) -> str:
+    return f"chunk {header.seq}/{header.n} of {header.id} is corrupted (sha256 mismatch)"
 
 
 @dataclass
 class _Pending:
     header: ChunkHeader
     parts: dict[int, bytes] = field(default_factory=dict)
+    cshas: dict[int, str] = field(default_factory=dict)
     stored: int = 0
     started: float = field(default_factory=time.monotonic)
 
@@ -189,9 +195,16 @@ class Reassembler:
         ttl_s: an incomplete transfer older than this (seconds) is dropped.
         remember: how many completed transfer keys are remembered to ignore late
             duplicates.
+        verify_chunks: check each chunk's sha256 as it arrives. False: only the completed
+            blob's sha256 is checked, and where it fails, the chunks whose own sha256 fails
+            are named (the same errors, at the transfer's last chunk instead of the bad
+            one's). It halves the hashing of the aggregator's updates (2.2 MiB of sha256 per
+            1.1 MiB update, about 0.6 ms per MiB).
     """
 
-    def __init__(self, max_blob_bytes: int, max_pending: int = 256, ttl_s: float = 3600.0, remember: int = 10_000):
+    def __init__(self, max_blob_bytes: int, max_pending: int = 256, ttl_s: float = 3600.0, remember: int = 10_000,
+                 verify_chunks: bool = True):
+        self.verify_chunks = verify_chunks
         self.max_blob_bytes = max_blob_bytes
         self.max_pending = max_pending
         self.ttl_s = ttl_s
@@ -209,7 +222,7 @@ class Reassembler:
             ChunkError: the chunk is invalid, conflicts with earlier chunks of its
                 transfer, or the completed blob fails its sha256 (the transfer is dropped).
         """
-        header, data = parse_chunk(payload, self.max_blob_bytes)
+        header, data = parse_chunk(payload, self.max_blob_bytes, self.verify_chunks)
         key = (sender, header.round, header.id)
         if key in self._done:
             return None
@@ -232,12 +245,16 @@ class Reassembler:
             del self._pending[key]
             raise ChunkError(f"transfer {header.id} sent more bytes than it declared ({header.size})")
         p.parts[header.seq] = data
+        p.cshas[header.seq] = header.csha
         p.stored += len(data)
         if len(p.parts) < header.n:
             return None
         del self._pending[key]
         blob = b"".join(p.parts[i] for i in range(header.n))
         if len(blob) != header.size or sha256_hex(blob) != header.sha:
+            bad = [] if self.verify_chunks else [i for i in range(header.n) if sha256_hex(p.parts[i]) != p.cshas[i]]
+            if bad:
+                raise ChunkError(_corrupted(header.model_copy(update={"seq": bad[0]})))
             raise ChunkError(f"transfer {header.id}: reassembled blob fails its sha256")
         self._done[key] = None
         while len(self._done) > self._remember:

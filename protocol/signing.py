@@ -134,8 +134,13 @@ class Verifier:
         ValueError: a key is malformed.
     """
 
+    VERIFIED_KEPT = 4096
+    """Signatures that verified, kept to skip checking the same one again: every chunk of an
+    upload carries its update's one signature (0.08 ms per Ed25519 check, five chunks a MiB)."""
+
     def __init__(self, keys: Mapping[str, str]):
         self.keys = {d: load_public_key(k) for d, k in keys.items()}
+        self._verified: OrderedDict[tuple, tuple[Ed25519PublicKey, Signed]] = OrderedDict()
 
     def knows(self, device_id: str) -> bool:
         """Whether ``device_id`` is provisioned (has a public key here)."""
@@ -165,11 +170,19 @@ class Verifier:
         upload, sha = props[P_UPLOAD], props[P_SHA]
         if len(upload) > 64 or len(sha) != 64 or len(sig) != 64:
             raise SignatureError(f"malformed signature properties on {kind} message")
+        key = (kind, device_id, rnd, upload, sha, sig)
+        seen = self._verified.get(key)
+        if seen is not None and seen[0] is pub:  # verified already, with this key object (a new key: anew)
+            return seen[1]
         try:
             pub.verify(sig, signed_bytes(kind, device_id, rnd, upload, sha))
         except InvalidSignature:
             raise SignatureError(f"forged {kind} message: signature does not verify with {device_id}'s key") from None
-        return Signed(rnd, upload, sha)
+        signed = Signed(rnd, upload, sha)
+        self._verified[key] = (pub, signed)
+        while len(self._verified) > self.VERIFIED_KEPT:
+            self._verified.popitem(last=False)
+        return signed
 
 
 class ReplayGuard:

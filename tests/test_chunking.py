@@ -55,6 +55,27 @@ def test_corrupted_chunk_rejected_and_transfer_still_completes_with_good_copy():
     assert out[-1] is not None and out[-1].data == data
 
 
+def test_unverified_chunks_are_checked_as_one_blob_and_a_corrupted_one_is_named():
+    data = os.urandom(20_000)
+    msgs = chunks_of(data)
+    r = Reassembler(1 << 20, verify_chunks=False)
+    assert [r.add("dev", m) for m in msgs][-1].data == data  # the good transfer completes
+    bad = bytearray(msgs[2])
+    bad[-1] ^= 0xFF
+    r = Reassembler(1 << 20, verify_chunks=False)
+    r.add("dev", bytes(bad))  # taken unchecked for now
+    with pytest.raises(ChunkError, match=f"chunk 2/{len(msgs)} of t1 is corrupted"):  # named at the last chunk
+        for m in msgs[:2] + msgs[3:]:
+            r.add("dev", m)
+    assert r.pending_bytes == 0  # the failed transfer is dropped
+    first = parse_chunk(msgs[1], 1 << 20, verify=False)
+    assert parse_chunk(msgs[1], 1 << 20, verify=False) is first
+    forged = bytes(bad)
+    parse_chunk(forged, 1 << 20, verify=False)  # remembered unverified ...
+    with pytest.raises(ChunkError, match="corrupted"):  # ... so a verifying parse still hashes it
+        parse_chunk(forged, 1 << 20)
+
+
 def test_blob_checksum_mismatch_rejected():
     data = os.urandom(10_000)
     msgs = chunks_of(data)

@@ -229,3 +229,24 @@ def test_state_blobs_encode_one_state_once_and_never_serve_a_stale_one():
     cache.MAX_BYTES = 3000  # and in bytes, the newest kept
     big = cache.encode({"y": torch.zeros(1000)}, "fp32")
     assert list(cache._kept.values()) == [big]
+
+
+def test_state_blobs_know_the_same_tensors_in_a_scope_without_hashing_and_see_in_place_changes(monkeypatch):
+    from cloud.rounds import dispatch
+    from protocol.codec import decode_tensors
+
+    cache = dispatch.StateBlobs()
+    state = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(4)}
+    first = cache.encode(state, "fp32", scope=(1, "v1"))
+    hashed, real = [], dispatch.hashlib.sha256
+    monkeypatch.setattr(dispatch.hashlib, "sha256", lambda *a: hashed.append(1) or real(*a))
+    assert cache.encode(dict(state), "fp32", scope=(1, "v1")) is first  # the same tensors: no hash
+    assert hashed == []
+    assert cache.encode(state, "fp32", scope=(2, "v1")) is first  # another round: hashed, same content
+    assert hashed == [1]
+    state["b"].add_(1.0)  # an in-place change bumps the tensor's version: encoded again
+    changed = cache.encode(state, "fp32", scope=(2, "v1"))
+    assert changed is not first and decode_tensors(changed, 1 << 20)["b"][0].item() == 2.0
+    for i in range(dispatch.StateBlobs.SIZE + 2):  # bounded in number, like the content cache
+        cache.encode({"x": torch.full((2,), float(i))}, "fp32", scope=(3, "v1"))
+    assert len(cache._seen) == dispatch.StateBlobs.SIZE

@@ -53,6 +53,13 @@ def test_signature_verifies_and_binds_every_field():
         v.verify("update", "a", {**props, "fm-sig": "!!"})
     with pytest.raises(SignatureError, match="no signing key"):
         v.verify("update", "zed", props)
+    # each chunk of an upload carries the same signature: verified once, still bound to every field
+    assert v.verify("update", "a", props) == signed
+    with pytest.raises(SignatureError, match="forged"):
+        v.verify("update", "a", {**props, "fm-sha": "cd" * 32})
+    v.keys["a"] = v.keys["b"]  # the device's key replaced: its old signatures no longer verify
+    with pytest.raises(SignatureError, match="forged"):
+        v.verify("update", "a", props)
 
 
 def test_replay_guard_tells_duplicates_from_replays():

@@ -55,6 +55,23 @@ def test_running_sums_equal_fedavg_and_survive_the_store_round_trip():
         merged.merge(bad)
 
 
+def test_adding_many_tensors_at_once_equals_adding_each_and_refuses_a_wrong_shape_whole():
+    torch.manual_seed(0)
+    each, at_once = RoundSums(), RoundSums()
+    for w in (0.5, 2.0, 2.0):  # a repeated weight: one foreach call for its tensors
+        terms = [(f"t{j}", torch.randn(7 + j), w if j % 2 else 3.0) for j in range(4)]
+        for name, t, tw in terms:
+            each.add(name, t, tw)
+        at_once.add_all(terms)
+    assert each.weight == at_once.weight
+    assert all(torch.equal(each.weighted[k], at_once.weighted[k]) for k in each.weighted)
+    before = {k: v.clone() for k, v in at_once.weighted.items()}
+    with pytest.raises(ValueError, match="shape"):
+        at_once.add_all([("t0", torch.ones(7), 1.0), ("t1", torch.ones(3), 1.0)])
+    assert all(torch.equal(before[k], at_once.weighted[k]) for k in before)  # nothing added
+    assert each.weight == at_once.weight
+
+
 def test_robust_rules_and_dp_do_not_decompose():
     from cloud.robust.rules import RobustAggregation
 

@@ -37,8 +37,7 @@ class Modular(AggregationStrategy):
 
     def fold(self, sums: RoundSums, result: ClientResult) -> None:
         """Add ``weight(result) * theta_c`` per tensor ``result`` holds (Mei et al. 2024, "FedMoE: Personalized Federated Learning via Heterogeneous Mixture of Experts", arXiv:2408.11304, Sec. 4)."""
-        for name, t in result.state.items():
-            sums.add(name, t, self.weight(result, keys.parse(name)))
+        sums.add_all([(name, t, self.weight(result, keys.parse(name))) for name, t in result.state.items()])
         sums.devices += 1
 
     def finish(self, global_state: dict[str, torch.Tensor], sums: RoundSums) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ import hashlib
 import logging
 import time
 import uuid
-from typing import Callable, Collection
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -37,31 +37,53 @@ class StateBlobs:
     device holding the same experts is sent the same state, and encoding it (5 ms of 53 per
     update in the fleet profile, ``results/fleet/profile.md``) once is enough. The key is
     the sha256 of the tensors' bytes, names, dtypes and shapes and the encoding arguments
-    (about 1 ms per MiB), so a changed tensor is never served stale."""
+    (about 1 ms per MiB), so a changed tensor is never served stale.
+
+    Within one ``scope`` (the dispatcher's: the round and the model version, during which
+    ``Strategy.state_for`` must not change), the same tensor objects at the same
+    ``_version`` (torch's counter of in-place changes) are the same state without hashing
+    them again: the tensors are referenced by the entry, so their ids cannot be reused."""
 
     SIZE = 8
     MAX_BYTES = 64 * 2**20
 
     def __init__(self) -> None:
         self._kept: dict[tuple, bytes] = {}
+        self._seen: dict[tuple, tuple[bytes, list[torch.Tensor]]] = {}
+        """Identity key -> (blob, the tensors it was made of), the newest :attr:`SIZE`."""
 
     def encode(self, tensors: dict[str, torch.Tensor], fmt: str, exact: Collection[str] = (),
-               compress: bool = False) -> bytes:
+               compress: bool = False, scope: tuple | None = None) -> bytes:
         """The safetensors bytes of ``tensors`` (as ``encode_tensors``). Raises CodecError."""
+        args = (fmt, tuple(sorted(exact)), bool(compress))
+        seen = None
+        if scope is not None:
+            seen = (scope, args, tuple((name, id(t), t._version) for name, t in sorted(tensors.items())))
+            hit = self._seen.pop(seen, None)
+            if hit is not None:
+                self._seen[seen] = hit  # most recently used last
+                return hit[0]
         h = hashlib.sha256()
         for name in sorted(tensors):
             t = tensors[name].detach().cpu().contiguous()
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
             h.update(t.view(-1).view(torch.uint8).numpy() if t.numel() else b"")
-        key = (h.hexdigest(), fmt, tuple(sorted(exact)), bool(compress))
+        key = (h.hexdigest(), *args)
         blob = self._kept.pop(key, None)
         if blob is None:
             blob = encode_tensors(tensors, fmt, exact=exact, compress=compress)
         self._kept[key] = blob  # most recently used last
-        while len(self._kept) > 1 and (len(self._kept) > self.SIZE
-                                       or sum(map(len, self._kept.values())) > self.MAX_BYTES):
-            del self._kept[next(iter(self._kept))]
+        self._bound(self._kept, len)
+        if seen is not None:
+            self._seen[seen] = (blob, list(tensors.values()))
+            self._bound(self._seen, lambda entry: len(entry[0]))
         return blob
+
+    def _bound(self, kept: dict, size: Callable[[Any], int]) -> None:
+        """Drop the oldest entries of ``kept`` beyond :attr:`SIZE` or :attr:`MAX_BYTES` (by
+        ``size``), keeping the newest always."""
+        while len(kept) > 1 and (len(kept) > self.SIZE or sum(map(size, kept.values())) > self.MAX_BYTES):
+            del kept[next(iter(kept))]
 
 
 class Dispatch(EngineState):
@@ -126,7 +148,8 @@ class Dispatch(EngineState):
         precision = self.settings.state_precision if dev.protocol_minor >= MIN_MINOR_FOR_STATE_PRECISION else "fp32"
         state = self._state_blobs.encode({**sent, **tensors}, precision, exact=tensors,
                                          compress=self.settings.state_compression
-                                         and dev.protocol_minor >= MIN_MINOR_FOR_COMPRESSION)
+                                         and dev.protocol_minor >= MIN_MINOR_FOR_COMPRESSION,
+                                         scope=(rnd.number, self.model.version))
         ref = self.wire.publish_blob(self.topics.down(device_id, "state"), state, "state", rnd.number,
                                      uuid.uuid4().hex[:16])
         msg = Assignment(
