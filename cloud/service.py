@@ -44,7 +44,7 @@ from protocol.messages import (
     MAX_CONTROL_BYTES, MAX_INT, Ack, Command, Hello, MessageError, Progress, Stats, Status, encode, parse_message,
 )
 from protocol.topics import PARTITIONED_KINDS, UP_KINDS, Topics, check_id
-from protocol.transport import Transport, TlsConfig
+from protocol.transport import Incoming, Transport, TlsConfig
 
 from .activity import Activity
 from .config import (  # noqa: F401  (re-exported)
@@ -538,15 +538,43 @@ class Aggregator:
                 until = time.monotonic() + FLUSH_S
                 m = self.transport.get(FLUSH_S)
                 while m is not None:
-                    with self.store.transaction():  # one database round trip to begin and one to commit
-                        self._handle(m.topic, m.payload, m.properties)
-                    self.transport.ack(m)  # only now: a worker killed before this gets it again from its session
-                    m = self.transport.get(0) if time.monotonic() < until else None
+                    batch, m = self._worker_batch(m, until)
+                    for done in batch:  # only now: a worker killed before this gets them again from its session
+                        self.transport.ack(done)
+                    if m is None and time.monotonic() < until:
+                        m = self.transport.get(0)
                 self.ingest.poll()
                 self._reject_log.flush()
             return []
         finally:
             self._shutdown()
+
+    def _worker_batch(self, first: Incoming, until: float) -> tuple[list[Incoming], Incoming | None]:
+        """Handle ``first`` and the messages queued after it in one store transaction (group
+        commit, as :meth:`_pump`: at most :data:`BATCH_MESSAGES`, :data:`BATCH_S` seconds, and
+        not past ``until``, monotonic seconds), while they came on this worker's own uplink
+        partition. A message of the shared subscription (older devices) is handled in a
+        transaction of its own: one upload's chunks are spread over the workers there, each
+        takes the upload's lock, and two batches taking two uploads' locks in opposite orders
+        would deadlock. Returns the handled messages (to acknowledge once committed) and the
+        next message, not yet handled, or None. Raises StoreError (nothing of it committed)."""
+        batch, nxt = [first], None
+        end = min(until, time.monotonic() + BATCH_S)
+        with self.store.transaction():
+            self._handle(first.topic, first.payload, first.properties)
+            while self._own_partition(first.topic) and len(batch) < BATCH_MESSAGES and time.monotonic() < end:
+                nxt = self.transport.get(0)
+                if nxt is None or not self._own_partition(nxt.topic):
+                    break
+                self._handle(nxt.topic, nxt.payload, nxt.properties)
+                batch.append(nxt)
+                nxt = None
+        return batch, nxt
+
+    def _own_partition(self, topic: str) -> bool:
+        """Whether ``topic`` is ``.../up/{kind}/{this worker's id}`` (its uplink partition)."""
+        parts = topic.rsplit("/", 3)
+        return len(parts) == 4 and parts[1] == "up" and parts[3] == self.cfg.worker_id
 
     def _resume(self) -> None:
         """Take in what the broker queued while we were down, re-send assignments, and
