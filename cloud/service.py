@@ -77,12 +77,6 @@ let round-sized buffers land in the heap and fragment it: with 16 MiB and a
 instead of 2.2 MiB (tiny model, 2 devices), for 5% slower evaluation of the real
 MiniLM-MoE (5.47 vs 5.19 s for BBC's test split; a 1 MiB threshold: 0.4 MiB, but 38%
 slower)."""
-SERVICE_TRIM_THRESHOLD = 64 << 20
-"""Free memory the top of a heap keeps before glibc returns it to the OS (the aggregator's
-``malloc_trim`` after each round still returns it all). With glibc's 128 KiB every freed
-MQTT packet, chunk and update buffer came back as fresh pages on the next message: one
-aggregator process spent 14.0 ms of CPU per 1.08 MiB update before, 11.8 ms with 64 MiB
-(``benchmarks/aggregator_profile.py``, results/fleet/profile.md), peak RSS 715 vs 732 MiB."""
 
 
 LEADER_CHECK_S = 5.0
@@ -117,7 +111,7 @@ class Aggregator:
                  reserved_data: dict[str, Sequence[tuple[Any, Any]]] | None = None):
         # ValueError before the model is set up
         config.check_paths(eval_given=eval_data or (), reserved_given=reserved_data or ())
-        tune_allocator(SERVICE_MMAP_THRESHOLD, SERVICE_TRIM_THRESHOLD)
+        tune_allocator(SERVICE_MMAP_THRESHOLD)
         self.cfg = config
         self._batch_progress: list[tuple[str, int, dict]] | None = None
         """Progress events of the batch being handled (:meth:`_pump`), told after it commits."""

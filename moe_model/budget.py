@@ -499,31 +499,19 @@ def bound_native_caches(capacity: int = 0) -> bool:
     return True
 
 
-def tune_allocator(mmap_threshold: int = 64 * 1024, trim_threshold: int | None = None) -> bool:
+def tune_allocator(mmap_threshold: int = 64 * 1024) -> bool:
     """Make glibc serve allocations above ``mmap_threshold`` bytes with mmap, so freed
     activations go straight back to the OS instead of fragmenting the heap, and bound
     the native kernel caches (:func:`bound_native_caches`).
 
     Measured on all-MiniLM-L6-v2 MoE training (T=64, batch 8, 1 thread): peak RSS over
     the pre-model baseline 819 MiB -> 360 MiB, step time 0.41 s -> 0.56 s. Memory-
-    budgeted devices want the former trade.
-
-    ``trim_threshold`` (bytes; None: glibc's 128 KiB once the mmap threshold is set) is the
-    free memory the top of a heap may keep before glibc gives it back to the OS. A service
-    that allocates and frees buffers of a few hundred KiB to a few MiB per message (the
-    aggregator: MQTT packets, chunks, updates) wants it high: with the default every such
-    buffer comes back as fresh pages, and the page faults cost more than the work on them
-    (paho receiving 256 KiB messages: 4.6 ms of CPU per MiB with only the mmap threshold
-    set, 0.8 ms with a 64 MiB trim threshold). Returns False where not glibc/Linux.
+    budgeted devices want the former trade. Returns False where not glibc/Linux.
     """
     bound_native_caches()
     try:
         libc = _libc()
-        if not libc:
-            return False
-        if trim_threshold is not None and not libc.mallopt(-1, int(trim_threshold)):  # M_TRIM_THRESHOLD = -1
-            return False
-        return bool(libc.mallopt(-3, int(mmap_threshold)))  # M_MMAP_THRESHOLD = -3
+        return bool(libc and libc.mallopt(-3, int(mmap_threshold)))  # M_MMAP_THRESHOLD = -3
     except (OSError, AttributeError):
         return False
 
