@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from benchmarks.aggregator_profile import STARTUP, category, read_stacks, summarise
+from benchmarks.aggregator_profile import STARTUP, WAITING, category, read_stacks, summarise
 from benchmarks.common import ROOT
 
 
@@ -51,3 +51,33 @@ def test_profile_categories_and_per_update_split(tmp_path):
     ms = {c["name"]: c["ms_per_update"] for c in s["categories"]}
     assert ms[STARTUP] is None and abs(ms["store (SQLAlchemy, SQLite)"] - 12.0) < 1e-9  # 30 of the 50 running
     assert abs(sum(v for v in ms.values() if v) - 20.0) < 1e-9 and s["sampled_s"] == 1.0
+
+
+def test_profile_counts_blocked_samples_as_waiting_and_pairs_compare_runs():
+    import inspect
+    import threading
+
+    import pytest
+
+    from benchmarks.profile_pairs import TOTAL, compare
+
+    lines, first = inspect.getsourcelines(threading.Condition.wait)
+    acquire = first + next(i for i, text in enumerate(lines) if "waiter.acquire(" in text)
+    blocked = ("Transport._finish (protocol/transport.py:1)", f"Condition.wait (threading.py:{acquire})")
+    busy = ("Intake.on_update (cloud/rounds/intake.py:1)", "Store.put_blob (cloud/store.py:1)")
+    assert category(list(blocked)) == WAITING and category(list(busy)) == "store (SQLAlchemy, SQLite)"
+    s = summarise(collections.Counter({blocked: 70, busy: 30}), rate=100.0, updates=10, measured_ms=6.0)
+    ms = {c["name"]: c["ms_per_update"] for c in s["categories"]}
+    assert ms[WAITING] is None and abs(ms["store (SQLAlchemy, SQLite)"] - 6.0) < 1e-9  # the whole measured CPU
+
+    def run(total, store):
+        return {"summary": {"measured_ms_per_update": total, "categories": [
+            {"name": "store (SQLAlchemy, SQLite)", "ms_per_update": store},
+            {"name": WAITING, "ms_per_update": None}]}}
+    rows = compare([run(15.0, 3.0), run(16.0, 3.2), run(15.5, 2.9)], [run(12.0, 2.0), run(12.5, 2.1), run(12.2, 2.0)])
+    assert [r["name"] for r in rows] == ["store (SQLAlchemy, SQLite)", TOTAL]
+    total = rows[-1]
+    assert total["runs_before"] == [15.0, 16.0, 15.5] and abs(total["test"]["diff"] + 3.2667) < 1e-3
+    assert total["test"]["significant"] and total["p_holm"] >= total["test"]["p"]
+    with pytest.raises(ValueError, match="pairs"):
+        compare([run(1.0, 1.0)], [])
