@@ -122,6 +122,14 @@ def test_uplink_partition_topics_round_trip():
             t.parse_device_topic(bad)
     with pytest.raises(ValueError, match="partition"):
         t.up("d1", "ack", "w0")
+    # a worker batches only its own partition's messages (a shared-subscription one stands alone)
+    from types import SimpleNamespace
+
+    from cloud.service import Aggregator
+    worker = SimpleNamespace(cfg=SimpleNamespace(worker_id="w0"))
+    assert Aggregator._own_partition(worker, topic) and Aggregator._own_partition(worker, t.up("d1", "stats", "w0"))
+    assert not Aggregator._own_partition(worker, t.up("d1", "update", "w1"))
+    assert not Aggregator._own_partition(worker, t.up("w0", "update"))  # shared topic of a device named w0
 
 
 def test_uplinks_spread_devices_over_live_workers_and_leave_a_dead_one(tmp_path, monkeypatch):

@@ -54,7 +54,10 @@ class StateBlobs:
 
     def encode(self, tensors: dict[str, torch.Tensor], fmt: str, exact: Collection[str] = (),
                compress: bool = False, scope: tuple | None = None) -> bytes:
-        """The safetensors bytes of ``tensors`` (as ``encode_tensors``). Raises CodecError."""
+        """The safetensors bytes of ``tensors`` (as ``encode_tensors``). ``scope``: a hashable
+        within which the same tensor objects at the same version are the same state (the
+        dispatcher's ``(round, model version)``); None: always known by content. Raises
+        CodecError."""
         args = (fmt, tuple(sorted(exact)), bool(compress))
         seen = None
         if scope is not None:
