@@ -33,7 +33,7 @@ import struct
 import threading
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from moe_model.budget import tune_allocator
 from edge_sdk.data import encode_labels, load_text_file
@@ -532,7 +532,13 @@ class Aggregator:
                 until = time.monotonic() + FLUSH_S
                 m = self.transport.get(FLUSH_S)
                 while m is not None:
-                    batch, m = self._worker_batch(m, until)
+                    # group commit as in one process, of this worker's own uplink partition only: a message of
+                    # the shared subscription (older devices) has a transaction of its own, since there one
+                    # upload's chunks are spread over the workers, each takes the upload's lock, and two batches
+                    # taking two uploads' locks in opposite orders would deadlock
+                    with self.store.transaction():
+                        batch, m = self._handle_batch(m, min(until, time.monotonic() + BATCH_S),
+                                                      lambda x: self._own_partition(x.topic))
                     for done in batch:  # only now: a worker killed before this gets them again from its session
                         self.transport.ack(done)
                     if m is None and time.monotonic() < until:
@@ -542,28 +548,6 @@ class Aggregator:
             return []
         finally:
             self._shutdown()
-
-    def _worker_batch(self, first: Incoming, until: float) -> tuple[list[Incoming], Incoming | None]:
-        """Handle ``first`` and the messages queued after it in one store transaction (group
-        commit, as :meth:`_pump`: at most :data:`BATCH_MESSAGES`, :data:`BATCH_S` seconds, and
-        not past ``until``, monotonic seconds), while they came on this worker's own uplink
-        partition. A message of the shared subscription (older devices) is handled in a
-        transaction of its own: one upload's chunks are spread over the workers there, each
-        takes the upload's lock, and two batches taking two uploads' locks in opposite orders
-        would deadlock. Returns the handled messages (to acknowledge once committed) and the
-        next message, not yet handled, or None. Raises StoreError (nothing of it committed)."""
-        batch, nxt = [first], None
-        end = min(until, time.monotonic() + BATCH_S)
-        with self.store.transaction():
-            self._handle(first.topic, first.payload, first.properties)
-            while self._own_partition(first.topic) and len(batch) < BATCH_MESSAGES and time.monotonic() < end:
-                nxt = self.transport.get(0)
-                if nxt is None or not self._own_partition(nxt.topic):
-                    break
-                self._handle(nxt.topic, nxt.payload, nxt.properties)
-                batch.append(nxt)
-                nxt = None
-        return batch, nxt
 
     def _own_partition(self, topic: str) -> bool:
         """Whether ``topic`` is ``.../up/{kind}/{this worker's id}`` (its uplink partition)."""
@@ -646,15 +630,10 @@ class Aggregator:
         m = self.transport.get(timeout)
         self._pumped = time.monotonic()
         while m is not None:
-            batch, until = [], time.monotonic() + BATCH_S
             self._batch_progress = []
             try:
                 with self.store.transaction():  # group commit: one commit for the batch
-                    while m is not None:
-                        self._handle(m.topic, m.payload, m.properties)
-                        batch.append(m)
-                        m = self.transport.get(0) if len(batch) < BATCH_MESSAGES and time.monotonic() < until \
-                            else None
+                    batch, _ = self._handle_batch(m, time.monotonic() + BATCH_S)
                     self._save_chunks()
                     self.engine.end_batch()  # a streaming round: its new sums, markers and unfolded updates
             finally:
@@ -668,6 +647,28 @@ class Aggregator:
             self.near_miss.poll()  # hellos of other federations: a mistyped name is told "did you mean"
         self._reject_log.flush()  # the summary of suppressed rejection lines, once a minute
         self.activity.flush()  # the last of a burst of events
+
+    def _handle_batch(self, first: Incoming, end: float, admit: Callable[[Incoming], bool] | None = None
+                      ) -> tuple[list[Incoming], Incoming | None]:
+        """Handle ``first`` and the messages already queued after it, at most
+        :data:`BATCH_MESSAGES` and until ``end`` (monotonic seconds), inside the caller's store
+        transaction (group commit: the caller acknowledges them once it commits). With
+        ``admit``, the batch goes on only while ``admit`` accepts its messages, ``first``
+        included. Returns the handled messages and the next one taken off the queue that
+        ``admit`` refused (not handled), or None. Raises what :meth:`_handle` raises (StoreError)."""
+        batch = [first]
+        self._handle(first.topic, first.payload, first.properties)
+        if admit is not None and not admit(first):
+            return batch, None
+        while len(batch) < BATCH_MESSAGES and time.monotonic() < end:
+            m = self.transport.get(0)
+            if m is None:
+                break
+            if admit is not None and not admit(m):
+                return batch, m
+            self._handle(m.topic, m.payload, m.properties)
+            batch.append(m)
+        return batch, None
 
     def _pump_between_sends(self) -> None:
         """Take in what devices sent while a round's assignments go out, in full batches

@@ -166,15 +166,15 @@ def parse_chunk(payload: bytes, max_blob_bytes: int, verify: bool = True) -> tup
         raise ChunkError(f"{header.n} chunks for {header.size} bytes")
     data = payload[8 + hlen :]
     if verify and sha256_hex(data) != header.csha:
-        raise ChunkError(_corrupted(header))
+        raise ChunkError(_corrupted(header.seq, header.n, header.id))
     result = (header, data)
     if type(payload) is bytes:
         _last_parsed = (payload, max_blob_bytes, result, verify)
     return result
 
 
-def _corrupted(header: ChunkHeader) -> str:
-    return f"chunk {header.seq}/{header.n} of {header.id} is corrupted (sha256 mismatch)"
+def _corrupted(seq: int, n: int, transfer_id: str) -> str:
+    return f"chunk {seq}/{n} of {transfer_id} is corrupted (sha256 mismatch)"
 
 
 @dataclass
@@ -254,7 +254,7 @@ class Reassembler:
         if len(blob) != header.size or sha256_hex(blob) != header.sha:
             bad = [] if self.verify_chunks else [i for i in range(header.n) if sha256_hex(p.parts[i]) != p.cshas[i]]
             if bad:
-                raise ChunkError(_corrupted(header.model_copy(update={"seq": bad[0]})))
+                raise ChunkError(_corrupted(bad[0], header.n, header.id))
             raise ChunkError(f"transfer {header.id}: reassembled blob fails its sha256")
         self._done[key] = None
         while len(self._done) > self._remember:

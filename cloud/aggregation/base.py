@@ -34,20 +34,13 @@ class RoundSums:
         Raises:
             ValueError: ``tensor``'s shape differs from what ``name`` already holds.
         """
-        have = self.weighted.get(name)
-        if have is None:
-            self.weighted[name] = tensor.to(torch.float64) * w
-        elif have.shape != tensor.shape:
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from the sums' {tuple(have.shape)}")
-        else:
-            have.add_(tensor, alpha=w)  # in place, computed in float64: no temporary
-        self.weight[name] = self.weight.get(name, 0.0) + w
+        self.add_all([(name, tensor, w)])
 
     def add_all(self, terms: list[tuple[str, torch.Tensor, float]]) -> None:
         """:meth:`add` for many ``(name, tensor, w)`` at once: the names already held are
-        folded with one ``torch._foreach_add_`` per distinct weight (one update's 128 tensors
-        in the fleet: 0.46 ms instead of 0.68 ms for one call each). All shapes are checked
-        before anything is added.
+        folded in place with one ``torch._foreach_add_`` per distinct weight, computed in
+        float64 (one update's 128 tensors in the fleet: 0.46 ms instead of 0.68 ms for one
+        call each). All shapes are checked before anything is added.
 
         Raises:
             ValueError: a tensor's shape differs from what its name already holds (nothing added).
@@ -60,14 +53,14 @@ class RoundSums:
         for name, t, w in terms:
             have = self.weighted.get(name)
             if have is None:
-                self.add(name, t, w)
-                continue
-            haves, ts = groups.setdefault(w, ([], []))
-            haves.append(have)
-            ts.append(t)
+                self.weighted[name] = t.to(torch.float64) * w
+            else:
+                haves, ts = groups.setdefault(w, ([], []))
+                haves.append(have)
+                ts.append(t)
             self.weight[name] = self.weight.get(name, 0.0) + w
         for w, (haves, ts) in groups.items():
-            torch._foreach_add_(haves, ts, alpha=w)  # in place, computed in float64
+            torch._foreach_add_(haves, ts, alpha=w)
 
     def copy(self) -> "RoundSums":
         """A deep copy (fold into it, keep these if the store write fails)."""
