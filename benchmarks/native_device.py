@@ -25,6 +25,7 @@ program's mode (no dropout), as ``tests/test_native_trainer.py`` does.
     python -m benchmarks.native_device --experts 4
     python -m benchmarks.native_device --model qwen3-moe --experts 16 --batch 4 --name native_qwen3moe
     python -m benchmarks.native_device --model qwen3-moe --experts 64 --batch 2 --capacity-factor 2
+    python -m benchmarks.native_device --model qwen3-moe --experts 16 --batch 4 --ops core
 
 Writes ``results/native/native_device.{json,md,png}`` (``--name`` changes the stem).
 """
@@ -140,9 +141,10 @@ def dropped_share(model, batches: list[dict], capacity_factor: float | None) -> 
 
 
 def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: str = "demo",
-        capacity_factor: float | None = None) -> dict[str, Any]:
-    """Both sides on one shape (module docstring); the native program's experts each on their
-    capacity of tokens under ``capacity_factor`` (None: every token)."""
+        capacity_factor: float | None = None, ops: str = "fedmoe") -> dict[str, Any]:
+    """Both sides on one shape (module docstring); the native program with the operators
+    ``ops`` (``moe_model.training_program.OPS``), its experts each on their capacity of tokens
+    under ``capacity_factor`` (None: every routed token)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -161,7 +163,7 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: s
     held = {layer: list(range(experts)) for layer in gm.all_experts}
     cache = ProgramCache(gm, WORK / "programs")
     t0 = time.perf_counter()
-    manifest = cache.get("bbc", held, batch, seq, capacity_factor)
+    manifest = cache.get("bbc", held, batch, seq, capacity_factor, ops)
     export_s = time.perf_counter() - t0
     (WORK / "manifest.json").write_text(json.dumps(manifest))
     (WORK / "shards").mkdir(exist_ok=True)
@@ -196,7 +198,8 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: s
             "experts_per_layer": experts, "moe_layers": sorted(held), "batch": batch, "seq_len": seq, "steps": steps,
             "lr": lr, "weight_format": "int8", "program_bytes": manifest["bytes"], "export_s": export_s,
             "expert_shard_bytes": expert_bytes, "backbone_shard_bytes": len(gm.shard_bytes["backbone"]),
-            "capacity_factor": capacity_factor, "planned_bytes": manifest["planned_bytes"],
+            "capacity_factor": capacity_factor, "ops": manifest["shape"]["ops"],
+            "planned_bytes": manifest["planned_bytes"],
             "dropped_share": dropped_share(cache.model_for("bbc", held)[0], batches, capacity_factor),
             "native": nat, "python": pyr, "native_update_norm": moved}
 
@@ -219,7 +222,10 @@ def markdown(r: dict[str, Any]) -> str:
              f"{r['expert_shard_bytes'] / p['peak_rss_bytes']:.1%}", ""),
             ("step time (median after the first)", f"{ns * 1000:.0f} ms", f"{ps * 1000:.0f} ms", f"{ns / ps:.2f}")]
     cf = r.get("capacity_factor")
-    dispatch = ("every held expert on every token (dense dispatch; the Python device runs each token's top-k)"
+    grouped = r.get("ops") == "fedmoe"
+    dispatch = ("each held expert on exactly its routed tokens (grouped dispatch: the Python device's function)"
+                if grouped and cf is None else
+                "every held expert on every token (dense dispatch; the Python device runs each token's top-k)"
                 if cf is None else
                 f"each held expert on at most ceil({cf} x B·T x k / n) tokens of largest gate (capacity factor {cf}); "
                 f"{r['dropped_share']:.1%} of the routed (token, expert) pairs of these batches skip a full expert "
@@ -273,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--capacity-factor", type=float, default=None,
-                    help="the native program's experts' capacity factor (default: none, dense dispatch)")
+                    help="the native program's experts' capacity factor (default: none, every routed token)")
+    ap.add_argument("--ops", choices=("fedmoe", "core"), default="fedmoe",
+                    help="the native program's operators (default fedmoe: grouped dispatch, the fused output-layer "
+                         "loss; core: ExecuTorch's own, dense dispatch)")
     ap.add_argument("--note", default="", help="what else ran on the machine (recorded)")
     ap.add_argument("--out", default=str(ROOT / "results" / "native"))
     ap.add_argument("--name", default="native_device")
@@ -285,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         held = layers_from_json(json.loads((WORK / "manifest.json").read_text())["shape"]["experts_per_layer"])
         print(json.dumps(python_worker(WORK, {layer: list(range(n)) for layer, n in held.items()}, args.steps, args.lr)))
         return 0
-    r = run(args.experts, args.batch, args.seq, args.steps, args.lr, args.model, args.capacity_factor)
+    r = run(args.experts, args.batch, args.seq, args.steps, args.lr, args.model, args.capacity_factor, args.ops)
     r.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              machine=f"{platform.machine()}, {os.cpu_count()} CPU cores", note=args.note,
              command="python -m benchmarks.native_device " + " ".join(argv if argv is not None else sys.argv[1:]))

@@ -194,7 +194,16 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     tokens beyond that skip it (``moe_model.models.moe.MoELayer.capacity``; GShard's and
     Switch Transformers' capacity factor). Activations and expert compute then scale with ``c·k``
     instead of the ``n`` held experts, at the cost of the dropped tokens. None (the default):
-    every held expert runs on every token, the same function as a Python device's step."""
+    every routed token: the same function as a Python device's step."""
+    program_ops: Literal["fedmoe", "core"] = "fedmoe"
+    """The operators of the programs for devices whose runtime has the project's
+    (``Hello.runtimes`` names ``executorch-1.5+fedmoe``; ``moe_model.training_program.OPS``):
+    ``fedmoe`` (default), each held expert on exactly its routed tokens (grouped matrix
+    products over the expert-sorted (token, expert) pairs, ``moe_model.grouped``) and a causal
+    LM's int8 output layer and loss without its logits (``moe_model.lm_head_loss``); ``core``,
+    ExecuTorch's own operators only: every held expert on every token (activations and expert
+    compute ``n / k`` times the grouped dispatch's) and the whole logits. Devices whose runtime
+    lacks them always get ``core``."""
     metrics: str | None = Field(None, max_length=300, pattern=r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]*):\d{1,5}$")
     """``HOST:PORT`` for the Prometheus ``/metrics`` and the ``/healthz``/``/readyz``
     endpoints (``cloud.observability``; port 0: a free one); e.g. ``127.0.0.1:9464``.

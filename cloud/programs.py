@@ -29,7 +29,7 @@ import torch
 
 from moe_model.shards import held_tensors, shards_for, stored_tensors
 from moe_model.submoe import SubMoE, lora_a_init
-from moe_model.training_program import RUNTIME, TrainingProgram, export_training_program, from_slots, \
+from moe_model.training_program import FEDMOE_RUNTIME, RUNTIMES, TrainingProgram, export_training_program, from_slots, \
     program_shape, shape_key, slot_shape
 from protocol.codec import encode_tensors
 from protocol.experts import Experts
@@ -73,11 +73,12 @@ class ProgramCache:
         return SubMoE(gm.spec, experts, task, len(gm.tasks[task]), shards), {sid: t for sid, (t, _) in raw.items()}
 
     def get(self, task: str, held: dict[int, list[int]], batch_size: int, seq_len: int,
-            capacity_factor: float | None = None) -> dict:
+            capacity_factor: float | None = None, ops: str = "fedmoe") -> dict:
         """The manifest of the program for a device holding ``held`` (layer -> global expert
-        ids) for ``task`` at ``batch_size`` x ``seq_len`` (each expert on at most its capacity
-        of tokens under ``capacity_factor``: ``export_training_program``); built and stored
-        the first time. The program's bytes are :meth:`path` ``(manifest["key"])``.
+        ids) for ``task`` at ``batch_size`` x ``seq_len`` with the operators ``ops``
+        (``moe_model.training_program.OPS``), each expert on at most its capacity of tokens
+        under ``capacity_factor`` (``export_training_program``); built and stored the first
+        time. The program's bytes are :meth:`path` ``(manifest["key"])``.
 
         Raises:
             KeyError: unknown task. ValueError: ``held`` is not a valid expert set of the
@@ -91,17 +92,18 @@ class ProgramCache:
         if task not in self.model.tasks:
             raise KeyError(f"unknown task {task!r}; the model has {sorted(self.model.tasks)}")
         key = shape_key(program_shape(self.model.spec, task, len(self.model.tasks[task]), held, batch_size, seq_len,
-                                      self.model.weight_format, capacity_factor))
+                                      self.model.weight_format, capacity_factor, ops))
         manifest_path = self.directory / f"{key}.json"
         if manifest_path.exists() and self.path(key).exists():
             return json.loads(manifest_path.read_text())
         model, stored = self.model_for(task, slot_shape(held))
         t0 = time.perf_counter()
-        log.info("building the training program for %s, experts per layer %s, batch %d x %d, capacity factor %s "
-                 "(once per shape)", task, {layer: len(ids) for layer, ids in held.items()}, batch_size, seq_len,
-                 capacity_factor)
+        log.info("building the training program for %s, experts per layer %s, batch %d x %d, %s operators, capacity "
+                 "factor %s (once per shape)", task, {layer: len(ids) for layer, ids in held.items()}, batch_size,
+                 seq_len, ops, capacity_factor)
         program: TrainingProgram = export_training_program(model, batch_size, seq_len, self.model.weight_format,
-                                                           stored=stored, capacity_factor=capacity_factor)
+                                                           stored=stored, capacity_factor=capacity_factor,
+                                                           ops=ops)
         self.path(key).write_bytes(program.pte)
         manifest_path.write_text(json.dumps(program.manifest(), indent=1))
         self.built += 1
@@ -141,7 +143,9 @@ class ProgramPublisher:
             ``AggregatorConfig.shard_dir``); programs are cached in ``{shard_dir}/programs``.
         shard_url: the base URL of ``shard_dir``.
         capacity_factor: the experts' capacity factor of every program
-            (``AggregatorConfig.program_capacity_factor``; None: dense dispatch).
+            (``AggregatorConfig.program_capacity_factor``; None: every routed token).
+        ops: the operators programs use for devices whose runtime has them
+            (``AggregatorConfig.program_ops``, ``moe_model.training_program.OPS``).
 
     A program is exported the first time a device of its shape is assigned, before the round
     opens (``RoundEngine._prepare_programs``: its deadline starts after the export, which
@@ -151,10 +155,12 @@ class ProgramPublisher:
     """
 
     def __init__(self, model: GlobalModel, shard_dir: str | Path, shard_url: str,
-                 capacity_factor: float | None = None):
+                 capacity_factor: float | None = None, ops: str = "fedmoe"):
         self.cache = ProgramCache(model, Path(shard_dir) / "programs")
         self.capacity_factor = capacity_factor
         """Every program's experts' capacity factor (``AggregatorConfig.program_capacity_factor``)."""
+        self.ops = ops
+        """The operators of programs for devices whose runtime has them (``AggregatorConfig.program_ops``)."""
         self.directory, self.url = Path(shard_dir), shard_url.rstrip("/")
         self._refs: dict[tuple, ProgramRef] = {}
         self._failed: dict[tuple, str] = {}
@@ -162,14 +168,22 @@ class ProgramPublisher:
     @staticmethod
     def refuses(runtimes: list[str]) -> str | None:
         """Why a device training with one of ``runtimes`` cannot get a program here, or None."""
-        if RUNTIME in runtimes:
+        if any(r in runtimes for r in RUNTIMES):
             return None
-        return f"trains with {', '.join(runtimes)}; this aggregator builds programs for {RUNTIME}"
+        return f"trains with {', '.join(runtimes)}; this aggregator builds programs for {', '.join(RUNTIMES)}"
 
-    def ref_for(self, task: str, held: dict[int, list[int]], batch_size: int, seq_len: int) -> ProgramRef:
+    def ops_for(self, runtimes: list[str]) -> str:
+        """The operators of the programs a device training with ``runtimes`` gets: ``fedmoe``
+        where configured and the device names :data:`FEDMOE_RUNTIME` (its runtime has the
+        project's operators), else ``core``."""
+        return "fedmoe" if self.ops == "fedmoe" and FEDMOE_RUNTIME in runtimes else "core"
+
+    def ref_for(self, task: str, held: dict[int, list[int]], batch_size: int, seq_len: int,
+                runtimes: list[str] = RUNTIMES) -> ProgramRef:
         """The :class:`ProgramRef` of a device holding ``held`` (layer -> global expert ids)
-        for ``task``, training on batches of ``batch_size`` x ``seq_len`` tokens; exports the
-        program and writes its files the first time.
+        for ``task``, training on batches of ``batch_size`` x ``seq_len`` tokens in one of
+        ``runtimes`` (:meth:`ops_for`); exports the program and writes its files the first
+        time.
 
         Raises:
             KeyError, ValueError, ImportError: as :meth:`ProgramCache.get`. OSError: a file
@@ -177,13 +191,14 @@ class ProgramPublisher:
             failed (not tried again: an export can take minutes).
         """
         held = Experts(held)
-        key = (task, tuple((layer, tuple(ids)) for layer, ids in sorted(held.items())), batch_size, seq_len)
+        ops = self.ops_for(runtimes)
+        key = (task, tuple((layer, tuple(ids)) for layer, ids in sorted(held.items())), batch_size, seq_len, ops)
         if key in self._failed:
             raise RuntimeError(f"an earlier export failed: {self._failed[key]}")
         ref = self._refs.get(key)
         if ref is None:
             try:
-                manifest = self.cache.get(task, held, batch_size, seq_len, self.capacity_factor)
+                manifest = self.cache.get(task, held, batch_size, seq_len, self.capacity_factor, ops)
                 lora_a = self.cache.lora_a(manifest, held)
                 ref = ProgramRef(runtime=manifest["runtime"], key=manifest["key"],
                                  program=self._put(self.cache.path(manifest["key"]).read_bytes(), ".pte"),

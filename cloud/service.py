@@ -179,7 +179,7 @@ class Aggregator:
         self._pumped = 0.0  # when _pump last took a batch (monotonic seconds)
         if config.shard_url is not None and config.shard_dir is not None:
             self.engine.programs = ProgramPublisher(self.model, config.shard_dir, config.shard_url,
-                                                   config.program_capacity_factor)
+                                                   config.program_capacity_factor, config.program_ops)
         self.activity = Activity(self.store, enabled=not worker)
         """Last seen per device and recent rejects/exclusions, for the views (:mod:`cloud.activity`)."""
         self.ingest: Ingest | None = None

@@ -94,6 +94,26 @@ def _build(build_dir: Path, timeout_s: float) -> Path:
     return build_dir / "fedmoe-train"
 
 
+def load_kernels(build_dir: str | Path = BUILD) -> Path:
+    """Build (:func:`build`) and load ``libfedmoe_kernels.so`` into this process, so that
+    ExecuTorch's Python runtime (its pybindings, which share ``libexecutorch.so``'s kernel
+    registry) runs programs with grouped dispatch (``moe_model.grouped.OPS``); once per
+    process. Returns the library's path.
+
+    Raises:
+        NativeBuildError: see :func:`build`; or the library was not built.
+    """
+    import ctypes
+
+    import executorch.extension.pybindings.portable_lib  # noqa: F401  (libexecutorch.so first)
+
+    path = build(build_dir).parent / "libfedmoe_kernels.so"
+    if not path.is_file():
+        raise NativeBuildError(f"{path} was not built (native/CMakeLists.txt names it)")
+    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    return path
+
+
 def binary(name: str, build_dir: str | Path = BUILD) -> Path:
     """The path of the native program ``name`` (``fedmoe-train``, ``fedmoe-device``,
     ``fedmoe-native-check``), built first (:func:`build`).

@@ -69,6 +69,30 @@ def greedy(alignment: int, specs: set, graph_module: Any, graph_signature: Any, 
     return result
 
 
+def without_user_inputs(algo):
+    """The memory planning algorithm ``algo`` (:func:`greedy`'s signature) for a
+    ``MemoryPlanningPass(alloc_graph_input=False)``: that pass leaves every placeholder
+    unplanned, the user inputs (batch, frozen weights: ExecuTorch's runtime then uses the
+    caller's tensors in place instead of copying each into the arena) but also a training
+    program's parameters, which would then stay in the program's constant data, where equal
+    initial values share one buffer. This plans the parameters that train and the buffers (the
+    placeholders that are not user inputs, nor constants without a gradient) as
+    ``alloc_graph_input=True`` would."""
+
+    def plan(alignment: int, specs: set, graph_module: Any, graph_signature: Any, extra_padding: int = 0):
+        users, planned = set(graph_signature.user_inputs), {id(s) for s in specs}
+        placeholders = []  # first, in graph order, as alloc_graph_input=True collects them (ties keep that order)
+        for n in graph_module.graph.nodes:
+            spec = n.meta.get("spec")
+            if n.op == "placeholder" and n.name not in users and spec is not None and not isinstance(spec, (list, tuple)) \
+                    and (not spec.const or n.meta.get("weight_has_gradient", False)) and id(spec) not in planned:
+                placeholders.append(spec)
+        return algo(alignment, [*placeholders, *specs], graph_module, graph_signature, extra_padding)
+
+    plan.__name__ = f"{getattr(algo, '__name__', 'algo')}_without_user_inputs"
+    return plan
+
+
 class _Placed:
     """The placed tensors of one arena (lifetime, object and top = offset + size each) and
     the sizes of its shared objects."""

@@ -64,15 +64,34 @@ from .submoe import SubMoE
 log = logging.getLogger(__name__)
 
 RUNTIME = "executorch-1.5"
-"""The runtime a program is exported for (recorded in its manifest)."""
-PROGRAM_FORMAT = 4
+"""The runtime a program in ExecuTorch's own operators is exported for (``ops`` ``core``;
+recorded in its manifest)."""
+FEDMOE_RUNTIME = "executorch-1.5+fedmoe"
+"""The runtime a program with the project's operators is exported for (``ops`` ``fedmoe``):
+ExecuTorch 1.5 with ``fedmoe::grouped_mm``, ``fedmoe::grouped_mm_wgrad`` and
+``fedmoe::lm_head_loss`` registered (:mod:`moe_model.grouped`, :mod:`moe_model.lm_head_loss`;
+the native core's ``native/src/kernels.cpp``)."""
+RUNTIMES = (FEDMOE_RUNTIME, RUNTIME)
+"""The runtimes a cloud builds programs for, preferred first (``Hello.runtimes``)."""
+PROGRAM_FORMAT = 5
 """The version of the export (part of a program's shape, so a program of another version is
 never served from a cache): 1 = the method returns loss, logits, gradients; 2 = loss, logits,
 per-sample loss and correctness, each MoE layer's routing (probabilities, top-k indices and
 weights), gradients (:attr:`TrainingProgram.outputs`); 3 = as 2, linears with a bias computed
 by ExecuTorch's optimized ``mm`` (:func:`_core_operator_rewrites`); 4 = as 3, dequantized
 weights recomputed for the backward pass instead of kept from the forward pass
-(:func:`_recompute_frozen_casts`), and the shape's ``capacity_factor``."""
+(:func:`_recompute_frozen_casts`), and the shape's ``capacity_factor``; 5 = as 4, the
+shape's ``ops`` (:data:`OPS`; a causal LM's program with ``fedmoe`` operators returns no
+logits), and inputs outside the memory plan (:func:`_backend_config`)."""
+OPS = ("core", "fedmoe")
+"""The operators a program may use. ``core``: ExecuTorch's own only; every held expert runs on
+every token, combined by the zero-padded top-k gates (dense dispatch; or, under a capacity
+factor, each on its capacity of tokens), and a causal LM computes its whole logits.
+``fedmoe``: also the project's, which the native core registers (``fedmoe.native.load_kernels``
+loads them into ExecuTorch's Python runtime): each held expert runs on exactly its routed tokens
+(:mod:`moe_model.grouped`: the routed pairs sorted by expert, one grouped matrix product per
+linear layer; under a capacity factor, on its capacity of tokens as with ``core``), and a causal
+LM's int8 output layer and loss run without holding the logits (:mod:`moe_model.lm_head_loss`)."""
 
 
 def slot_of(held: dict[int, list[int]]) -> dict[int, dict[int, int]]:
@@ -173,26 +192,30 @@ class TrainingProgram:
 
     def manifest(self) -> dict[str, Any]:
         """Everything but the program bytes, JSON-able (what a device reads beside the ``.pte``)."""
-        return {"runtime": RUNTIME, "key": self.key, "sha256": self.sha256, "bytes": len(self.pte),
+        return {"runtime": FEDMOE_RUNTIME if self.shape.get("ops") == "fedmoe" else RUNTIME, "key": self.key, "sha256": self.sha256, "bytes": len(self.pte),
                 "planned_bytes": self.planned_bytes, "trainable_bytes": self.trainable_bytes, "shape": self.shape,
                 "batch": self.batch, "outputs": self.outputs, "frozen": self.frozen, "trainable": self.trainable}
 
 
 def program_shape(spec: ModelSpec, task: str, num_labels: int, held: dict[int, list[int]], batch_size: int,
-                  seq_len: int, weight_format: str, capacity_factor: float | None = None) -> dict[str, Any]:
+                  seq_len: int, weight_format: str, capacity_factor: float | None = None,
+                  ops: str = "core") -> dict[str, Any]:
     """The shape of a training step (what :class:`TrainingProgram.shape` holds): the model
     spec, task, classes, experts per MoE layer of ``held``, batch size, sequence length, weight
-    format, the experts' capacity factor (None: every routed token) and :data:`PROGRAM_FORMAT`.
+    format, the experts' capacity factor (None: every routed token), the operators
+    (:data:`OPS`) and :data:`PROGRAM_FORMAT`.
 
     Raises:
-        ValueError: a capacity factor that is not a positive finite number."""
+        ValueError: a capacity factor that is not a positive finite number, unknown ``ops``."""
     if capacity_factor is not None and not (0 < capacity_factor < math.inf):
         raise ValueError(f"capacity_factor must be a positive number or None, got {capacity_factor}")
+    if ops not in OPS:
+        raise ValueError(f"ops must be one of {OPS}, got {ops!r}")
     return {"format": PROGRAM_FORMAT, "spec": spec.model_dump(mode="json"), "task": task,
             "num_labels": int(num_labels),
             "experts_per_layer": layers_to_json({layer: len(ids) for layer, ids in Experts(held).items()}),
             "batch_size": int(batch_size), "seq_len": int(seq_len), "weight_format": weight_format,
-            "capacity_factor": None if capacity_factor is None else float(capacity_factor)}
+            "capacity_factor": None if capacity_factor is None else float(capacity_factor), "ops": ops}
 
 
 def shape_key(shape: dict[str, Any]) -> str:
@@ -257,16 +280,33 @@ def frozen_sources(model: SubMoE, stored: dict[str, dict[str, torch.Tensor]]) ->
     return out
 
 
+def fused_head(model: SubMoE) -> str | None:
+    """The module path (in ``model``) of a causal LM's output layer that
+    :func:`moe_model.lm_head_loss.lm_head_loss` can take (an int8 :class:`QuantLinear` without
+    a bias, as a quantized tied output embedding is held), or None (another objective, family or
+    weight format: the program computes the whole logits)."""
+    lm = getattr(model.model, "lm", None)
+    if model.objective != "causal-lm" or lm is None or not hasattr(lm, "get_output_embeddings"):
+        return None
+    out = lm.get_output_embeddings()
+    if not isinstance(out, QuantLinear) or out.fmt != "int8" or out.bias is not None:
+        return None
+    return next(path for path, m in model.named_modules() if m is out)
+
+
 class _Step(nn.Module):
     """``forward(*batch, *frozen) -> (loss, logits, sample_loss, sample_correct, then per MoE
     layer probs, topk_idx, topk_weight)`` (:attr:`TrainingProgram.outputs`) over ``model`` with
-    its frozen weights taken from the inputs (``torch.func.functional_call``)."""
+    its frozen weights taken from the inputs (``torch.func.functional_call``). With ``head`` (the
+    path of the output layer, :func:`fused_head`), the output layer and loss are one operator
+    (:func:`moe_model.lm_head_loss.lm_head_loss`) and no logits are returned."""
 
-    def __init__(self, model: SubMoE, batch_names: list[str], frozen_names: list[str]):
+    def __init__(self, model: SubMoE, batch_names: list[str], frozen_names: list[str], head: str | None = None):
         super().__init__()
         self.model = model
         self.batch_names = batch_names
         self.frozen_names = frozen_names
+        self.head = head
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         from . import objectives
@@ -275,14 +315,37 @@ class _Step(nn.Module):
         batch = dict(zip(self.batch_names[:-1], args[:nb - 1]))
         labels = args[nb - 1]
         weights = dict(zip(self.frozen_names, args[nb:]))
-        logits = torch.func.functional_call(self.model, weights, (batch,), strict=False)
-        per_sample = objectives.sample_loss(self.model.objective, logits, labels)
-        out = [per_sample.mean(), logits.detach(), per_sample.detach(), _sample_correct(self.model.objective,
-                                                                                        logits.detach(), labels)]
+        if self.head is not None:
+            out = list(self._fused_loss(batch, labels, weights))
+        else:
+            logits = torch.func.functional_call(self.model, weights, (batch,), strict=False)
+            per_sample = objectives.sample_loss(self.model.objective, logits, labels)
+            out = [per_sample.mean(), logits.detach(), per_sample.detach(),
+                   _sample_correct(self.model.objective, logits.detach(), labels)]
         for _, block in sorted(self.model.model.moe_blocks().items()):
             rec = block.last
             out += [rec.probs.detach().float(), rec.topk_idx, rec.topk_weight.detach().float()]
         return tuple(out)
+
+    def _fused_loss(self, batch, labels, weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(loss, sample_loss, sample_correct)`` of a causal LM through the fused output
+        layer and loss (``moe_model.objectives.sample_loss`` and ``sample_correct``'s values)."""
+        from .lm_head_loss import lm_head_loss
+        from .objectives import IGNORE
+
+        hf = self.model.model
+        hf.hidden_only = True
+        try:
+            hidden = torch.func.functional_call(self.model, weights, (batch,), strict=False)
+        finally:
+            hf.hidden_only = False
+        b, t, h = hidden.shape
+        targets = labels[:, 1:]
+        tok_loss, correct = lm_head_loss(hidden[:, :-1].reshape(-1, h), weights[f"{self.head}.qweight_data"],
+                                         weights[f"{self.head}.qweight_scale"], targets.reshape(-1))
+        count = (targets != IGNORE).sum(1).clamp_min(1).float()
+        per_sample = tok_loss.reshape(b, t - 1).sum(1) / count
+        return per_sample.mean(), per_sample.detach(), correct.detach().reshape(b, t - 1).sum(1) / count
 
 
 def _sample_correct(objective: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -299,27 +362,28 @@ def _sample_correct(objective: str, logits: torch.Tensor, labels: torch.Tensor) 
 
 
 @contextlib.contextmanager
-def exportable(model: SubMoE, capacity_factor: float | None = None) -> Iterator[None]:
-    """``model`` in evaluation mode, dense dispatch (under ``capacity_factor``: each expert
-    on its capacity of tokens, ``moe_model.models.moe.MoELayer.capacity``) and eager
-    attention; restored after."""
+def exportable(model: SubMoE, capacity_factor: float | None = None, grouped: bool = False) -> Iterator[None]:
+    """``model`` in evaluation mode, with eager attention and static-shape expert dispatch
+    (dense; ``grouped``: each expert on exactly its routed tokens, :mod:`moe_model.grouped`;
+    under ``capacity_factor``: each expert on its capacity of tokens,
+    ``moe_model.models.moe.MoELayer.capacity``); restored after."""
     from transformers import PreTrainedModel
 
     blocks = list(model.model.moe_blocks().values())
-    before = [(b.dense_dispatch, b.capacity_factor) for b in blocks]
+    before = [(b.dense_dispatch, b.grouped_dispatch, b.capacity_factor) for b in blocks]
     hf = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
     attn = [m.config._attn_implementation for m in hf]
     was_training = model.training
     model.eval()
     for b in blocks:
-        b.dense_dispatch, b.capacity_factor = True, capacity_factor
+        b.dense_dispatch, b.grouped_dispatch, b.capacity_factor = True, grouped, capacity_factor
     for m in hf:
         m.set_attn_implementation("eager")
     try:
         yield
     finally:
-        for b, (d, c) in zip(blocks, before):
-            b.dense_dispatch, b.capacity_factor = d, c
+        for b, (d, g, c) in zip(blocks, before):
+            b.dense_dispatch, b.grouped_dispatch, b.capacity_factor = d, g, c
         for m, a in zip(hf, attn):
             m.set_attn_implementation(a)
         model.train(was_training)
@@ -470,18 +534,23 @@ def _recompute_frozen_casts(ep, frozen: set[str]) -> int:
     return made
 
 
-def _backend_config():
+def _backend_config(algo=None):
     """ExecuTorch's lowering configuration: its defaults, with its greedy memory plan computed
-    by :func:`moe_model.program_memory.greedy` (the same plan, in numpy: ExecuTorch's takes
-    time quadratic in the program's tensors in Python)."""
+    by ``algo`` (default :func:`moe_model.program_memory.greedy`: the same plan, in numpy:
+    ExecuTorch's takes time quadratic in the program's tensors in Python), and the user inputs
+    not planned (:func:`moe_model.program_memory.without_user_inputs`): the runtime uses the
+    caller's tensors in place (ExecuTorch copies a planned input into the arena, which would
+    hold a second copy of every frozen weight, 67 MiB of a 165 MiB plan for a Qwen3-MoE device
+    holding 16 experts per layer)."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.memory_planning import MemoryPlanningAlgorithmSuite
     from executorch.exir.passes import MemoryPlanningPass
 
-    from .program_memory import greedy
+    from .program_memory import greedy, without_user_inputs
 
     return ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(
-        memory_planning_algo=MemoryPlanningAlgorithmSuite(algo_list=[greedy])))
+        memory_planning_algo=MemoryPlanningAlgorithmSuite(algo_list=[without_user_inputs(algo or greedy)]),
+        alloc_graph_input=False))
 
 
 def example_batch(model: SubMoE, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -518,7 +587,7 @@ def pad_batch(batch: dict[str, torch.Tensor], labels: torch.Tensor, seq_len: int
 
 def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight_format: str = "fp32",
                             stored: dict[str, dict[str, torch.Tensor]] | None = None,
-                            capacity_factor: float | None = None) -> TrainingProgram:
+                            capacity_factor: float | None = None, ops: str = "core") -> TrainingProgram:
     """Capture ``model``'s training step for its shape (module docstring).
 
     Args:
@@ -535,6 +604,9 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
             ``ceil(c · B·T · k / n)`` tokens of largest gate (``MoELayer.capacity``): activations
             and expert compute ``c · k / n`` of the dense dispatch's, and routed tokens beyond
             an expert's capacity skip it (equal to a Python sub-MoE with the same factor).
+        ops: :data:`OPS`; ``fedmoe`` runs each held expert on exactly its routed tokens (the
+            Python device's function, with activations and expert compute ``k / n`` of the
+            dense dispatch's) and a causal LM's int8 output layer and loss without its logits.
 
     Returns:
         The :class:`TrainingProgram`.
@@ -544,7 +616,7 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
         ValueError: ``model`` holds experts other than its slots, a ``conv-moe`` model, a
             full fine-tuning family (its every weight trains: nothing is frozen), or a
             frozen input that ``stored`` does not hold (:func:`frozen_sources`), a capacity
-            factor that is not a positive number.
+            factor that is not a positive number, unknown ``ops``.
     """
     from executorch.exir import to_edge
     from torch.export import export
@@ -559,11 +631,12 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
     frozen = frozen_tensors(model)
     sources = frozen_sources(model, stored) if stored is not None else {}
     names = list(example)
-    step = _Step(model, names, list(frozen))
+    head = fused_head(model) if ops == "fedmoe" else None
+    step = _Step(model, names, list(frozen), head)
     params = {id(p): k for k, p in model.trainable().items()}
     shape = program_shape(model.spec, model.task, model.num_labels, model.experts, batch_size, seq_len, weight_format,
-                          capacity_factor)
-    with exportable(model, capacity_factor), _hollow_buffers(model, list(frozen)), warnings.catch_warnings():
+                          capacity_factor, ops)
+    with exportable(model, capacity_factor, ops == "fedmoe"), _hollow_buffers(model, list(frozen)), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = export(step, (*example.values(), *frozen.values()), strict=False)
         ep = _export_forward_backward(ep)
@@ -579,7 +652,7 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
     values = [n.meta["val"] for n in ep.graph.output_node().args[0]]
     kinds = [s.kind.name for s in ep.graph_signature.output_specs]
     user = [v for v, k in zip(values, kinds) if k in ("LOSS_OUTPUT", "USER_OUTPUT")]
-    out_names = ["loss", "logits", "sample_loss", "sample_correct"] + [
+    out_names = ["loss", *([] if head is not None else ["logits"]), "sample_loss", "sample_correct"] + [
         f"router.{layer}.{what}" for layer in sorted(model.experts) for what in ("probs", "topk_idx", "topk_weight")]
     if len(user) != len(out_names):
         raise RuntimeError(f"the exported program returns {len(user)} outputs before its gradients, expected "

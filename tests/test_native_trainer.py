@@ -130,6 +130,34 @@ def test_a_device_binds_its_frozen_inputs_from_its_own_shards(binary, files):
     assert r.returncode == 2 and "L1.E2.safetensors: cannot open" in r.stderr
 
 
+def test_a_grouped_dispatch_program_gives_the_python_devices_update(binary, files):
+    """Grouped dispatch (``moe_model.grouped``: each held expert on exactly its routed tokens,
+    the native core's ``fedmoe::grouped_mm`` kernels) for a device holding 3 experts with top-2
+    routing, so that each expert sees only some tokens: the update equals the Python device's."""
+    d = files[0]
+    _, labels = bbc_news()
+    gm = GlobalModel(tiny_spec(upcycle_noise=0.05, max_seq_len=T), {"bbc": labels}, "int8")
+    held = {1: [0, 1, 2]}
+    model = ProgramCache(gm, d / "programs3").model_for("bbc", held)[0]
+    model.load_adapter_state({k: torch.randn_like(v) * 0.1 for k, v in model.adapter_state().items()})
+    program = export_training_program(model, B, T, "int8", ops="fedmoe")
+    assert program.shape["ops"] == "fedmoe"
+    (d / "p4.pte").write_bytes(program.pte)
+    (d / "m4.json").write_text(json.dumps(program.manifest()))
+    save_file({k: t.contiguous() for k, t in frozen_tensors(model).items()}, str(d / "frozen4.safetensors"))
+    start = to_slots(model.adapter_state(), held)
+    save_file(start, str(d / "state4.safetensors"))
+    b = load_file(str(d / "batches.safetensors"))
+    ref, ref_losses = _python_update(model, held, b["input_ids"], b["attention_mask"], b["labels"])
+    assert model.model.moe_blocks()[1].top_k == 2  # of 3 held
+    r = _run(binary, d, **{"--program": d / "p4.pte", "--manifest": d / "m4.json",
+                           "--frozen": d / "frozen4.safetensors", "--state": d / "state4.safetensors",
+                           "--out": d / "out4.safetensors"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert _relative_error(load_file(str(d / "out4.safetensors")), start, ref) < 1e-3
+
+
 def test_native_trainer_refuses_bad_input_with_a_reason(binary, files, tmp_path):
     d = files[0]
     truncated = tmp_path / "frozen.safetensors"

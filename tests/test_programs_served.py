@@ -159,7 +159,7 @@ def test_the_round_deadline_starts_after_the_program_export_and_a_failed_export_
     agg.engine.programs = publisher
     exports = []
 
-    def slow_export(task, held, batch_size, seq_len, capacity_factor):
+    def slow_export(task, held, batch_size, seq_len, capacity_factor, ops):
         assert capacity_factor == 1.5  # the configured factor reaches the export
         exports.append(time.time())
         time.sleep(1.5)
@@ -174,6 +174,6 @@ def test_the_round_deadline_starts_after_the_program_export_and_a_failed_export_
     assert "no training program for its shape" in rnd.rejected["phone"] and "phone" in rnd.unsent
     assert len(exports) == 1
     with pytest.raises(RuntimeError, match="an earlier export failed: ValueError"):
-        publisher.ref_for("bbc", rnd.selected["phone"], 8, agg.model.spec.max_seq_len)
+        publisher.ref_for("bbc", rnd.selected["phone"], 8, agg.model.spec.max_seq_len, [RUNTIME])
     assert len(exports) == 1
     agg.store.close()

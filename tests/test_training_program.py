@@ -26,6 +26,10 @@ def _load(program):
     from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
     from executorch.extension.training import TrainingModule
 
+    if program.shape.get("ops") == "fedmoe":
+        from fedmoe.native import load_kernels
+
+        load_kernels()  # the fedmoe::grouped_mm kernels, as the native core registers them
     return TrainingModule(_load_for_executorch_from_buffer(program.pte))
 
 
@@ -79,13 +83,16 @@ def _check_step(program, model, held, items, frozen):
     state = to_slots(model.adapter_state(), held)
     for name, key in program.trainable.items():
         params[name].copy_(state[key])
-    loss, logits, *rest = tm.forward_backward("forward", (*inputs, *frozen))
+    outs = tm.forward_backward("forward", (*inputs, *frozen))
+    names = [o["name"] for o in program.outputs]
+    first = names.index("sample_loss")  # a causal LM's program with the fused loss returns no logits
+    loss, logits, rest = outs[0], outs[1] if first == 2 else None, outs[first:]
     grads = from_slots({program.trainable[n]: g for n, g in tm.named_gradients().items()}, held)
     ref_loss, ref_grads, ref_out = _eager(model, {"input_ids": inputs[0], "attention_mask": inputs[1]}, inputs[2],
                                           program.shape["capacity_factor"])
     assert abs(loss.item() - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
-    assert [o["name"] for o in program.outputs[2:]] == list(ref_out) and len(rest) == len(ref_out)
-    for spec, got in zip(program.outputs[2:], rest):  # what a device's statistics are made of
+    assert names[first:] == list(ref_out) and len(rest) == len(ref_out)
+    for spec, got in zip(program.outputs[first:], rest):  # what a device's statistics are made of
         want = ref_out[spec["name"]]
         assert list(got.shape) == spec["shape"] == list(want.shape), spec
         assert torch.equal(got, want) if want.dtype == torch.int64 else torch.allclose(got, want.float(), atol=1e-5)
@@ -202,13 +209,14 @@ def test_the_cloud_builds_each_shape_once_and_gives_a_device_its_lora_a(setup, t
         cache.get("tweets", held, B, T)
 
 
-def _check_device_step(gm, task, held, items, fmt, capacity_factor=None):
+def _check_device_step(gm, task, held, items, fmt, capacity_factor=None, ops="core"):
     """Export the program of ``held``'s shape (experts by slot, with sources), run it in
     ExecuTorch for a device holding ``held`` whose frozen inputs come from its own stored
     shards and the cloud's LoRA A, and compare loss and gradients with torch's."""
     cache = ProgramCache(gm, tempfile.mkdtemp())
     slot_model, slot_stored = cache.model_for(task, slot_shape(held))
-    program = export_training_program(slot_model, B, T, fmt, stored=slot_stored, capacity_factor=capacity_factor)
+    program = export_training_program(slot_model, B, T, fmt, stored=slot_stored, capacity_factor=capacity_factor,
+                                      ops=ops)
     model, stored = _device(gm, held, task)
     lora_a = cache.lora_a(program.manifest(), held)  # what the cloud sends
     frozen = [lora_a[f["source"]["lora_a"]] if (sid := _source(f["source"], held)) is None
@@ -265,6 +273,43 @@ def test_a_capacity_bounded_step_equals_torchs_and_keeps_dequantized_weights_out
     with pytest.raises(ValueError, match="capacity_factor"):
         export_training_program(ProgramCache(gm, tmp_path / "c").model_for("lm", held)[0], B, T, "int8",
                                 capacity_factor=0.0)
+
+
+@pytest.mark.slow
+def test_a_step_with_the_projects_operators_equals_torchs_and_plans_less_than_the_core_one(tmp_path):
+    """The project's operators (``ops="fedmoe"``, run by the native core's kernels loaded into
+    ExecuTorch's Python runtime): on a Qwen3-MoE holding all 4 experts, top-2, each expert runs
+    on exactly its routed tokens (``fedmoe::grouped_mm``) and the int8 output layer and loss are
+    one operator (``fedmoe::lm_head_loss``); the step equals torch's, and plans less memory than
+    the program in ExecuTorch's own operators (dense dispatch, whole logits)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_hf_moe import FAMILIES, TEXTS, _spec, _tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(FAMILIES["qwen3_moe"]()).save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    gm = GlobalModel(_spec(tmp_path, max_seq_len=T), {"lm": ["a", "b"]}, "int8")
+    held = {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
+    grouped = _check_device_step(gm, "lm", held, TEXTS * 2, "int8", ops="fedmoe")
+    dense = _check_device_step(gm, "lm", held, TEXTS * 2, "int8")
+    assert grouped.shape["ops"] == "fedmoe" and grouped.key != dense.key
+    assert grouped.manifest()["runtime"] == "executorch-1.5+fedmoe" and dense.manifest()["runtime"] == "executorch-1.5"
+    # the output layer and loss are one operator: no (B, T, V) logits among the outputs
+    assert [o["name"] for o in grouped.outputs[:3]] == ["loss", "sample_loss", "sample_correct"]
+    assert dense.outputs[1]["name"] == "logits"
+    assert grouped.planned_bytes < dense.planned_bytes
+    with pytest.raises(ValueError, match="ops must be one of"):
+        export_training_program(ProgramCache(gm, tmp_path / "c").model_for("lm", held)[0], B, T, "int8",
+                                ops="grouped")
+
+
+@pytest.mark.slow
+def test_a_grouped_dispatch_step_with_biased_experts_equals_torchs(setup):
+    """The upcycled BERT family's experts (``fc2(gelu(fc1(x)))`` with biases) under grouped
+    dispatch, a device holding experts other than the slots'."""
+    _, labels, items = setup
+    _check_device_step(setup[0], "bbc", {1: [0, 2, 3]}, items, "int8", ops="fedmoe")
 
 
 def test_new_empty_strided_is_rewritten_into_the_core_operator_set():
@@ -343,16 +388,28 @@ def test_dequantized_weights_are_recomputed_for_the_backward_pass():
     assert len(want) == len(got) == 4 and all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+def test_the_inputs_are_used_in_place_not_copied_into_the_memory_plan(slot_program):
+    """A planned input is copied into the program's arena by ExecuTorch: every frozen weight
+    would be held twice. The batch and frozen inputs have no place in the plan."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    plan = deserialize_pte_binary(slot_program.pte).program.execution_plan[0]
+    assert len(plan.inputs) == len(slot_program.batch) + len(slot_program.frozen)
+    assert all(plan.values[i].val.allocation_info is None for i in plan.inputs)
+    assert any(v.val.allocation_info is not None for v in plan.values if hasattr(v.val, "allocation_info"))
+
+
 def test_the_numpy_memory_plan_is_executorchs_greedy_plan(setup, monkeypatch):
     """The export plans memory with moe_model.program_memory.greedy: the program's bytes (every
     tensor's arena offset included) equal those of ExecuTorch's own greedy planner."""
-    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.memory_planning import greedy
 
     from moe_model import training_program
 
     model, stored = _device(setup[0], {1: [0, 1]})
     ours = export_training_program(model, B, T, "int8", stored=stored)
-    monkeypatch.setattr(training_program, "_backend_config", ExecutorchBackendConfig)
+    config = training_program._backend_config
+    monkeypatch.setattr(training_program, "_backend_config", lambda: config(greedy))
     theirs = export_training_program(model, B, T, "int8", stored=stored)
     assert ours.planned_bytes == theirs.planned_bytes > 0
     assert ours.pte == theirs.pte

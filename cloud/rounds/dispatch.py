@@ -175,7 +175,7 @@ class Dispatch(EngineState):
         """The training program of ``dev`` (a device of ``Hello.runtimes``) holding ``experts``
         and training with ``train``: :meth:`cloud.programs.ProgramPublisher.ref_for` at its batch
         size and the model's sequence length (exported the first time; raises as it does)."""
-        return self.programs.ref_for(dev.task, experts, train.batch_size, self.model.spec.max_seq_len)
+        return self.programs.ref_for(dev.task, experts, train.batch_size, self.model.spec.max_seq_len, dev.runtimes)
 
     def _sent_state(self, device_id: str, experts: Experts) -> dict[str, torch.Tensor]:
         """The adapter state the strategy sends ``device_id`` holding ``experts``

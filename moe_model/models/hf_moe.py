@@ -253,10 +253,15 @@ class HFMoEModel(MoEModel):
         self.objective = objective
         if objective == "classification":
             self.head = nn.Linear(lm.config.hidden_size, num_labels, device=device)
+        self.hidden_only = False
+        """``causal-lm``: return the last hidden states ``(B, T, H)`` instead of the logits (a
+        training program's output layer and loss are one operator: ``moe_model.lm_head_loss``)."""
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """See the class docstring."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.objective == "causal-lm" and self.hidden_only:
+            return self.lm.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         if self.objective == "causal-lm":
             return self.lm(input_ids=ids, attention_mask=mask, use_cache=False).logits
         hidden = self.lm.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state

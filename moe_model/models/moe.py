@@ -97,6 +97,10 @@ class MoELayer(nn.Module):
         self.dense_dispatch = False
         """Run every held expert on every token and combine by the (zero-padded) top-k
         gates: the same result without data-dependent control flow (ONNX export)."""
+        self.grouped_dispatch = False
+        """Run each held expert on exactly its routed tokens with static shapes: the routed
+        (token, expert) pairs sorted by expert, one grouped matrix product per linear layer
+        (:func:`moe_model.grouped.grouped_dispatch`; a training program's exact dispatch)."""
         self.capacity_factor: float | None = None
         """When set, each held expert takes at most :meth:`capacity` of the tokens routed to
         it, those with the largest gates, with static shapes (a training program's sparse
@@ -142,10 +146,16 @@ class MoELayer(nn.Module):
             when ``record_hidden`` and not ``dense_dispatch``). Under a :attr:`capacity_factor`
             whose :meth:`capacity` is below ``N``, each expert runs on that many tokens
             (static shapes, also in dense-dispatch mode) and the routed tokens beyond it skip it;
-            the record still holds every routing decision.
+            the record still holds every routing decision. Under :attr:`grouped_dispatch` (and
+            no capacity), each expert runs on exactly its routed tokens with static shapes.
         """
-        out = torch.zeros_like(flat)
         cap = self.capacity(flat.shape[0], idx.shape[1])
+        if self.grouped_dispatch and cap is None:
+            from ..grouped import grouped_dispatch
+
+            self.last = RoutingRecord(probs, idx, weight, None)
+            return grouped_dispatch([self.experts[str(e)] for e in self.expert_ids], flat, idx, weight)
+        out = torch.zeros_like(flat)
         if self.dense_dispatch or cap is not None:
             gates = torch.zeros_like(probs).scatter(1, idx, weight.to(probs.dtype)).to(flat.dtype)
             for j, e in enumerate(self.expert_ids):

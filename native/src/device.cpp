@@ -26,6 +26,8 @@ namespace fedmoe {
 namespace {
 
 using json = nlohmann::json;
+// the runtimes of Hello.runtimes: ExecuTorch 1.5 with the project's operators (kernels.cpp), then without them
+constexpr const char* kFedmoeRuntime = "executorch-1.5+fedmoe";
 constexpr const char* kRuntime = "executorch-1.5";
 constexpr uint64_t kMaxStateBytes = 512ull << 20;  // §6.4: the reference device's limit
 constexpr uint64_t kMaxShardBytes = 2ull << 30;
@@ -351,7 +353,8 @@ void Device::train_round(const Assignment& a) {
   if (a.train.collect_hidden) throw Refusal("collect_hidden is not implemented by this device");
   if (!a.program) throw Refusal("no training program in the assignment (this device trains only with one)");
   const ProgramRef& p = *a.program;
-  if (p.runtime != kRuntime) throw Refusal("program runtime " + p.runtime + " is not " + kRuntime);
+  if (p.runtime != kFedmoeRuntime && p.runtime != kRuntime)
+    throw Refusal("program runtime " + p.runtime + " is neither " + kFedmoeRuntime + " nor " + kRuntime);
   if (a.lora_rank && *a.lora_rank != a.model_lora_rank) throw Refusal("a LoRA rank other than the model's");
   if (std::find(cfg_.weight_formats.begin(), cfg_.weight_formats.end(), a.weight_format) == cfg_.weight_formats.end())
     throw Refusal("weight format " + a.weight_format + " is not one this device holds");
@@ -365,7 +368,8 @@ void Device::train_round(const Assignment& a) {
   const json& shape = manifest.at("shape");
   json per_layer = json::object();
   for (const auto& [layer, ids] : a.experts) per_layer[std::to_string(layer)] = ids.size();
-  if (manifest.value("runtime", "") != kRuntime || manifest.value("key", "") != p.key ||
+  const std::string runtime = manifest.value("runtime", "");
+  if (runtime != p.runtime || manifest.value("key", "") != p.key ||
       manifest.value("sha256", "") != p.program.sha256 || shape.at("experts_per_layer") != per_layer ||
       shape.at("batch_size").get<uint64_t>() != a.train.batch_size || shape.at("weight_format") != a.weight_format ||
       shape.at("task") != a.task || shape.value("format", 1) < 2 ||

@@ -6,6 +6,8 @@
 
 #include <executorch/extension/tensor/tensor.h>
 
+#include "kernels.hpp"
+
 namespace fedmoe {
 
 using executorch::aten::ScalarType;
@@ -56,6 +58,7 @@ void check_like(const TensorView& t, const nlohmann::json& spec, const std::stri
 
 Trainer::Trainer(const std::string& pte_path, const nlohmann::json& manifest)
     : module_(std::make_unique<Module>(pte_path, Module::LoadMode::File)), manifest_(manifest) {
+  if (!register_kernels()) throw std::runtime_error("the project's ExecuTorch kernels do not register");
   if (module_->load_method("forward") != executorch::runtime::Error::Ok)
     throw std::runtime_error(pte_path + ": the program's forward method does not load");
   grad_start_ = static_cast<size_t>(method_int(*module_, "__et_training_gradients_index_forward"));
