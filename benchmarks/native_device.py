@@ -198,7 +198,7 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: s
             "experts_per_layer": experts, "moe_layers": sorted(held), "batch": batch, "seq_len": seq, "steps": steps,
             "lr": lr, "weight_format": "int8", "program_bytes": manifest["bytes"], "export_s": export_s,
             "expert_shard_bytes": expert_bytes, "backbone_shard_bytes": len(gm.shard_bytes["backbone"]),
-            "capacity_factor": capacity_factor, "ops": manifest["shape"]["ops"],
+            "capacity_factor": capacity_factor, "ops": manifest["shape"]["ops"], "top_k": spec.top_k,
             "planned_bytes": manifest["planned_bytes"],
             "dropped_share": dropped_share(cache.model_for("bbc", held)[0], batches, capacity_factor),
             "native": nat, "python": pyr, "native_update_norm": moved}
@@ -222,7 +222,7 @@ def markdown(r: dict[str, Any]) -> str:
              f"{r['expert_shard_bytes'] / p['peak_rss_bytes']:.1%}", ""),
             ("step time (median after the first)", f"{ns * 1000:.0f} ms", f"{ps * 1000:.0f} ms", f"{ns / ps:.2f}")]
     cf = r.get("capacity_factor")
-    grouped = r.get("ops") == "fedmoe"
+    grouped = r.get("ops") == "fedmoe" and r.get("top_k", 0) < r["experts_per_layer"]  # else every token, every expert
     dispatch = ("each held expert on exactly its routed tokens (grouped dispatch: the Python device's function)"
                 if grouped and cf is None else
                 "every held expert on every token (dense dispatch; the Python device runs each token's top-k)"

@@ -147,10 +147,12 @@ class MoELayer(nn.Module):
             whose :meth:`capacity` is below ``N``, each expert runs on that many tokens
             (static shapes, also in dense-dispatch mode) and the routed tokens beyond it skip it;
             the record still holds every routing decision. Under :attr:`grouped_dispatch` (and
-            no capacity), each expert runs on exactly its routed tokens with static shapes.
+            no capacity), each expert runs on exactly its routed tokens with static shapes,
+            unless every token goes to every held expert (``k`` = held experts: then the dense
+            form computes the same without the pair sort).
         """
         cap = self.capacity(flat.shape[0], idx.shape[1])
-        if self.grouped_dispatch and cap is None:
+        if self.grouped_dispatch and cap is None and idx.shape[1] < len(self.expert_ids):
             from ..grouped import grouped_dispatch
 
             self.last = RoutingRecord(probs, idx, weight, None)
