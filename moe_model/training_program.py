@@ -19,10 +19,12 @@ format) so that one program serves every device of that shape:
 - **The trainable tensors are the program's parameters**: exactly the adapter state a
   Python device trains and sends (:meth:`SubMoE.trainable`: LoRA ``B``, router rows, task
   head), each mapped to its adapter-state key in :attr:`TrainingProgram.trainable`.
-- **Static shapes**: every MoE block runs in its dense-dispatch form (every held expert on
-  every token, combined by the zero-padded top-k gates: the function of the sparse
-  dispatch without data-dependent control flow) or, under a capacity factor, each held
-  expert on its capacity of tokens of largest gate (``MoELayer.capacity``), attention in
+- **Static shapes**: with the project's operators (:data:`OPS` ``fedmoe``) every MoE block
+  runs each held expert on exactly its routed tokens (:mod:`moe_model.grouped`), else in its
+  dense-dispatch form (every held expert on every token, combined by the zero-padded top-k
+  gates: the function of the sparse dispatch without data-dependent control flow); under a
+  capacity factor, each held expert on its capacity of tokens of largest gate
+  (``MoELayer.capacity``); attention in
   its eager form (the fused scaled-dot-product attention's backward is not in ExecuTorch's
   core ATen operator set),
   and the batch is ``(batch_size, seq_len)``; a device pads a short last batch.
@@ -157,7 +159,8 @@ class TrainingProgram:
         shape: what the program serves (model spec, task, labels, experts per layer, batch,
             sequence length, weight format, :data:`PROGRAM_FORMAT`); :attr:`key` is its digest.
         outputs: the method's outputs before the gradients, ``{"name", "shape", "dtype"}``
-            each, in order: ``loss`` ``()``; ``logits`` ``(B, C)`` or ``(B, T, V)``;
+            each, in order: ``loss`` ``()``; ``logits`` ``(B, C)`` or ``(B, T, V)`` (absent from
+            a causal LM's program with ``fedmoe`` operators, :func:`fused_head`);
             ``sample_loss`` ``(B,)`` (nats, :func:`moe_model.objectives.sample_loss`);
             ``sample_correct`` ``(B,)`` (in [0, 1], :func:`~moe_model.objectives.sample_correct`);
             then per MoE layer ``l`` ascending ``router.{l}.probs`` ``(B·T, n)`` fp32 (routing
@@ -192,7 +195,8 @@ class TrainingProgram:
 
     def manifest(self) -> dict[str, Any]:
         """Everything but the program bytes, JSON-able (what a device reads beside the ``.pte``)."""
-        return {"runtime": FEDMOE_RUNTIME if self.shape.get("ops") == "fedmoe" else RUNTIME, "key": self.key, "sha256": self.sha256, "bytes": len(self.pte),
+        runtime = FEDMOE_RUNTIME if self.shape.get("ops") == "fedmoe" else RUNTIME
+        return {"runtime": runtime, "key": self.key, "sha256": self.sha256, "bytes": len(self.pte),
                 "planned_bytes": self.planned_bytes, "trainable_bytes": self.trainable_bytes, "shape": self.shape,
                 "batch": self.batch, "outputs": self.outputs, "frozen": self.frozen, "trainable": self.trainable}
 
