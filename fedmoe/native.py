@@ -97,8 +97,8 @@ def _build(build_dir: Path, timeout_s: float) -> Path:
 def load_kernels(build_dir: str | Path = BUILD) -> Path:
     """Build (:func:`build`) and load ``libfedmoe_kernels.so`` into this process, so that
     ExecuTorch's Python runtime (its pybindings, which share ``libexecutorch.so``'s kernel
-    registry) runs programs with grouped dispatch (``moe_model.grouped.OPS``); once per
-    process. Returns the library's path.
+    registry) runs programs with the project's operators (those of
+    ``moe_model.training_program.FEDMOE_RUNTIME``). Returns the library's path.
 
     Raises:
         NativeBuildError: see :func:`build`; or the library was not built.

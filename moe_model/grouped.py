@@ -26,9 +26,6 @@ from torch import nn
 
 from .quant import QuantLinear
 
-OPS = ("fedmoe::grouped_mm", "fedmoe::grouped_mm_wgrad")
-"""The operators a program with grouped dispatch uses (the native core registers both)."""
-
 _lib = torch.library.Library("fedmoe", "DEF")
 _lib.define("grouped_mm(Tensor x, Tensor w, Tensor offsets, bool trans=False) -> Tensor")
 _lib.define("grouped_mm.out(Tensor x, Tensor w, Tensor offsets, bool trans=False, *, Tensor(a!) out) -> Tensor(a!)")
@@ -171,11 +168,9 @@ def _lora(mod: nn.Module) -> bool:
 
 
 def _base_weight(mod: nn.Module) -> torch.Tensor:
-    if isinstance(mod, QuantLinear):
-        return mod.dequantized()
-    if isinstance(mod, nn.Linear):
-        return mod.weight
-    raise TypeError(f"grouped dispatch takes nn.Linear or QuantLinear expert layers, not {type(mod).__name__}")
+    if not isinstance(mod, (nn.Linear, QuantLinear)):
+        raise TypeError(f"grouped dispatch takes nn.Linear or QuantLinear expert layers, not {type(mod).__name__}")
+    return mod.weight  # a QuantLinear's: dequantized
 
 
 def grouped_linear(layers: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
@@ -234,5 +229,3 @@ def grouped_dispatch(experts: list[nn.Module], flat: torch.Tensor, idx: torch.Te
     y = grouped_experts(experts, flat.index_select(0, token), offsets, expert)
     return torch.zeros_like(flat).index_add(0, token, y * gate.unsqueeze(1).to(flat.dtype))
 
-
-__all__ = ["OPS", "grouped_mm", "sort_pairs", "grouped_linear", "grouped_experts", "grouped_dispatch"]

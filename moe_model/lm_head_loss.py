@@ -24,9 +24,6 @@ import torch.nn.functional as F
 
 from .objectives import IGNORE
 
-OPS = ("fedmoe::lm_head_loss",)
-"""The operator a program with the fused loss uses (the native core registers it)."""
-
 _lib = torch.library.Library("fedmoe", "FRAGMENT")
 _lib.define("lm_head_loss(Tensor h, Tensor weight, Tensor scale, Tensor targets) -> (Tensor, Tensor, Tensor)")
 _lib.define("lm_head_loss.out(Tensor h, Tensor weight, Tensor scale, Tensor targets, *, Tensor(a!) loss, "

@@ -26,9 +26,6 @@ namespace fedmoe {
 namespace {
 
 using json = nlohmann::json;
-// the runtimes of Hello.runtimes: ExecuTorch 1.5 with the project's operators (kernels.cpp), then without them
-constexpr const char* kFedmoeRuntime = "executorch-1.5+fedmoe";
-constexpr const char* kRuntime = "executorch-1.5";
 constexpr uint64_t kMaxStateBytes = 512ull << 20;  // §6.4: the reference device's limit
 constexpr uint64_t kMaxShardBytes = 2ull << 30;
 constexpr uint64_t kMaxManifestBytes = 16ull << 20;

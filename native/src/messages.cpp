@@ -228,7 +228,7 @@ std::string hello_json(const std::string& device_id, uint64_t budget_bytes, cons
   nlohmann::ordered_json j = {{"v", 1}, {"type", "hello"}, {"device_id", device_id}, {"sdk_version", "native-0.1"},
                               {"protocol_version", 1}, {"protocol_minor", kProtocolMinor}, {"budget_bytes", budget_bytes},
                               {"weight_formats", formats}, {"num_samples", num_samples}, {"task", task},
-                              {"runtime_bytes", runtime_bytes}, {"runtimes", {"executorch-1.5+fedmoe", "executorch-1.5"}}};
+                              {"runtime_bytes", runtime_bytes}, {"runtimes", {kFedmoeRuntime, kRuntime}}};
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
