@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 EXECUTORCH := 'executorch>=1.5.1,<1.6'
 EXECUTORCH_DEPS := flatbuffers ruamel.yaml tabulate
-NATIVE_PACKAGES := g++ cmake pkg-config nlohmann-json3-dev libmosquitto-dev libsodium-dev libcurl4-openssl-dev zlib1g-dev
+NATIVE_PACKAGES := g++ cmake pkg-config nlohmann-json3-dev libmosquitto-dev libsodium-dev libcurl4-openssl-dev zlib1g-dev libopenblas-dev
 
 CLUSTER_TESTS := tests/test_cluster.py
 .PHONY: install native demo demo-full test test-cluster test-rest test-fast docs bench bench-env clean
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	# tries CUDA kernels on every device), coremltools, pandas or its test tools; they need these three
 	$(PY) -m pip install -q --no-deps $(EXECUTORCH) && $(PY) -m pip install -q $(EXECUTORCH_DEPS)
 	# the native device's C++ build (native/, tests/test_native_*.py): a compiler, CMake, and the libraries it speaks
-	# the protocol with (fedmoe/native.py PACKAGES: nlohmann/json, libmosquitto, libsodium, libcurl, zlib)
+	# the protocol with (fedmoe/native.py PACKAGES: nlohmann/json, libmosquitto, libsodium, libcurl, zlib, OpenBLAS)
 	dpkg -s $(NATIVE_PACKAGES) >/dev/null 2>&1 || { echo "installing $(NATIVE_PACKAGES) (Debian) for the native device's build"; \
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $(NATIVE_PACKAGES); } \
 		|| echo "$(NATIVE_PACKAGES) not installed: the native device's tests will skip"

@@ -197,7 +197,7 @@ class AggregatorConfig(FederationSettings, BrokerSettings):
     every routed token: the same function as a Python device's step."""
     program_ops: Literal["fedmoe", "core"] = "fedmoe"
     """The operators of the programs for devices whose runtime has the project's
-    (``Hello.runtimes`` names ``executorch-1.5+fedmoe``; ``moe_model.training_program.OPS``):
+    (``Hello.runtimes`` names ``executorch-1.5+fedmoe2``; ``moe_model.training_program.OPS``):
     ``fedmoe`` (default), each held expert on exactly its routed tokens (grouped matrix
     products over the expert-sorted (token, expert) pairs, ``moe_model.grouped``) and a causal
     LM's int8 output layer and loss without its logits (``moe_model.lm_head_loss``); ``core``,

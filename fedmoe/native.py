@@ -27,10 +27,11 @@ INSTALL = "pip install --no-deps 'executorch>=1.5.1,<1.6' && pip install flatbuf
 and test tools, which neither the export nor the runtime uses; torchao, once installed, is
 imported by peft in every process and logs warnings)."""
 PACKAGES = ("g++", "cmake", "pkg-config", "nlohmann-json3-dev", "libmosquitto-dev", "libsodium-dev",
-            "libcurl4-openssl-dev", "zlib1g-dev")
-"""The Debian packages the build needs besides the ``executorch`` wheel: a compiler, CMake, and the
+            "libcurl4-openssl-dev", "zlib1g-dev", "libopenblas-dev")
+"""The Debian packages the build needs besides the ``executorch`` wheel: a compiler, CMake, the
 libraries the device speaks the protocol with (nlohmann/json, libmosquitto for MQTT, libsodium for
-SHA-256 and Ed25519, libcurl for HTTP, zlib for compressed payloads)."""
+SHA-256 and Ed25519, libcurl for HTTP, zlib for compressed payloads), and OpenBLAS for the
+training kernels' matrix products (without it they use ExecuTorch's slower ``sgemm_``)."""
 
 
 NATIVE_BASELINE_BYTES = 16 * 2**20

@@ -24,11 +24,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from protocol.codec import dequantize_int8
+
 from .quant import QuantLinear
 
 _lib = torch.library.Library("fedmoe", "DEF")
 _lib.define("grouped_mm(Tensor x, Tensor w, Tensor offsets, bool trans=False) -> Tensor")
 _lib.define("grouped_mm.out(Tensor x, Tensor w, Tensor offsets, bool trans=False, *, Tensor(a!) out) -> Tensor(a!)")
+_lib.define("grouped_mm_int8(Tensor x, Tensor[] weight, Tensor[] scale, Tensor offsets, bool trans=False) -> Tensor")
+_lib.define("grouped_mm_int8.out(Tensor x, Tensor[] weight, Tensor[] scale, Tensor offsets, bool trans=False, *, "
+            "Tensor(a!) out) -> Tensor(a!)")
 _lib.define("grouped_mm_wgrad(Tensor g, Tensor x, Tensor offsets) -> Tensor")
 _lib.define("grouped_mm_wgrad.out(Tensor g, Tensor x, Tensor offsets, *, Tensor(a!) out) -> Tensor(a!)")
 
@@ -68,6 +73,31 @@ def _grouped_mm_fake(x, w, offsets, trans=False):
     return x.new_empty(rows, cols)
 
 
+def _check_int8(x: torch.Tensor, weight: list[torch.Tensor], scale: list[torch.Tensor], offsets: torch.Tensor,
+                trans: bool) -> tuple[int, int]:
+    if not weight or len(weight) != len(scale) or any(
+            q.dtype != torch.int8 or q.shape != weight[0].shape or s.shape != (q.shape[0],)
+            for q, s in zip(weight, scale)) or weight[0].dim() != 2:
+        raise ValueError("grouped_mm_int8 takes n int8 weights (out, in) of one shape and n scales (out,)")
+    return _check(x, weight[0].unsqueeze(0).expand(len(weight), -1, -1), offsets, trans)
+
+
+def _grouped_mm_int8(x: torch.Tensor, weight: list[torch.Tensor], scale: list[torch.Tensor], offsets: torch.Tensor,
+                     trans: bool = False) -> torch.Tensor:
+    rows, cols = _check_int8(x, weight, scale, offsets, trans)
+    out = x.new_zeros(rows, cols)
+    for e, (a, b) in enumerate(_segments(offsets, rows)):
+        if b > a:
+            w = dequantize_int8(weight[e], scale[e])
+            out[a:b] = x[a:b] @ (w if trans else w.t())
+    return out
+
+
+def _grouped_mm_int8_fake(x, weight, scale, offsets, trans=False):
+    rows, cols = _check_int8(x, weight, scale, offsets, trans)
+    return x.new_empty(rows, cols)
+
+
 def _grouped_mm_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0] or offsets.dim() != 1:
         raise ValueError(f"grouped_mm_wgrad takes g (P, out), x (P, in), offsets (n+1,); got {tuple(g.shape)}, "
@@ -92,10 +122,13 @@ def _out(fn):
 
 _lib.impl("grouped_mm", _grouped_mm, "CompositeExplicitAutograd")
 _lib.impl("grouped_mm.out", _out(_grouped_mm), "CompositeExplicitAutograd")
+_lib.impl("grouped_mm_int8", _grouped_mm_int8, "CompositeExplicitAutograd")
+_lib.impl("grouped_mm_int8.out", _out(_grouped_mm_int8), "CompositeExplicitAutograd")
 _lib.impl("grouped_mm_wgrad", _grouped_mm_wgrad, "CompositeExplicitAutograd")
 _lib.impl("grouped_mm_wgrad.out", _out(_grouped_mm_wgrad), "CompositeExplicitAutograd")
 torch.library.register_fake("fedmoe::grouped_mm", _grouped_mm_fake)
 torch.library.register_fake("fedmoe::grouped_mm_wgrad", _grouped_mm_wgrad_fake)
+torch.library.register_fake("fedmoe::grouped_mm_int8", _grouped_mm_int8_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -118,6 +151,23 @@ def _backward(ctx, grad):
 torch.library.register_autograd("fedmoe::grouped_mm", _backward, setup_context=_setup)
 
 
+def _setup_int8(ctx, inputs, output):
+    x, weight, scale, offsets, *rest = inputs
+    ctx.trans = bool(rest[0]) if rest else False
+    ctx.weight, ctx.scale, ctx.offsets = weight, scale, offsets
+
+
+def _backward_int8(ctx, grad):
+    # the weights are frozen (int8): only the input's gradient, by the transposed product; one gradient per tensor
+    # input (x, each weight, each scale, offsets), the bool has none
+    n = len(ctx.weight)
+    gx = torch.ops.fedmoe.grouped_mm_int8(grad, ctx.weight, ctx.scale, ctx.offsets, not ctx.trans)
+    return gx, [None] * n, [None] * n, None
+
+
+torch.library.register_autograd("fedmoe::grouped_mm_int8", _backward_int8, setup_context=_setup_int8)
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, trans: bool = False) -> torch.Tensor:
     """Each expert's linear map on its own rows.
 
@@ -136,6 +186,29 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, trans: b
         ValueError: shapes that do not match, offsets that do not ascend from 0 within ``P``.
     """
     return torch.ops.fedmoe.grouped_mm(x, w, offsets, trans)
+
+
+def grouped_mm_int8(x: torch.Tensor, weight: list[torch.Tensor], scale: list[torch.Tensor], offsets: torch.Tensor,
+                    trans: bool = False) -> torch.Tensor:
+    """:func:`grouped_mm` with each expert's frozen weight held in int8 with one fp32 scale per
+    output row (:class:`moe_model.quant.QuantLinear`'s ``int8``): each is dequantized only
+    while its own rows are computed, so no ``(n, out, in)`` fp32 stack is ever held (31 MiB
+    per linear layer for 64 Qwen3-MoE experts of 384 x 320).
+
+    Args:
+        x: ``(P, K)`` fp32, rows sorted by expert.
+        weight: ``n`` int8 ``(out, in)`` tensors, expert ``e``'s at position ``e``.
+        scale: ``n`` fp32 ``(out,)`` tensors: ``W_e = weight[e] * scale[e][:, None]``.
+        offsets, trans: as :func:`grouped_mm`.
+
+    Returns:
+        ``(P, out)`` or ``(P, in)``; differentiable in ``x`` only (the weights are frozen).
+
+    Raises:
+        ValueError: weights that are not int8 of one shape, scales of another length, and
+        :func:`grouped_mm`'s errors.
+    """
+    return torch.ops.fedmoe.grouped_mm_int8(x, weight, scale, offsets, trans)
 
 
 def sort_pairs(idx: torch.Tensor, weight: torch.Tensor,
@@ -188,7 +261,10 @@ def grouped_linear(layers: list[nn.Module], x: torch.Tensor, offsets: torch.Tens
     """
     lora = _lora(layers[0])
     base = [m.base_layer if lora else m for m in layers]
-    y = grouped_mm(x, torch.stack([_base_weight(b) for b in base]), offsets)
+    if all(isinstance(b, QuantLinear) and b.fmt == "int8" for b in base):
+        y = grouped_mm_int8(x, [b.qweight_data for b in base], [b.qweight_scale for b in base], offsets)
+    else:
+        y = grouped_mm(x, torch.stack([_base_weight(b) for b in base]), offsets)
     if base[0].bias is not None:
         y = y + torch.stack([b.bias for b in base]).index_select(0, expert)
     if lora:

@@ -60,6 +60,7 @@ from protocol import keys
 from protocol.experts import Experts, layers_to_json
 from protocol.messages import ModelSpec
 
+from .gemm import fold_transposes
 from .quant import QuantEmbedding, QuantLinear
 from .submoe import SubMoE
 
@@ -68,14 +69,17 @@ log = logging.getLogger(__name__)
 RUNTIME = "executorch-1.5"
 """The runtime a program in ExecuTorch's own operators is exported for (``ops`` ``core``;
 recorded in its manifest)."""
-FEDMOE_RUNTIME = "executorch-1.5+fedmoe"
+FEDMOE_RUNTIME = "executorch-1.5+fedmoe2"
 """The runtime a program with the project's operators is exported for (``ops`` ``fedmoe``):
-ExecuTorch 1.5 with ``fedmoe::grouped_mm``, ``fedmoe::grouped_mm_wgrad`` and
-``fedmoe::lm_head_loss`` registered (:mod:`moe_model.grouped`, :mod:`moe_model.lm_head_loss`;
-the native core's ``native/src/kernels.cpp``)."""
+ExecuTorch 1.5 with the second set of them registered, ``fedmoe::grouped_mm``,
+``fedmoe::grouped_mm_int8``, ``fedmoe::grouped_mm_wgrad``, ``fedmoe::lm_head_loss`` and
+``fedmoe::gemm`` (:mod:`moe_model.grouped`, :mod:`moe_model.lm_head_loss`,
+:mod:`moe_model.gemm`; the native core's ``native/src/kernels.cpp``). The first set's name,
+``executorch-1.5+fedmoe`` (without ``grouped_mm_int8`` and ``gemm``), is no longer served: a
+device naming only it gets ``core`` programs."""
 RUNTIMES = (FEDMOE_RUNTIME, RUNTIME)
 """The runtimes a cloud builds programs for, preferred first (``Hello.runtimes``)."""
-PROGRAM_FORMAT = 5
+PROGRAM_FORMAT = 6
 """The version of the export (part of a program's shape, so a program of another version is
 never served from a cache): 1 = the method returns loss, logits, gradients; 2 = loss, logits,
 per-sample loss and correctness, each MoE layer's routing (probabilities, top-k indices and
@@ -84,7 +88,9 @@ by ExecuTorch's optimized ``mm`` (:func:`_core_operator_rewrites`); 4 = as 3, de
 weights recomputed for the backward pass instead of kept from the forward pass
 (:func:`_recompute_frozen_casts`), and the shape's ``capacity_factor``; 5 = as 4, the
 shape's ``ops`` (:data:`OPS`; a causal LM's program with ``fedmoe`` operators returns no
-logits), and inputs outside the memory plan (:func:`_backend_config`)."""
+logits), and inputs outside the memory plan (:func:`_backend_config`); 6 = as 5, a
+``fedmoe`` program's int8 experts in ``fedmoe::grouped_mm_int8`` and its matrix products in
+``fedmoe::gemm`` (:data:`FEDMOE_RUNTIME`)."""
 OPS = ("core", "fedmoe")
 """The operators a program may use. ``core``: ExecuTorch's own only; every held expert runs on
 every token, combined by the zero-padded top-k gates (dense dispatch; or, under a capacity
@@ -646,6 +652,9 @@ def export_training_program(model: SubMoE, batch_size: int, seq_len: int, weight
         ep = _export_forward_backward(ep)
         _recompute_frozen_casts(ep, set(list(ep.graph_signature.user_inputs)[len(names):]))
         _core_operator_rewrites(ep)
+        if ops == "fedmoe":
+            fold_transposes(ep.graph_module.graph)
+            ep.graph_module.recompile()
         program = to_edge(ep).to_executorch(config=_backend_config())
     fqn = dict(step.named_parameters())
     grads = [s.target for s in ep.graph_signature.output_specs if s.kind.name == "GRADIENT_TO_PARAMETER"]

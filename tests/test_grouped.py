@@ -4,7 +4,8 @@ product's values and gradients, the pair sort, and the MoE layer's function."""
 import pytest
 import torch
 
-from moe_model.grouped import grouped_dispatch, grouped_mm, sort_pairs
+from moe_model.grouped import grouped_dispatch, grouped_mm, grouped_mm_int8, sort_pairs
+from protocol.codec import dequantize_int8, quantize_int8
 from moe_model.models.moe import SparseMoeBlock
 
 
@@ -21,6 +22,34 @@ def test_grouped_mm_is_each_experts_product_on_its_rows_and_its_gradients_are_ex
     assert torch.autograd.gradcheck(lambda x, w: grouped_mm(x, w, offsets), (x, w))
     assert torch.autograd.gradcheck(lambda x, w: grouped_mm(x, w, offsets, trans=True),
                                     (torch.randn(9, 5, dtype=torch.float64, requires_grad=True), w))
+
+
+def test_int8_grouped_mm_is_the_product_with_each_experts_dequantized_weight_and_only_x_has_a_gradient():
+    torch.manual_seed(0)
+    q, s = zip(*(quantize_int8(torch.randn(5, 4)) for _ in range(3)))
+    w = torch.stack([dequantize_int8(a, b) for a, b in zip(q, s)])
+    offsets = torch.tensor([0, 4, 4, 8])
+    x = torch.randn(9, 4, requires_grad=True)
+    y = grouped_mm_int8(x, list(q), list(s), offsets)
+    assert torch.allclose(y, grouped_mm(x, w, offsets), atol=1e-6)
+    g = torch.randn(9, 5)
+    gx, = torch.autograd.grad(y, x, g)
+    assert torch.allclose(gx, grouped_mm(g, w, offsets, trans=True), atol=1e-6)
+    assert torch.equal(gx[8], torch.zeros(4))
+    assert torch.allclose(grouped_mm_int8(g, list(q), list(s), offsets, trans=True)[:4], g[:4] @ w[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", ["float weight", "short scale", "one fewer scale"])
+def test_int8_grouped_mm_refuses_weights_that_are_not_int8_rows_with_a_scale_each(bad):
+    q, s = [torch.ones(5, 4, dtype=torch.int8)] * 3, [torch.ones(5)] * 3
+    if bad == "float weight":
+        q = [torch.ones(5, 4)] * 3
+    elif bad == "short scale":
+        s = [torch.ones(4)] * 3
+    else:
+        s = s[:2]
+    with pytest.raises(ValueError, match="int8"):
+        grouped_mm_int8(torch.randn(9, 4), q, s, torch.tensor([0, 4, 4, 8]))
 
 
 @pytest.mark.parametrize("offsets, match", [([0, 4, 3, 8], "ascend"), ([1, 4, 4, 8], "ascend"),

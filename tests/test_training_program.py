@@ -275,6 +275,14 @@ def test_a_capacity_bounded_step_equals_torchs_and_keeps_dequantized_weights_out
                                 capacity_factor=0.0)
 
 
+def _operators(pte: bytes) -> set[str]:
+    """The names of the operators a program calls."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(pte)
+    return {o.name for o in getattr(program, "program", program).execution_plan[0].operators}
+
+
 @pytest.mark.slow
 def test_a_step_with_the_projects_operators_equals_torchs_and_plans_less_than_the_core_one(tmp_path):
     """The project's operators (``ops="fedmoe"``, run by the native core's kernels loaded into
@@ -294,11 +302,15 @@ def test_a_step_with_the_projects_operators_equals_torchs_and_plans_less_than_th
     grouped = _check_device_step(gm, "lm", held, TEXTS * 2, "int8", ops="fedmoe")
     dense = _check_device_step(gm, "lm", held, TEXTS * 2, "int8")
     assert grouped.shape["ops"] == "fedmoe" and grouped.key != dense.key
-    assert grouped.manifest()["runtime"] == "executorch-1.5+fedmoe" and dense.manifest()["runtime"] == "executorch-1.5"
+    assert grouped.manifest()["runtime"] == "executorch-1.5+fedmoe2" and dense.manifest()["runtime"] == "executorch-1.5"
     # the output layer and loss are one operator: no (B, T, V) logits among the outputs
     assert [o["name"] for o in grouped.outputs[:3]] == ["loss", "sample_loss", "sample_correct"]
     assert dense.outputs[1]["name"] == "logits"
     assert grouped.planned_bytes < dense.planned_bytes
+    # int8 experts take their weights as held (no fp32 stack), every 2-D product is fedmoe::gemm
+    ops = _operators(grouped.pte)
+    assert {"fedmoe::grouped_mm_int8", "fedmoe::gemm", "fedmoe::lm_head_loss"} <= ops and "aten::mm" not in ops
+    assert "aten::mm" in _operators(dense.pte) and not any(o.startswith("fedmoe::") for o in _operators(dense.pte))
     with pytest.raises(ValueError, match="ops must be one of"):
         export_training_program(ProgramCache(gm, tmp_path / "c").model_for("lm", held)[0], B, T, "int8",
                                 ops="grouped")

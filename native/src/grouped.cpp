@@ -1,16 +1,22 @@
-// ExecuTorch kernels of fedmoe::grouped_mm and fedmoe::grouped_mm_wgrad (moe_model/grouped.py): each expert's
-// linear map on its own rows of an expert-sorted (token, expert) pair list, one BLAS sgemm per expert. Row-major
-// tensors are column-major transposes, so the row-major C = A·op(B) is the column-major C^T = op(B)^T·A^T.
+// ExecuTorch kernels of fedmoe::grouped_mm, fedmoe::grouped_mm_int8 and fedmoe::grouped_mm_wgrad
+// (moe_model/grouped.py): each expert's linear map on its own rows of an expert-sorted (token, expert) pair list, one
+// BLAS sgemm per expert, the experts shared among ExecuTorch's thread pool (each writes only its own rows or its own
+// weight gradient). The int8 form dequantizes one expert's weight at a time into a buffer of its own, so no stack of
+// fp32 weights is ever held. Row-major tensors are column-major transposes, so the row-major C = A·op(B) is the
+// column-major C^T = op(B)^T·A^T.
 #include "kernels.hpp"
 
 #include <cstring>
+#include <vector>
 
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
+#include <executorch/runtime/kernel/thread_parallel_interface.h>
 
 namespace fedmoe {
 namespace {
 
+using executorch::aten::ArrayRef;
 using executorch::aten::ScalarType;
 using executorch::aten::Tensor;
 using executorch::runtime::Error;
@@ -24,6 +30,17 @@ bool segments(const Tensor& offsets, int64_t n, int64_t rows) {
   for (int64_t e = 0; e < n; ++e)
     if (o[e + 1] < o[e]) return false;
   return true;
+}
+
+// one expert's rows [a, b): trans: y (r x wi) = x (r x wo) . W (wo x wi); else y (r x wo) = x (r x wi) . W^T
+void expert_mm(const float* w, int64_t wo, int64_t wi, bool trans, const float* x, float* y, int64_t a, int64_t b) {
+  const int r = static_cast<int>(b - a);
+  if (r == 0) return;
+  const int64_t k = trans ? wo : wi, m = trans ? wi : wo;
+  if (trans)
+    gemm('N', 'N', wi, r, wo, w, wi, x + a * k, k, y + a * m, m);
+  else
+    gemm('T', 'N', wo, r, wi, w, wi, x + a * k, k, y + a * m, m);
 }
 
 Tensor& grouped_mm_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans,
@@ -42,16 +59,49 @@ Tensor& grouped_mm_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor&
   const float* wp = w.const_data_ptr<float>();
   float* yp = out.mutable_data_ptr<float>();
   std::memset(yp, 0, sizeof(float) * rows * m);
-  for (int64_t e = 0; e < n; ++e) {
-    const int r = static_cast<int>(o[e + 1] - o[e]);
-    if (r == 0) continue;
-    const float* we = wp + e * wo * wi;
-    // trans: y (r x wi) = x (r x wo) . W (wo x wi); else y (r x wo) = x (r x wi) . W^T
-    if (trans)
-      gemm('N', 'N', wi, r, wo, we, wi, xp + o[e] * k, k, yp + o[e] * m, m);
-    else
-      gemm('T', 'N', wo, r, wi, we, wi, xp + o[e] * k, k, yp + o[e] * m, m);
-  }
+  executorch::extension::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e)
+      expert_mm(wp + e * wo * wi, wo, wi, trans, xp, yp, o[e], o[e + 1]);
+  });
+  return out;
+}
+
+Tensor& grouped_mm_int8_out(KernelRuntimeContext& ctx, const Tensor& x, ArrayRef<Tensor> weight,
+                            ArrayRef<Tensor> scale, const Tensor& offsets, bool trans, Tensor& out) {
+  const int64_t n = static_cast<int64_t>(weight.size());
+  ET_KERNEL_CHECK_MSG(ctx, n > 0 && scale.size() == weight.size() && weight[0].dim() == 2, InvalidArgument, out,
+                      "grouped_mm_int8: n int8 weights (out, in) and n scales (out,)");
+  const int64_t wo = weight[0].size(0), wi = weight[0].size(1);
+  for (int64_t e = 0; e < n; ++e)
+    ET_KERNEL_CHECK_MSG(ctx, weight[e].scalar_type() == ScalarType::Char && weight[e].dim() == 2 &&
+                                 weight[e].size(0) == wo && weight[e].size(1) == wi &&
+                                 scale[e].scalar_type() == ScalarType::Float && scale[e].dim() == 1 &&
+                                 scale[e].size(0) == wo,
+                        InvalidArgument, out, "grouped_mm_int8: n int8 weights (out, in) of one shape, n fp32 scales (out,)");
+  ET_KERNEL_CHECK_MSG(ctx, x.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float &&
+                               x.dim() == 2 && out.dim() == 2,
+                      InvalidArgument, out, "grouped_mm_int8: fp32 x (P, K), out (P, M)");
+  const int64_t rows = x.size(0), k = trans ? wo : wi, m = trans ? wi : wo;
+  ET_KERNEL_CHECK_MSG(ctx, x.size(1) == k && out.size(0) == rows && out.size(1) == m, InvalidArgument, out,
+                      "grouped_mm_int8: shapes do not match");
+  ET_KERNEL_CHECK_MSG(ctx, segments(offsets, n, rows), InvalidArgument, out,
+                      "grouped_mm_int8: offsets must ascend from 0 within the rows");
+  const int64_t* o = offsets.const_data_ptr<int64_t>();
+  const float* xp = x.const_data_ptr<float>();
+  float* yp = out.mutable_data_ptr<float>();
+  std::memset(yp, 0, sizeof(float) * rows * m);
+  executorch::extension::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w;  // one expert's dequantized weight at a time
+    for (int64_t e = begin; e < end; ++e) {
+      if (o[e + 1] == o[e]) continue;
+      w.resize(static_cast<size_t>(wo * wi));
+      const int8_t* q = weight[e].const_data_ptr<int8_t>();
+      const float* s = scale[e].const_data_ptr<float>();
+      for (int64_t i = 0; i < wo; ++i)
+        for (int64_t j = 0; j < wi; ++j) w[i * wi + j] = static_cast<float>(q[i * wi + j]) * s[i];
+      expert_mm(w.data(), wo, wi, trans, xp, yp, o[e], o[e + 1]);
+    }
+  });
   return out;
 }
 
@@ -69,18 +119,21 @@ Tensor& grouped_mm_wgrad_out(KernelRuntimeContext& ctx, const Tensor& g, const T
   const int64_t* o = offsets.const_data_ptr<int64_t>();
   float* dp = out.mutable_data_ptr<float>();
   std::memset(dp, 0, sizeof(float) * n * go * xi);
-  for (int64_t e = 0; e < n; ++e) {
-    const int r = static_cast<int>(o[e + 1] - o[e]);
-    if (r == 0) continue;
-    // dW (go x xi) = g^T (go x r) . x (r x xi)
-    gemm('N', 'T', xi, go, r, x.const_data_ptr<float>() + o[e] * xi, xi, g.const_data_ptr<float>() + o[e] * go, go,
-         dp + e * go * xi, xi);
-  }
+  executorch::extension::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int r = static_cast<int>(o[e + 1] - o[e]);
+      if (r == 0) continue;
+      // dW (go x xi) = g^T (go x r) . x (r x xi)
+      gemm('N', 'T', xi, go, r, x.const_data_ptr<float>() + o[e] * xi, xi, g.const_data_ptr<float>() + o[e] * go, go,
+           dp + e * go * xi, xi);
+    }
+  });
   return out;
 }
 
 constexpr char kGroupedMm[] = "fedmoe::grouped_mm.out";
 constexpr char kGroupedMmWgrad[] = "fedmoe::grouped_mm_wgrad.out";
+constexpr char kGroupedMmInt8[] = "fedmoe::grouped_mm_int8.out";
 
 }  // namespace
 
@@ -88,6 +141,8 @@ void append_grouped_kernels(std::vector<executorch::runtime::Kernel>& out) {
   out.push_back(executorch::extension::make_boxed_kernel(kGroupedMm, EXECUTORCH_FN(grouped_mm_out, kGroupedMm)));
   out.push_back(executorch::extension::make_boxed_kernel(kGroupedMmWgrad,
                                                          EXECUTORCH_FN(grouped_mm_wgrad_out, kGroupedMmWgrad)));
+  out.push_back(executorch::extension::make_boxed_kernel(kGroupedMmInt8,
+                                                         EXECUTORCH_FN(grouped_mm_int8_out, kGroupedMmInt8)));
 }
 
 }  // namespace fedmoe

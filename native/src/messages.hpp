@@ -16,7 +16,7 @@ namespace fedmoe {
 constexpr int kProtocolMinor = 13;
 // Hello.runtimes, preferred first (PROTOCOL.md §6.4b): ExecuTorch 1.5 with the project's operators (kernels.cpp), then
 // without them
-constexpr const char* kFedmoeRuntime = "executorch-1.5+fedmoe";
+constexpr const char* kFedmoeRuntime = "executorch-1.5+fedmoe2";
 constexpr const char* kRuntime = "executorch-1.5";
 constexpr size_t kMaxControlBytes = 4u << 20;  // §5.0
 

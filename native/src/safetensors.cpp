@@ -114,8 +114,11 @@ const TensorView& SafetensorsFile::at(const std::string& name) const {
   return it->second;
 }
 
-std::vector<uint8_t> safetensors_bytes(const std::map<std::string, TensorView>& tensors,
-                                       const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// the 8-byte little-endian header length and the JSON header, padded with spaces so that the data starts 8-aligned
+std::string safetensors_header(const std::map<std::string, TensorView>& tensors,
+                               const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
@@ -124,12 +127,23 @@ std::vector<uint8_t> safetensors_bytes(const std::map<std::string, TensorView>& 
     offset += t.nbytes;
   }
   std::string h = header.dump();
-  h.append((8 - h.size() % 8) % 8, ' ');  // the data starts 8-aligned
-  std::vector<uint8_t> out(8 + h.size() + offset);
+  h.append((8 - h.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
   const uint64_t n = h.size();
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>((n >> (8 * i)) & 0xff);
-  std::memcpy(out.data() + 8, h.data(), h.size());
-  size_t at = 8 + h.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + h;
+}
+
+}  // namespace
+
+std::vector<uint8_t> safetensors_bytes(const std::map<std::string, TensorView>& tensors,
+                                       const std::map<std::string, std::string>& metadata) {
+  const std::string h = safetensors_header(tensors, metadata);
+  size_t size = h.size();
+  for (const auto& [name, t] : tensors) size += t.nbytes;
+  std::vector<uint8_t> out(size);
+  std::memcpy(out.data(), h.data(), h.size());
+  size_t at = h.size();
   for (const auto& [name, t] : tensors) {
     if (t.nbytes) std::memcpy(out.data() + at, t.data, t.nbytes);
     at += t.nbytes;
@@ -139,10 +153,13 @@ std::vector<uint8_t> safetensors_bytes(const std::map<std::string, TensorView>& 
 
 void write_safetensors(const std::string& path, const std::map<std::string, TensorView>& tensors,
                        const std::map<std::string, std::string>& metadata) {
-  const auto bytes = safetensors_bytes(tensors, metadata);
+  // written tensor by tensor from where they are: no second copy of the state in memory
+  const std::string h = safetensors_header(tensors, metadata);
   std::ofstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error(path + ": cannot write");
-  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  f.write(h.data(), static_cast<std::streamsize>(h.size()));
+  for (const auto& [name, t] : tensors)
+    f.write(reinterpret_cast<const char*>(t.data), static_cast<std::streamsize>(t.nbytes));
   if (!f) throw std::runtime_error(path + ": write failed");
 }
 

@@ -58,7 +58,7 @@ class SafetensorsFile {
 std::vector<uint8_t> safetensors_bytes(const std::map<std::string, TensorView>& tensors,
                                        const std::map<std::string, std::string>& metadata = {});
 
-/// Writes safetensors_bytes(tensors) to `path`; throws on an I/O error.
+/// Writes safetensors_bytes(tensors) to `path`, tensor by tensor (no copy of them held); throws on an I/O error.
 void write_safetensors(const std::string& path, const std::map<std::string, TensorView>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 

@@ -11,7 +11,9 @@
 //
 // B holds input_ids and attention_mask (K, batch, seq) and labels (K, batch[, seq]); step i
 // trains on slice i. Writes the trained adapter state to OUT and prints one JSON line:
-// {"losses": [...], "step_s": [...], "rss_before_model_bytes": n, "peak_rss_bytes": n}.
+// {"losses": [...], "step_s": [...], "rss_before_model_bytes": n, "peak_rss_bytes": n, "rss_bytes": {...}}, the last
+// the resident set after each phase: "program" (loaded, with its memory plan), "weights" (base weights and LoRA A
+// read and bound), "state" (adapter state put in), "step" (after each step).
 // Exit status 2 on bad input (the reason on stderr), 1 on a failed step.
 #include <algorithm>
 #include <chrono>
@@ -70,6 +72,7 @@ int main(int argc, char** argv) {
   std::map<std::string, fedmoe::SafetensorsFile> shards;
   int steps = 0;
   fedmoe::AdamW opt;
+  nlohmann::json phases = {{"step", nlohmann::json::array()}};
   try {
     std::ifstream mf(a["--manifest"]);
     if (!mf) throw std::runtime_error(a["--manifest"] + ": cannot open");
@@ -78,6 +81,7 @@ int main(int argc, char** argv) {
     opt.lr = std::stof(a["--lr"]);
     if (a.count("--weight-decay")) opt.weight_decay = std::stof(a["--weight-decay"]);
     trainer = std::make_unique<fedmoe::Trainer>(a["--program"], manifest);
+    phases["program"] = rss_bytes();
     if (a.count("--frozen")) {
       frozen = std::make_unique<fedmoe::SafetensorsFile>(a["--frozen"]);
       trainer->bind_frozen(*frozen);
@@ -99,7 +103,9 @@ int main(int argc, char** argv) {
       lora_a = std::make_unique<fedmoe::SafetensorsFile>(a["--lora-a"]);
       trainer->bind_frozen(shards, held, *lora_a);
     }
+    phases["weights"] = rss_bytes();
     trainer->load_state(fedmoe::SafetensorsFile(a["--state"]));
+    phases["state"] = rss_bytes();
     batches = std::make_unique<fedmoe::SafetensorsFile>(a["--batches"]);
     if (batches->at("input_ids").shape.at(0) < steps) throw std::runtime_error("fewer batches than --steps");
   } catch (const std::exception& e) {
@@ -114,6 +120,7 @@ int main(int argc, char** argv) {
                                         slice(batches->at("labels"), i)}, opt);
       out["losses"].push_back(loss);
       out["step_s"].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      phases["step"].push_back(rss_bytes());
     }
     fedmoe::write_safetensors(a["--out"], trainer->state());
   } catch (const std::exception& e) {
@@ -122,6 +129,7 @@ int main(int argc, char** argv) {
   }
   out["rss_before_model_bytes"] = rss0;
   out["peak_rss_bytes"] = peak_rss_bytes();
+  out["rss_bytes"] = phases;
   std::cout << out.dump() << std::endl;
   return 0;
 }
