@@ -162,9 +162,11 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: s
     gm = GlobalModel(spec, {"bbc": labels}, "int8")
     held = {layer: list(range(experts)) for layer in gm.all_experts}
     cache = ProgramCache(gm, WORK / "programs")
+    before = set((WORK / "programs").glob("*.pte")) if (WORK / "programs").exists() else set()
     t0 = time.perf_counter()
     manifest = cache.get("bbc", held, batch, seq, capacity_factor, ops)
     export_s = time.perf_counter() - t0
+    cached = cache.path(manifest["key"]) in before
     (WORK / "manifest.json").write_text(json.dumps(manifest))
     (WORK / "shards").mkdir(exist_ok=True)
     sids = shards_for(held)
@@ -197,6 +199,7 @@ def run(experts: int, batch: int, seq: int, steps: int, lr: float, model_name: s
     return {"model": model_name, "family": spec.family, "objective": spec.objective, "num_experts": spec.num_experts,
             "experts_per_layer": experts, "moe_layers": sorted(held), "batch": batch, "seq_len": seq, "steps": steps,
             "lr": lr, "weight_format": "int8", "program_bytes": manifest["bytes"], "export_s": export_s,
+            "program_cached": cached,
             "expert_shard_bytes": expert_bytes, "backbone_shard_bytes": len(gm.shard_bytes["backbone"]),
             "capacity_factor": capacity_factor, "ops": manifest["shape"]["ops"], "top_k": spec.top_k,
             "planned_bytes": manifest["planned_bytes"],
@@ -237,14 +240,27 @@ def markdown(r: dict[str, Any]) -> str:
         f"{r.get('num_experts', 4)} experts in each of the MoE layers {r['moe_layers']}, batch {r['batch']} x {r['seq_len']} tokens, {r['steps']} AdamW steps (lr "
         f"{r['lr']}) on the same BBC News batches, each side a fresh process. Expert shards "
         f"{mib(r['expert_shard_bytes'])}, backbone shard {mib(r['backbone_shard_bytes'])}; training program "
-        f"{r['program_bytes'] / 1024:.0f} KiB, built by the cloud in {r['export_s']:.0f} s"
+        f"{r['program_bytes'] / 1024:.0f} KiB, "
+        + ("from the cloud's cache (built by an earlier run)" if r.get("program_cached")
+           else f"built by the cloud in {r['export_s']:.0f} s")
         + (f", {r['planned_bytes'] / 2**20:.1f} MiB planned by ExecuTorch for a step's intermediate tensors"
            if "planned_bytes" in r else "") + f". The program runs {dispatch}.", "",
         "| | native (C++, ExecuTorch) | Python device | native / Python |", "|---|---|---|---|",
         *[f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows], "",
         f"Losses, native: {', '.join(f'{x:.4f}' for x in n['losses'])} (no dropout); the Python device trains with "
         "dropout, so its losses differ; `tests/test_native_trainer.py` checks the update against the Python "
-        "device's without dropout (relative L2 error < 1e-3).", ""])
+        "device's without dropout (relative L2 error < 1e-3).", "", *_phases(n)])
+
+
+def _phases(n: dict[str, Any]) -> list[str]:
+    """The native side's resident memory after each phase (``fedmoe-train``'s ``rss_bytes``), as lines."""
+    p = n.get("rss_bytes")
+    if not p:
+        return []
+    steps = ", ".join(f"{x / 2**20:.1f}" for x in p.get("step", []))
+    return [f"Native resident memory after each phase: the program loaded (with its memory plan) "
+            f"{p['program'] / 2**20:.1f} MiB; base weights and LoRA A bound {p['weights'] / 2**20:.1f} MiB; "
+            f"adapter state put in {p['state'] / 2**20:.1f} MiB; after each step {steps} MiB.", ""]
 
 
 def plot(r: dict[str, Any], path: Path) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .grouped import out_variant
+
 _lib = torch.library.Library("fedmoe", "FRAGMENT")
 _lib.define("gemm(Tensor a, Tensor b, bool trans_a=False, bool trans_b=False) -> Tensor")
 _lib.define("gemm.out(Tensor a, Tensor b, bool trans_a=False, bool trans_b=False, *, Tensor(a!) out) -> Tensor(a!)")
@@ -42,13 +44,8 @@ def _gemm_fake(a, b, trans_a=False, trans_b=False):
     return a.new_empty(m, n)
 
 
-def _gemm_out(a, b, trans_a=False, trans_b=False, *, out):
-    out.copy_(_gemm(a, b, trans_a, trans_b))
-    return out
-
-
 _lib.impl("gemm", _gemm, "CompositeExplicitAutograd")
-_lib.impl("gemm.out", _gemm_out, "CompositeExplicitAutograd")
+_lib.impl("gemm.out", out_variant(_gemm), "CompositeExplicitAutograd")
 torch.library.register_fake("fedmoe::gemm", _gemm_fake)
 
 
@@ -70,26 +67,36 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool 
 
 def _transposed(node: torch.fx.Node) -> bool:
     """``node`` is ``aten.permute(t, [1, 0])`` of a 2-D ``t``."""
-    return (node.op == "call_function" and node.target is torch.ops.aten.permute.default
-            and list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0]) and node.args[0].meta["val"].dim() == 2)
+    return (node.op == "call_function" and node.target is torch.ops.aten.permute.default and not node.kwargs
+            and len(node.args) == 2 and list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])
+            and getattr(node.args[0], "meta", {}).get("val") is not None and node.args[0].meta["val"].dim() == 2)
 
 
 def fold_transposes(graph: torch.fx.Graph) -> int:
-    """Every ``aten.mm(a, b)`` of ``graph`` as ``fedmoe::gemm`` on ``a`` and ``b`` with their
-    chains of 2-D transposes (``aten.permute(t, [1, 0])``) folded into its flags; transposes
-    left without a user are removed. In place.
+    """Every fp32 ``aten.mm(a, b)`` of ``graph`` as ``fedmoe::gemm`` on ``a`` and ``b`` with
+    their chains of 2-D transposes (``aten.permute(t, [1, 0])``) folded into its flags; each
+    transpose left without a user is removed. In place; the graph's nodes need their
+    ``meta["val"]`` (as an exported program's have), and an ``mm`` without it, of another
+    dtype, or with keyword arguments is left as it is.
+
+    Args:
+        graph: an exported program's graph (``ep.graph_module.graph``; recompile the module
+            after).
 
     Returns:
         The number of products rewritten.
     """
     made = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.mm.default:
+        val = node.meta.get("val")
+        if (node.op != "call_function" or node.target is not torch.ops.aten.mm.default or node.kwargs
+                or val is None or val.dtype != torch.float32):
             continue
-        operands = []
+        operands, passed = [], []
         for arg in node.args[:2]:
             flip = False
             while _transposed(arg):
+                passed.append(arg)
                 arg, flip = arg.args[0], not flip
             operands += [arg, flip]
         with graph.inserting_before(node):
@@ -98,6 +105,8 @@ def fold_transposes(graph: torch.fx.Graph) -> int:
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+        for t in dict.fromkeys(passed):  # outermost first: each inner one loses its last user with the one before it
+            if not t.users:
+                graph.erase_node(t)
         made += 1
-    graph.eliminate_dead_code()
     return made

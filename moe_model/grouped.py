@@ -12,11 +12,13 @@ arXiv:2211.15841, §5; here with segments of any length instead of blocks). Ever
 static (``N·k`` rows whatever the routing), nothing is dropped, and the function is the
 Python device's sparse dispatch (:meth:`moe_model.models.moe.MoELayer.dispatch`).
 
-Two operators, ``fedmoe::grouped_mm`` and ``fedmoe::grouped_mm_wgrad``, with their ``.out``
-forms for ExecuTorch; torch computes them here (a loop over experts), the native training
-core in ``native/src/grouped.cpp`` (one BLAS ``sgemm`` per expert). ``grouped_mm``'s
-gradient is defined by the two of them, so an exported joint forward-backward graph holds
-only these (``torch.library.register_autograd``).
+Three operators, ``fedmoe::grouped_mm``, ``fedmoe::grouped_mm_int8`` (the experts' weights
+as the int8 tensors and row scales a device holds, each dequantized only while its rows are
+computed) and ``fedmoe::grouped_mm_wgrad``, with their ``.out`` forms for ExecuTorch; torch
+computes them here (a loop over experts), the native training core in
+``native/src/grouped.cpp`` (one BLAS ``sgemm`` per expert, the experts shared among
+ExecuTorch's thread pool). Their gradients are defined by the same operators, so an exported
+joint forward-backward graph holds only these (``torch.library.register_autograd``).
 """
 
 from __future__ import annotations
@@ -75,10 +77,10 @@ def _grouped_mm_fake(x, w, offsets, trans=False):
 
 def _check_int8(x: torch.Tensor, weight: list[torch.Tensor], scale: list[torch.Tensor], offsets: torch.Tensor,
                 trans: bool) -> tuple[int, int]:
-    if not weight or len(weight) != len(scale) or any(
-            q.dtype != torch.int8 or q.shape != weight[0].shape or s.shape != (q.shape[0],)
-            for q, s in zip(weight, scale)) or weight[0].dim() != 2:
-        raise ValueError("grouped_mm_int8 takes n int8 weights (out, in) of one shape and n scales (out,)")
+    if not weight or len(weight) != len(scale) or weight[0].dim() != 2 or any(
+            q.dtype != torch.int8 or q.shape != weight[0].shape or s.dtype != torch.float32 or s.shape != (q.shape[0],)
+            for q, s in zip(weight, scale)):
+        raise ValueError("grouped_mm_int8 takes n int8 weights (out, in) of one shape and n fp32 scales (out,)")
     return _check(x, weight[0].unsqueeze(0).expand(len(weight), -1, -1), offsets, trans)
 
 
@@ -113,7 +115,9 @@ def _grouped_mm_wgrad_fake(g, x, offsets):
     return g.new_empty(offsets.shape[0] - 1, g.shape[1], x.shape[1])
 
 
-def _out(fn):
+def out_variant(fn):
+    """The ``.out`` form of the function ``fn`` of an operator: ``fn(*args)`` copied into ``out``
+    (the form ExecuTorch's lowering calls)."""
     def impl(*args, out):
         out.copy_(fn(*args))
         return out
@@ -121,11 +125,11 @@ def _out(fn):
 
 
 _lib.impl("grouped_mm", _grouped_mm, "CompositeExplicitAutograd")
-_lib.impl("grouped_mm.out", _out(_grouped_mm), "CompositeExplicitAutograd")
+_lib.impl("grouped_mm.out", out_variant(_grouped_mm), "CompositeExplicitAutograd")
 _lib.impl("grouped_mm_int8", _grouped_mm_int8, "CompositeExplicitAutograd")
-_lib.impl("grouped_mm_int8.out", _out(_grouped_mm_int8), "CompositeExplicitAutograd")
+_lib.impl("grouped_mm_int8.out", out_variant(_grouped_mm_int8), "CompositeExplicitAutograd")
 _lib.impl("grouped_mm_wgrad", _grouped_mm_wgrad, "CompositeExplicitAutograd")
-_lib.impl("grouped_mm_wgrad.out", _out(_grouped_mm_wgrad), "CompositeExplicitAutograd")
+_lib.impl("grouped_mm_wgrad.out", out_variant(_grouped_mm_wgrad), "CompositeExplicitAutograd")
 torch.library.register_fake("fedmoe::grouped_mm", _grouped_mm_fake)
 torch.library.register_fake("fedmoe::grouped_mm_wgrad", _grouped_mm_wgrad_fake)
 torch.library.register_fake("fedmoe::grouped_mm_int8", _grouped_mm_int8_fake)
@@ -158,11 +162,11 @@ def _setup_int8(ctx, inputs, output):
 
 
 def _backward_int8(ctx, grad):
-    # the weights are frozen (int8): only the input's gradient, by the transposed product; one gradient per tensor
-    # input (x, each weight, each scale, offsets), the bool has none
+    # the weights are frozen (int8): only the input's gradient, by the transposed product; one gradient per input as
+    # the call passed them (x, each weight, each scale, offsets, and trans unless it was left to its default)
     n = len(ctx.weight)
     gx = torch.ops.fedmoe.grouped_mm_int8(grad, ctx.weight, ctx.scale, ctx.offsets, not ctx.trans)
-    return gx, [None] * n, [None] * n, None
+    return (gx, [None] * n, [None] * n, None, None)[:len(ctx.needs_input_grad)]
 
 
 torch.library.register_autograd("fedmoe::grouped_mm_int8", _backward_int8, setup_context=_setup_int8)

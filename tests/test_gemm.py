@@ -70,3 +70,14 @@ def test_the_native_kernel_equals_torch_on_either_split_and_every_transpose(shap
     got = _load_for_executorch_from_buffer(prog.buffer).forward(list(args))
     for out in got:
         assert torch.allclose(out, a @ b, atol=1e-4)
+
+
+def test_a_product_of_another_dtype_is_left_to_aten():
+    class IntMM(torch.nn.Module):
+        def forward(self, a, b):
+            return a @ b.t()
+
+    ep = torch.export.export(IntMM(), (torch.ones(3, 2, dtype=torch.int64), torch.ones(4, 2, dtype=torch.int64)))
+    ep = ep.run_decompositions()
+    assert fold_transposes(ep.graph_module.graph) == 0
+    assert torch.ops.aten.mm.default in [n.target for n in ep.graph_module.graph.nodes]

@@ -36,16 +36,22 @@ def test_int8_grouped_mm_is_the_product_with_each_experts_dequantized_weight_and
     gx, = torch.autograd.grad(y, x, g)
     assert torch.allclose(gx, grouped_mm(g, w, offsets, trans=True), atol=1e-6)
     assert torch.equal(gx[8], torch.zeros(4))
-    assert torch.allclose(grouped_mm_int8(g, list(q), list(s), offsets, trans=True)[:4], g[:4] @ w[0], atol=1e-6)
+    gt = torch.randn(9, 5, requires_grad=True)
+    yt = grouped_mm_int8(gt, list(q), list(s), offsets, trans=True)
+    assert torch.allclose(yt[:4], gt[:4] @ w[0], atol=1e-6)
+    gg, = torch.autograd.grad(yt, gt, x.detach())  # the transposed product's gradient: the product itself
+    assert torch.allclose(gg, grouped_mm(x.detach(), w, offsets), atol=1e-6)
 
 
-@pytest.mark.parametrize("bad", ["float weight", "short scale", "one fewer scale"])
+@pytest.mark.parametrize("bad", ["float weight", "short scale", "one fewer scale", "fp64 scale"])
 def test_int8_grouped_mm_refuses_weights_that_are_not_int8_rows_with_a_scale_each(bad):
     q, s = [torch.ones(5, 4, dtype=torch.int8)] * 3, [torch.ones(5)] * 3
     if bad == "float weight":
         q = [torch.ones(5, 4)] * 3
     elif bad == "short scale":
         s = [torch.ones(4)] * 3
+    elif bad == "fp64 scale":
+        s = [torch.ones(5, dtype=torch.float64)] * 3
     else:
         s = s[:2]
     with pytest.raises(ValueError, match="int8"):
