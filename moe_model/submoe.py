@@ -182,10 +182,11 @@ class SubMoE(nn.Module):
         regex = rf".*\.({'|'.join(targets)})$"
         cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=regex, bias="none")
         inject_adapter_in_model(cfg, self.model)
+        paths = block_paths(self.model)  # once: a walk over every module (was one per LoRA A, quadratic in experts)
         for name, p in self.model.named_parameters():
             if ".lora_A." in name:
                 with torch.no_grad():
-                    p.copy_(lora_a_init(lora.seed, self._canonical(name, block_paths(self.model)), tuple(p.shape)))
+                    p.copy_(lora_a_init(lora.seed, self._canonical(name, paths), tuple(p.shape)))
 
     def _canonical(self, name: str, paths: dict[str, int]) -> str | None:
         if name.startswith("head."):
