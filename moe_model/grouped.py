@@ -86,13 +86,8 @@ def _check_int8(x: torch.Tensor, weight: list[torch.Tensor], scale: list[torch.T
 
 def _grouped_mm_int8(x: torch.Tensor, weight: list[torch.Tensor], scale: list[torch.Tensor], offsets: torch.Tensor,
                      trans: bool = False) -> torch.Tensor:
-    rows, cols = _check_int8(x, weight, scale, offsets, trans)
-    out = x.new_zeros(rows, cols)
-    for e, (a, b) in enumerate(_segments(offsets, rows)):
-        if b > a:
-            w = dequantize_int8(weight[e], scale[e])
-            out[a:b] = x[a:b] @ (w if trans else w.t())
-    return out
+    _check_int8(x, weight, scale, offsets, trans)  # the reference: grouped_mm on the dequantized stack
+    return _grouped_mm(x, torch.stack([dequantize_int8(q, s) for q, s in zip(weight, scale)]), offsets, trans)
 
 
 def _grouped_mm_int8_fake(x, weight, scale, offsets, trans=False):

@@ -43,26 +43,38 @@ void expert_mm(const float* w, int64_t wo, int64_t wi, bool trans, const float* 
     gemm('T', 'N', wo, r, wi, w, wi, x + a * k, k, y + a * m, m);
 }
 
-Tensor& grouped_mm_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans,
-                       Tensor& out) {
-  ET_KERNEL_CHECK_MSG(ctx, x.scalar_type() == ScalarType::Float && w.scalar_type() == ScalarType::Float &&
-                               out.scalar_type() == ScalarType::Float && x.dim() == 2 && w.dim() == 3 && out.dim() == 2,
-                      InvalidArgument, out, "grouped_mm: fp32 x (P, K), w (n, out, in), out (P, M)");
-  const int64_t rows = x.size(0), n = w.size(0), wo = w.size(1), wi = w.size(2);
-  const int64_t k = trans ? wo : wi, m = trans ? wi : wo;
-  ET_KERNEL_CHECK_MSG(ctx, x.size(1) == k && out.size(0) == rows && out.size(1) == m, InvalidArgument, out,
-                      "grouped_mm: shapes do not match");
-  ET_KERNEL_CHECK_MSG(ctx, segments(offsets, n, rows), InvalidArgument, out,
-                      "grouped_mm: offsets must ascend from 0 within the rows");
+// x (P, K) and out (P, M) fp32 for n experts' weights of (wo, wi), and offsets that ascend from 0 within P
+bool rows_ok(const Tensor& x, const Tensor& offsets, int64_t n, int64_t wo, int64_t wi, bool trans, const Tensor& out) {
+  return x.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float && x.dim() == 2 &&
+         out.dim() == 2 && x.size(1) == (trans ? wo : wi) && out.size(0) == x.size(0) &&
+         out.size(1) == (trans ? wi : wo) && segments(offsets, n, x.size(0));
+}
+
+// out = each expert's rows of x through its weight, weight_of(e, buffer) -> (wo, wi) fp32 (buffer: the calling
+// thread's own, for a weight it has to compute); the experts shared among the thread pool
+template <class WeightOf>
+void expert_products(const Tensor& x, const Tensor& offsets, int64_t n, int64_t wo, int64_t wi, bool trans,
+                     Tensor& out, WeightOf weight_of) {
   const int64_t* o = offsets.const_data_ptr<int64_t>();
   const float* xp = x.const_data_ptr<float>();
-  const float* wp = w.const_data_ptr<float>();
   float* yp = out.mutable_data_ptr<float>();
-  std::memset(yp, 0, sizeof(float) * rows * m);
+  std::memset(yp, 0, sizeof(float) * out.size(0) * out.size(1));
   executorch::extension::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer;
     for (int64_t e = begin; e < end; ++e)
-      expert_mm(wp + e * wo * wi, wo, wi, trans, xp, yp, o[e], o[e + 1]);
+      if (o[e + 1] > o[e]) expert_mm(weight_of(e, buffer), wo, wi, trans, xp, yp, o[e], o[e + 1]);
   });
+}
+
+Tensor& grouped_mm_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans,
+                       Tensor& out) {
+  ET_KERNEL_CHECK_MSG(ctx, w.scalar_type() == ScalarType::Float && w.dim() == 3, InvalidArgument, out,
+                      "grouped_mm: fp32 w (n, out, in)");
+  const int64_t n = w.size(0), wo = w.size(1), wi = w.size(2);
+  ET_KERNEL_CHECK_MSG(ctx, rows_ok(x, offsets, n, wo, wi, trans, out), InvalidArgument, out,
+                      "grouped_mm: fp32 x (P, K) and out (P, M) of w's sizes, offsets ascending from 0 within P");
+  const float* wp = w.const_data_ptr<float>();
+  expert_products(x, offsets, n, wo, wi, trans, out, [&](int64_t e, std::vector<float>&) { return wp + e * wo * wi; });
   return out;
 }
 
@@ -78,29 +90,17 @@ Tensor& grouped_mm_int8_out(KernelRuntimeContext& ctx, const Tensor& x, ArrayRef
                                  scale[e].scalar_type() == ScalarType::Float && scale[e].dim() == 1 &&
                                  scale[e].size(0) == wo,
                         InvalidArgument, out, "grouped_mm_int8: n int8 weights (out, in) of one shape, n fp32 scales (out,)");
-  ET_KERNEL_CHECK_MSG(ctx, x.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float &&
-                               x.dim() == 2 && out.dim() == 2,
-                      InvalidArgument, out, "grouped_mm_int8: fp32 x (P, K), out (P, M)");
-  const int64_t rows = x.size(0), k = trans ? wo : wi, m = trans ? wi : wo;
-  ET_KERNEL_CHECK_MSG(ctx, x.size(1) == k && out.size(0) == rows && out.size(1) == m, InvalidArgument, out,
-                      "grouped_mm_int8: shapes do not match");
-  ET_KERNEL_CHECK_MSG(ctx, segments(offsets, n, rows), InvalidArgument, out,
-                      "grouped_mm_int8: offsets must ascend from 0 within the rows");
-  const int64_t* o = offsets.const_data_ptr<int64_t>();
-  const float* xp = x.const_data_ptr<float>();
-  float* yp = out.mutable_data_ptr<float>();
-  std::memset(yp, 0, sizeof(float) * rows * m);
-  executorch::extension::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w;  // one expert's dequantized weight at a time
-    for (int64_t e = begin; e < end; ++e) {
-      if (o[e + 1] == o[e]) continue;
-      w.resize(static_cast<size_t>(wo * wi));
-      const int8_t* q = weight[e].const_data_ptr<int8_t>();
-      const float* s = scale[e].const_data_ptr<float>();
-      for (int64_t i = 0; i < wo; ++i)
-        for (int64_t j = 0; j < wi; ++j) w[i * wi + j] = static_cast<float>(q[i * wi + j]) * s[i];
-      expert_mm(w.data(), wo, wi, trans, xp, yp, o[e], o[e + 1]);
-    }
+  ET_KERNEL_CHECK_MSG(ctx, rows_ok(x, offsets, n, wo, wi, trans, out), InvalidArgument, out,
+                      "grouped_mm_int8: fp32 x (P, K) and out (P, M) of the weights' sizes, offsets ascending from 0 "
+                      "within P");
+  expert_products(x, offsets, n, wo, wi, trans, out, [&](int64_t e, std::vector<float>& w) {
+    // one expert's dequantized weight at a time
+    w.resize(static_cast<size_t>(wo * wi));
+    const int8_t* q = weight[e].const_data_ptr<int8_t>();
+    const float* s = scale[e].const_data_ptr<float>();
+    for (int64_t i = 0; i < wo; ++i)
+      for (int64_t j = 0; j < wi; ++j) w[i * wi + j] = static_cast<float>(q[i * wi + j]) * s[i];
+    return static_cast<const float*>(w.data());
   });
   return out;
 }
