@@ -538,7 +538,8 @@ class Aggregator:
                     # taking two uploads' locks in opposite orders would deadlock
                     with self.store.transaction():
                         batch, m = self._handle_batch(m, min(until, time.monotonic() + BATCH_S),
-                                                      lambda x: self._own_partition(x.topic))
+                                                      lambda x: self._own_partition(x.topic), wait=True)
+                        self.ingest.end_batch()  # what it took committed with the batch, the rest of its chunks stored
                     for done in batch:  # only now: a worker killed before this gets them again from its session
                         self.transport.ack(done)
                     if m is None and time.monotonic() < until:
@@ -606,9 +607,10 @@ class Aggregator:
         return self.verification.duplicates if self.verification is not None else 0
 
     # ------------------------------------------------------------------ incoming
-    def _pump(self, timeout: float) -> None:
+    def _pump(self, timeout: float, wait: bool = True) -> None:
         """Handle every message already queued, waiting up to ``timeout`` for the first.
-        They are handled in batches (:data:`BATCH_MESSAGES`, :data:`BATCH_S`), each batch's
+        They are handled in batches (:data:`BATCH_MESSAGES`, :data:`BATCH_S`; while a round
+        is open and ``wait``, a batch waits for more messages: :meth:`_handle_batch`), each batch's
         store writes in one transaction (group commit) and its messages acknowledged to the
         broker after it commits: killed at any instant, the aggregator has stored all of a
         batch or none of it, and the broker redelivers what it did not acknowledge.
@@ -633,7 +635,8 @@ class Aggregator:
             self._batch_progress = []
             try:
                 with self.store.transaction():  # group commit: one commit for the batch
-                    batch, _ = self._handle_batch(m, time.monotonic() + BATCH_S)
+                    batch, _ = self._handle_batch(m, time.monotonic() + BATCH_S,
+                                                  wait=wait and self.engine.current is not None)
                     self._save_chunks()
                     self.engine.end_batch()  # a streaming round: its new sums, markers and unfolded updates
             finally:
@@ -648,20 +651,27 @@ class Aggregator:
         self._reject_log.flush()  # the summary of suppressed rejection lines, once a minute
         self.activity.flush()  # the last of a burst of events
 
-    def _handle_batch(self, first: Incoming, end: float, admit: Callable[[Incoming], bool] | None = None
-                      ) -> tuple[list[Incoming], Incoming | None]:
-        """Handle ``first`` and the messages already queued after it, at most
-        :data:`BATCH_MESSAGES` and until ``end`` (monotonic seconds), inside the caller's store
-        transaction (group commit: the caller acknowledges them once it commits). With
-        ``admit``, the batch goes on only while ``admit`` accepts its messages, ``first``
-        included. Returns the handled messages and the next one taken off the queue that
-        ``admit`` refused (not handled), or None. Raises what :meth:`_handle` raises (StoreError)."""
+    def _handle_batch(self, first: Incoming, end: float, admit: Callable[[Incoming], bool] | None = None,
+                      wait: bool = False) -> tuple[list[Incoming], Incoming | None]:
+        """Handle ``first`` and the messages queued after it, at most :data:`BATCH_MESSAGES`
+        and until ``end`` (monotonic seconds), inside the caller's store transaction (group
+        commit: the caller acknowledges them once it commits). Without ``wait`` the batch
+        ends at the first moment the queue is empty; with it, it waits for more until ``end``
+        (a round's uploads: under a steady stream a batch then holds :data:`BATCH_S` of it,
+        not the one or two messages queued at an instant, so the round's sums are written
+        once for several updates instead of each update's payload). With ``admit``, the
+        batch goes on only while ``admit`` accepts its messages, ``first`` included.
+        Returns the handled messages and the next one taken off the queue that ``admit``
+        refused (not handled), or None. Raises what :meth:`_handle` raises (StoreError)."""
         batch = [first]
         self._handle(first.topic, first.payload, first.properties)
         if admit is not None and not admit(first):
             return batch, None
-        while len(batch) < BATCH_MESSAGES and time.monotonic() < end:
-            m = self.transport.get(0)
+        while len(batch) < BATCH_MESSAGES:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            m = self.transport.get(left if wait else 0)
             if m is None:
                 break
             if admit is not None and not admit(m):
@@ -677,7 +687,7 @@ class Aggregator:
         if self.store.in_transaction:
             return
         if self.transport.inbox.qsize() >= BATCH_MESSAGES or time.monotonic() - self._pumped >= BATCH_S:
-            self._pump(0)
+            self._pump(0, wait=False)
 
     def _handle(self, topic: str, payload: bytes, props: dict[str, str] | None = None) -> None:
         """Validate one incoming message and hand it to the registry or the round engine.
@@ -743,7 +753,10 @@ class Aggregator:
                 raise MessageError(f"unknown device {device_id!r}: send hello first")
             if kind == "update":
                 if all(f.accept_chunk(device_id, payload, props or {}) for f in self.filters):
-                    (self.ingest.on_chunk if self.ingest is not None else self._on_chunk)(device_id, payload)
+                    if self.ingest is not None:
+                        self.ingest.on_chunk(device_id, payload, own=self._own_partition(topic))
+                    else:
+                        self._on_chunk(device_id, payload)
             elif kind == "stats":
                 msg = parse_message(payload, Stats)
                 self._same_device(device_id, msg.device_id)

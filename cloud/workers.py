@@ -13,10 +13,13 @@ workers also share the plain topics of older devices with a shared subscription
 (``$share/fedmoe-workers/...``: the broker hands each message to one worker). They meet in
 the store (PostgreSQL; :class:`cloud.store.Store`), under these keys of round ``n``:
 
-- ``chunks/{n}/{device}/{transfer}/{seq}``: an update's chunks, until the update is taken
-  (with a shared subscription one update's chunks are spread over the workers; whoever
-  stores the last one reassembles and decodes it, under the transfer's lock, and keeps it
-  decoded);
+- ``chunks/{n}/{device}/{transfer}/{seq}``: an update's chunks that a batch acknowledged
+  before its update was taken. On a worker's own partition the worker gets all of an
+  upload's chunks and reassembles them in memory; only the chunks of an upload that is
+  incomplete (or waiting for its statistics) when a batch ends are stored. With a shared
+  subscription one update's chunks are spread over the workers, so each is stored as it
+  comes; whoever stores the last one reassembles and decodes it, under the transfer's
+  lock, and keeps it decoded;
 - ``inflight/{n}/stats/{device}``: the validated statistics; the worker holding the
   decoded update takes it once they are there (:meth:`Ingest.poll`);
 - ``inflight/{n}/update/{device}``: the validated update as sent, only for a method that
@@ -32,10 +35,12 @@ the store (PostgreSQL; :class:`cloud.store.Store`), under these keys of round ``
   round without a live one, since uploads sent before any worker subscribed would be lost,
   and hands out only live workers' partitions).
 
-Exactly once: a worker commits the updates it took in groups (:meth:`Ingest.flush`): in
-one transaction holding each device's lock (a transaction-level advisory lock) and the
-round's lock shared, it adds those nobody else took to its sums, writes the sums and
-their markers and drops their chunks. The coordinator sets the fence holding the round's
+Exactly once: a worker commits the updates it took in groups (:meth:`Ingest.flush`, at
+the end of each batch of messages, in the batch's transaction: :meth:`Ingest.end_batch`):
+holding each device's lock (a transaction-level advisory lock) and the round's lock
+shared, it adds those nobody else took to its sums, writes the sums and their markers and
+drops their chunks. Every chunk a batch acknowledges is thus in an update taken in that
+batch's commit, or stored by it. The coordinator sets the fence holding the round's
 lock exclusively, so no commit is half done or starts after it, and then reads the
 markers and every worker's sums. A worker acknowledges a message to the broker only once
 it is stored; killed at any instant, it leaves its transaction undone; what it had not
@@ -154,6 +159,14 @@ class Ingest:
         self._waiting: set[str] = set()
         """Devices whose stats were stored but whose update nobody took, at the last sweep."""
         self._sums: tuple[int, RoundSums] | None = None
+        self.assembler = Reassembler(max_update_bytes, verify_chunks=False)
+        """Reassembles the uploads of this worker's own partition in memory (:meth:`on_chunk`)."""
+        self._held: dict[str, dict[str, bytes]] = {}
+        """chunks' prefix -> store key -> chunk: own-partition chunks of this batch not in the store,
+        written at its end unless their update was taken in it (:meth:`end_batch`)."""
+        self._own: dict[str, bool] = {}
+        """Own-partition transfers of the open round (chunks' prefix) -> whether some of their
+        chunks are in the store (then read into :attr:`assembler` once, and deleted once taken)."""
         self._announced = 0.0
         self.taken = 0
         """Updates this worker folded (or stored) since it started."""
@@ -182,6 +195,9 @@ class Ingest:
             self.engine.registry.reload()
             self._last, self._round_json = last, None
             self._decoded.clear()
+            self._held.clear()
+            self._own.clear()
+            self.assembler.drop_round(last)
         cur = self.store.get_json("current_round")
         if cur is None or cur.get("number") != last + 1:
             self.engine.current, self._round_json = None, None
@@ -198,18 +214,26 @@ class Ingest:
         return self.engine.check_current(device_id, round_, what, upload_id)
 
     # ------------------------------------------------------------------ uploads
-    def on_chunk(self, device_id: str, payload: bytes) -> None:
-        """One update chunk (signature already verified): stored; the worker that stores a
-        transfer's last chunk reassembles it (:meth:`on_update`).
+    def on_chunk(self, device_id: str, payload: bytes, own: bool = False) -> None:
+        """One update chunk (signature already verified). On this worker's own uplink
+        partition (``own``: every chunk of the upload comes here) it is reassembled in memory
+        and kept until the batch it came in ends (:meth:`end_batch`: stored then, unless its
+        update was taken in that batch); from the shared subscription (older devices, whose
+        chunks are spread over the workers) it is stored at once, and the worker that
+        stores a transfer's last chunk reassembles it. A complete update goes to
+        :meth:`on_update`.
 
         Raises:
-            ChunkError: a malformed chunk.
+            ChunkError: a malformed chunk, or one that disagrees with its transfer.
         """
         header, data = parse_chunk(payload, self.max_update_bytes, verify=False)
         rnd = self._current(device_id, header.round, "update", header.id)
         if rnd is None:
             return
         prefix = f"chunks/{header.round}/{device_id}/{header.id}/"
+        if own:
+            self._own_chunk(device_id, header.round, header.id, header.seq, payload, prefix)
+            return
         shape = {"kind": header.kind, "n": header.n, "size": header.size, "sha": header.sha}
         overflow = False
         with self.store.transaction():
@@ -236,6 +260,53 @@ class Ingest:
             raise ChunkError(f"transfer {header.id} sent more bytes than it declared ({header.size})")
         if complete:
             self._assemble(device_id, prefix)
+
+    def _own_chunk(self, device_id: str, round_: int, transfer: str, seq: int, payload: bytes, prefix: str) -> None:
+        """:meth:`on_chunk` on the own partition: into :attr:`assembler`, after the transfer's
+        chunks an earlier batch stored (read once per transfer: a worker restarted mid-upload
+        gets the rest redelivered). Raises ChunkError."""
+        blob = None
+        try:
+            if prefix not in self._own:
+                stored = self.store.blob_items(prefix) if not self.assembler.progress(device_id, round_, transfer)[0] \
+                    else []
+                self._own[prefix] = bool(stored)
+                for _, chunk in stored:
+                    blob = self.assembler.add(device_id, chunk) or blob
+            blob = self.assembler.add(device_id, payload) or blob
+        except ChunkError:
+            if not self.assembler.progress(device_id, round_, transfer)[0]:  # the assembler dropped the transfer
+                self._drop_chunks(prefix)
+            raise
+        if blob is None and not self.assembler.progress(device_id, round_, transfer)[0]:
+            return  # a repeat of a chunk of a transfer already complete here
+        self._held.setdefault(prefix, {})[f"{prefix}{seq}"] = payload
+        if blob is not None:
+            self.on_update(device_id, blob, prefix)
+            if (round_, device_id) not in self._decoded and device_id not in self._pending:
+                self._held.pop(prefix, None)  # refused, or a repeat of an update taken: nothing to keep
+
+    def end_batch(self) -> None:
+        """The end of a batch of messages, inside its transaction, before the broker is
+        acknowledged: commit the updates taken (:meth:`flush`, nested in it), then store the
+        own-partition chunks held in memory whose update was not taken (incomplete, or
+        waiting for its statistics), so that every acknowledged chunk is folded or stored.
+        Raises StoreError."""
+        self.flush()
+        for prefix, chunks in self._held.items():
+            for key, payload in chunks.items():
+                self.store.put_blob(key, payload)
+            self._own[prefix] = True
+        self._held.clear()
+
+    def _drop_chunks(self, prefix: str) -> None:
+        """Forget the chunks of a transfer whose update was taken or refused: those held in
+        memory, and those in the store (an own-partition transfer's only where some were
+        stored). Raises StoreError."""
+        self._held.pop(prefix, None)
+        if self._own.get(prefix, True):
+            self.store.delete_prefix(prefix)
+        self._own.pop(prefix, None)
 
     def _assemble(self, device_id: str, prefix: str) -> None:
         """Reassemble the update whose chunks are stored under ``prefix`` and hand it to
@@ -276,7 +347,7 @@ class Ingest:
                                                 rnd.ranks.get(device_id))
         except Exception as e:  # CodecError, or the strategy's sent state failing its layout check
             self.store.put_json(_key(n, "rejected", device_id), f"update rejected: {e}"[:2000])
-            self.store.delete_prefix(chunks)  # refused: nothing to sweep up later
+            self._drop_chunks(chunks)  # refused: nothing to sweep up later
             self.reject(device_id, n, f"update rejected: {e}", **refers)
             return
         if not sums_mode(self.engine):
@@ -398,7 +469,7 @@ class Ingest:
             for d, (_, _, marker, chunks) in taken.items():
                 self.store.put_json(_key(n, "folded", d), marker)
                 if chunks is not None:
-                    self.store.delete_prefix(chunks)
+                    self._drop_chunks(chunks)
         self._sums = (n, sums)
         self._pending.clear()
         self.taken += len(taken)

@@ -41,6 +41,7 @@ allocation.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import zlib
@@ -380,12 +381,19 @@ def inflate(data: bytes | memoryview, max_bytes: int) -> bytes | memoryview:
 def inspect_header(data: bytes | memoryview, max_bytes: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and bounds-check a safetensors header without allocating tensors.
 
+    The parse of a header is kept (:func:`_parse_header`, the last
+    :data:`HEADER_CACHE_SIZE` headers by their bytes and the payload's length): devices
+    holding the same experts send byte-identical headers, and parsing and checking one of
+    the fleet's 128 tensors costs about 0.3 ms, a few percent of the aggregator's CPU per
+    update.
+
     Args:
         data: the payload.
         max_bytes: largest acceptable payload size in bytes.
 
     Returns:
-        ``(infos, metadata)``: declared dtype/shape per tensor, and the metadata dict.
+        ``(infos, metadata)``: declared dtype/shape per tensor, and the metadata dict (both
+        the caller's own: changing them changes no cached parse).
 
     Raises:
         CodecError: oversized, truncated, unknown dtype, offsets that overlap, leave
@@ -403,8 +411,25 @@ def inspect_header(data: bytes | memoryview, max_bytes: int) -> tuple[dict[str, 
     (hlen,) = struct.unpack("<Q", bytes(data[:8]))
     if hlen > min(MAX_HEADER_BYTES, n - 8):
         raise CodecError(f"declared header length {hlen} exceeds the payload")
+    raw = bytes(data[8 : 8 + hlen])
+    infos, metadata = (_parse_header_cached if hlen <= CACHED_HEADER_BYTES else _parse_header)(raw, n)
+    return dict(infos), dict(metadata)
+
+
+HEADER_CACHE_SIZE = 256
+CACHED_HEADER_BYTES = 32 * 1024
+""":func:`inspect_header` keeps the parses of the last :data:`HEADER_CACHE_SIZE` headers of at
+most :data:`CACHED_HEADER_BYTES` bytes (the fleet's 128 tensors: about 12 KiB of header), so
+devices sending distinct headers make it hold at most 256 parses of 32 KiB headers (about
+40 MiB: a 32 KiB header of one-element tensors parses into about 150 KiB of objects)."""
+
+
+def _parse_header(raw: bytes, n: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The checked header ``raw`` of a payload of ``n`` bytes (:func:`inspect_header`; the
+    dicts returned may be shared: copy before changing them). Raises CodecError."""
+    hlen = len(raw)
     try:
-        header = json.loads(bytes(data[8 : 8 + hlen]).decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CodecError(f"malformed safetensors header: {e}") from None
     if not isinstance(header, dict):
@@ -442,6 +467,9 @@ def inspect_header(data: bytes | memoryview, max_bytes: int) -> tuple[dict[str, 
     if pos != body:
         raise CodecError("payload has trailing bytes after the last tensor")
     return infos, metadata
+
+
+_parse_header_cached = functools.lru_cache(maxsize=HEADER_CACHE_SIZE)(_parse_header)
 
 
 def decode_tensors(

@@ -250,3 +250,18 @@ def test_state_blobs_know_the_same_tensors_in_a_scope_without_hashing_and_see_in
     for i in range(dispatch.StateBlobs.SIZE + 2):  # bounded in number, like the content cache
         cache.encode({"x": torch.full((2,), float(i))}, "fp32", scope=(3, "v1"))
     assert len(cache._seen) == dispatch.StateBlobs.SIZE
+
+
+def test_a_repeated_header_is_parsed_once_and_its_parse_is_the_callers_own():
+    a = encode_tensors({"w": torch.ones(2, 3), "b": torch.zeros(3)})
+    b = encode_tensors({"w": torch.full((2, 3), 2.0), "b": torch.ones(3)})  # the same header, other values
+    infos, meta = inspect_header(a, LIMIT)
+    infos.pop("w")
+    meta["format"] = "nf4"
+    assert set(inspect_header(b, LIMIT)[0]) == {"w", "b"} and inspect_header(b, LIMIT)[1].get("format") != "nf4"
+    assert torch.equal(decode_tensors(b, LIMIT)["w"], torch.full((2, 3), 2.0))
+    # the same header on a payload of another length is checked again, not taken from the cache
+    with pytest.raises(CodecError, match="trailing bytes"):
+        inspect_header(a + b"\0" * 4, LIMIT)
+    with pytest.raises(CodecError, match="do not match"):
+        inspect_header(a[:-4], LIMIT)

@@ -9,7 +9,7 @@ import torch
 
 from cloud.aggregation.base import AggregationStrategy
 from cloud.aggregation.modular import Modular
-from cloud.robust.rules import RobustAggregation, median, trimmed_mean
+from cloud.robust.rules import RobustAggregation, krum_scores, median, squared_distances, trimmed_mean
 from cloud.strategy import ClientResult
 
 SHAPES = {
@@ -133,6 +133,30 @@ def test_multi_krum_m_selects_the_m_most_central():
     assert agg.report["dropped"] == {"d": 3, "evil": 3}
     mean = (10 * 1.0 + 20 * 1.1 + 30 * 0.9) / 60
     torch.testing.assert_close(out["router.0.1"], expected(mean, "router.0.1"), rtol=0, atol=1e-6)
+
+
+def test_squared_distances_match_pairwise_differences_far_from_the_origin():
+    # points close together far from the origin: the Gram-matrix form without centring would
+    # cancel most of its digits here (|x|^2 ~ 1e6, distances^2 ~ 1e-4)
+    g = torch.Generator().manual_seed(0)
+    centre = torch.randn(500, generator=g, dtype=torch.float64) * 50
+    flat = centre + 1e-3 * torch.randn(40, 500, generator=g, dtype=torch.float64)
+    direct = torch.cdist(flat, flat, compute_mode="donot_use_mm_for_euclid_dist").pow(2)
+    got = squared_distances(flat)
+    torch.testing.assert_close(got, direct, rtol=1e-9, atol=1e-12 * float(direct.max()))
+    assert torch.equal(got.diagonal(), torch.zeros(40, dtype=torch.float64))
+
+
+def test_krum_scores_of_non_finite_rows_are_infinite_and_the_others_are_not_spoiled():
+    g = torch.Generator().manual_seed(1)
+    flat = torch.randn(8, 30, generator=g, dtype=torch.float64)
+    flat[6, 3], flat[7, 0] = float("nan"), float("inf")
+    scores = krum_scores(flat, f=1)
+    assert torch.isinf(scores[6:]).all() and torch.isfinite(scores[:6]).all()
+    # n - f - 2 = 5 nearest of 7 others: the two bad rows sort last, so the six clean rows score
+    # as the sum of their 5 nearest clean neighbours, which is every other clean row
+    d2 = torch.cdist(flat[:6], flat[:6]).pow(2)
+    torch.testing.assert_close(scores[:6], d2.sum(dim=1))
 
 
 def test_multi_krum_needs_2f_plus_3_holders():

@@ -55,6 +55,25 @@ def test_running_sums_equal_fedavg_and_survive_the_store_round_trip():
         merged.merge(bad)
 
 
+def test_sums_written_as_one_tensor_read_back_and_so_does_the_earlier_layout():
+    from safetensors.torch import save
+
+    sums = RoundSums(devices=3)
+    sums.add("expert.0.1.lora_A", torch.arange(6.0).reshape(2, 3), 2.0)
+    sums.add("backbone.a", torch.tensor([1.5]), 0.5)
+    back = RoundSums.from_bytes(sums.to_bytes())
+    assert back.devices == 3 and back.weight == sums.weight
+    assert all(torch.equal(back.weighted[k], sums.weighted[k]) for k in sums.weighted)
+    earlier = save({"s/backbone.a": torch.tensor([0.75], dtype=torch.float64),
+                    "w/backbone.a": torch.tensor([0.5], dtype=torch.float64), "n": torch.tensor([1])})
+    old = RoundSums.from_bytes(earlier)  # an in-flight round's sums stored before the upgrade
+    assert old.devices == 1 and old.weight == {"backbone.a": 0.5} and old.weighted["backbone.a"].item() == 0.75
+    flat = save({"sums": torch.zeros(5, dtype=torch.float64), "weights": torch.ones(1, dtype=torch.float64),
+                 "n": torch.tensor([1])}, metadata={"names": '[["backbone.a", [2, 3]]]'})
+    with pytest.raises(ValueError, match="not running sums"):  # 6 values named, 5 stored
+        RoundSums.from_bytes(flat)
+
+
 def test_adding_many_tensors_at_once_equals_adding_each_and_refuses_a_wrong_shape_whole():
     torch.manual_seed(0)
     each, at_once = RoundSums(), RoundSums()
@@ -314,4 +333,54 @@ def test_worker_bounds_what_a_device_can_store_in_chunks(pg_store):
         ing.on_chunk("d", split_blob(data, 4096, "u9", "update", 1)[0][0])
     ing.on_chunk("x", chunks[0])  # not selected: refused by the round, nothing stored
     assert store.blob_keys("chunks/1/x/") == []
+    store.close()
+
+
+def test_worker_reassembles_its_own_partition_in_memory_and_stores_only_what_a_batch_leaves(pg_store):
+    """On a worker's own uplink partition an upload's chunks stay in memory: nothing reaches
+    the store while the batch lasts; at its end (end_batch) the chunks of an upload that is
+    still incomplete are stored, so that a worker killed after acknowledging them and
+    started again completes the upload from the store and the redelivered rest."""
+    import os
+    from types import SimpleNamespace
+
+    from cloud.store import Store
+    from cloud.workers import Ingest
+    from protocol.chunking import split_blob
+
+    store = Store(pg_store)
+    rnd = SimpleNamespace(number=1, selected={"d": {}, "e": {}})
+    engine = SimpleNamespace(store=store, current=rnd,
+                             check_current=lambda d, r, what, upload=None: rnd if r == 1 and d in rnd.selected else None)
+
+    def worker() -> tuple[Ingest, list]:
+        ing = Ingest(engine, "w0", reject=lambda *a, **k: None, progress=lambda *a: None, max_update_bytes=2**20)
+        got: list = []
+
+        def on_update(device, blob, chunks):  # decoded, waiting for its statistics
+            got.append((device, blob.data, chunks))
+            ing._decoded[(1, device)] = (blob.header.sha, {}, chunks)
+
+        ing.on_update, ing.flush = on_update, lambda: 0
+        return ing, got
+
+    a, b = os.urandom(10_000), os.urandom(9_000)
+    ca, _ = split_blob(a, 4096, "ta", "update", 1)
+    cb, _ = split_blob(b, 4096, "tb", "update", 1)
+    ing, got = worker()
+    for c in ca:  # a whole upload within one batch: it never reaches the store
+        ing.on_chunk("d", c, own=True)
+    ing.on_chunk("e", cb[0], own=True)
+    ing.on_chunk("e", cb[0], own=True)  # a redelivery
+    assert got == [("d", a, "chunks/1/d/ta/")] and store.blob_keys("chunks/") == []
+    ing._decoded.pop((1, "d"))
+    ing._held.pop("chunks/1/d/ta/")  # as if taken in this batch (flush drops what it took)
+    ing.end_batch()
+    assert store.blob_keys("chunks/") == ["chunks/1/e/tb/0"]  # only the incomplete upload's chunk
+    ing2, got2 = worker()  # the worker killed and started again: the rest of e's upload redelivered
+    for c in cb[1:]:
+        ing2.on_chunk("e", c, own=True)
+    assert got2 == [("e", b, "chunks/1/e/tb/")]
+    ing2._drop_chunks("chunks/1/e/tb/")  # taken: its stored chunk goes
+    assert store.blob_keys("chunks/") == []
     store.close()

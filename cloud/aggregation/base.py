@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -80,29 +82,51 @@ class RoundSums:
         self.devices += other.devices
 
     def to_bytes(self) -> bytes:
-        """Safetensors bytes: ``s/{name}`` float64 sums, ``w/{name}`` float64 [1] weights and
-        ``n`` (int64 [1]) the device count."""
+        """Safetensors bytes: ``sums`` (float64, every sum flattened and concatenated in the
+        order of ``names``), ``weights`` (float64, one per name), ``n`` (int64 [1]) the device
+        count, and the metadata ``names``: JSON ``[[name, shape], ...]``. One tensor, not one
+        per sum: writing a streaming round's sums at each batch took about 0.7 ms of the
+        aggregator's CPU per update as 128 tensors (``results/fleet/profile_pairs_batches.md``)."""
         from safetensors.torch import save
 
-        tensors = {f"s/{k}": v.contiguous() for k, v in self.weighted.items()}
-        tensors.update({f"w/{k}": torch.tensor([w], dtype=torch.float64) for k, w in self.weight.items()})
-        tensors["n"] = torch.tensor([self.devices], dtype=torch.int64)
-        return save(tensors)
+        names = list(self.weighted)
+        flat = torch.cat([self.weighted[k].reshape(-1).to(torch.float64) for k in names]) if names \
+            else torch.zeros(0, dtype=torch.float64)
+        return save({"sums": flat, "weights": torch.tensor([self.weight[k] for k in names], dtype=torch.float64),
+                     "n": torch.tensor([self.devices], dtype=torch.int64)},
+                    metadata={"names": json.dumps([[k, list(self.weighted[k].shape)] for k in names])})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "RoundSums":
-        """The sums :meth:`to_bytes` wrote. Raises ValueError for other bytes."""
+        """The sums :meth:`to_bytes` wrote (or the one-tensor-per-sum layout written before
+        2026-12-08: ``s/{name}``, ``w/{name}``, ``n``). Raises ValueError for other bytes."""
         from safetensors.torch import load
+
+        from protocol.codec import inspect_header
 
         try:
             tensors = load(bytes(data))
             out = cls(devices=int(tensors.pop("n")[0]))
-            for k, v in tensors.items():
-                kind, name = k.split("/", 1)
-                if kind == "s":
-                    out.weighted[name] = v
-                else:
-                    out.weight[name] = float(v[0])
+            if "sums" in tensors:
+                names = json.loads(inspect_header(data, len(data))[1]["names"])
+                flat, weights = tensors["sums"], tensors["weights"].tolist()
+                if len(weights) != len(names):
+                    raise ValueError(f"{len(names)} names but {len(weights)} weights")
+                pos = 0
+                for (name, shape), w in zip(names, weights):
+                    size = math.prod(shape)
+                    out.weighted[name] = flat[pos:pos + size].view(shape)
+                    out.weight[name] = float(w)
+                    pos += size
+                if pos != flat.numel():
+                    raise ValueError(f"the names' shapes hold {pos} values, the sums {flat.numel()}")
+            else:
+                for k, v in tensors.items():
+                    kind, name = k.split("/", 1)
+                    if kind == "s":
+                        out.weighted[name] = v
+                    else:
+                        out.weight[name] = float(v[0])
         except Exception as e:
             raise ValueError(f"not running sums: {type(e).__name__}: {e}") from None
         if set(out.weighted) != set(out.weight):

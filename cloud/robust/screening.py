@@ -70,7 +70,7 @@ def _squared_changes(state: dict[str, torch.Tensor], global_state: dict[str, tor
     if not names:
         return {}
     norms = torch._foreach_norm(torch._foreach_sub([state[n] for n in names], [global_state[n] for n in names]))
-    return {n: v * v for n, v in zip(names, map(float, norms))}
+    return {n: v * v for n, v in zip(names, torch.stack(norms).tolist())}
 
 
 def group_of(name: str) -> tuple[str, str]:

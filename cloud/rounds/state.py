@@ -98,6 +98,9 @@ class Stream:
     """Devices whose update payload is in the store (dropped once folded)."""
     saved: set[str] = field(default_factory=set)
     """Devices whose marker is in the store (with the sums that include them)."""
+    fresh: list[str] = field(default_factory=list)
+    """Devices whose marker is not in the store yet (``markers`` less ``saved``, in the order
+    folded: a batch's end looks at these, not at every marker of the round)."""
 
 
 @dataclass

@@ -91,6 +91,7 @@ class Streaming(EngineState):
         stream = rnd.stream
         for d in devices:
             stream.markers[d], result = screened_marker(screened, d, rnd.updates[d][0])
+            stream.fresh.append(d)
             if result is not None:
                 self.strategy.fold(stream.sums, result)
             data = stream.unsaved.pop(d, None)
@@ -106,7 +107,7 @@ class Streaming(EngineState):
         if stream is None:
             return
         prefix = f"inflight/{rnd.number}/"
-        new = [d for d in stream.markers if d not in stream.saved]
+        new = stream.fresh
         if not stream.unsaved and not new:
             return
         sums_bytes = sum(t.numel() * t.element_size() for t in stream.sums.weighted.values())
@@ -128,6 +129,7 @@ class Streaming(EngineState):
         if settle:
             stream.saved.update(new)
             stream.stored.difference_update(new)
+            stream.fresh = []
 
     def restore_stream(self, rnd: OpenRound) -> None:
         """After a restart: the streaming round's stored sums and markers; the updates stored

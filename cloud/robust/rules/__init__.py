@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from .base import CoordinateRule, RobustRule, SelectionRule, get_robust_rule
 from .median import median
-from .multi_krum import krum_scores, multi_krum_select
+from .multi_krum import krum_scores, multi_krum_select, squared_distances
 from .robust_aggregation import RobustAggregation
 from .trimmed_mean import trimmed_mean
 
 __all__ = ["CoordinateRule", "RobustAggregation", "RobustRule", "SelectionRule", "get_robust_rule",
-           "krum_scores", "median", "multi_krum_select", "trimmed_mean"]
+           "krum_scores", "median", "multi_krum_select", "squared_distances", "trimmed_mean"]
