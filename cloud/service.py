@@ -542,6 +542,7 @@ class Aggregator:
                         self.ingest.end_batch()  # what it took committed with the batch, the rest of its chunks stored
                     for done in batch:  # only now: a worker killed before this gets them again from its session
                         self.transport.ack(done)
+                    self.ingest.tell()  # reports and screening's rejections of what the batch took
                     if m is None and time.monotonic() < until:
                         m = self.transport.get(0)
                 self.ingest.poll()

@@ -156,9 +156,16 @@ class Ingest:
         self._pending: dict[str, tuple[int, ClientResult | None, dict[str, Any], str | None]] = {}
         """device -> (round, screened result to fold or None, marker, its chunks' prefix): taken, not
         yet committed."""
+        self._stats: dict[tuple[int, str], tuple[dict[str, Any], Stats]] = {}
+        """(round, device) -> the statistics this worker stored (as stored, and validated), not yet taken."""
+        self._taken: dict[tuple[int, str], str] = {}
+        """(round, device) -> sha256 of the update whose marker this worker committed or found: a repeat
+        costs no store query (:meth:`flush` checks the store, under the device's lock, before it takes one)."""
         self._waiting: set[str] = set()
         """Devices whose stats were stored but whose update nobody took, at the last sweep."""
         self._sums: tuple[int, RoundSums] | None = None
+        self._notices: list[tuple[str, int, dict[str, Any]]] = []
+        """What :meth:`flush` took, told by :meth:`tell` once its transaction committed: (device, round, marker)."""
         self.assembler = Reassembler(max_update_bytes, verify_chunks=False)
         """Reassembles the uploads of this worker's own partition in memory (:meth:`on_chunk`)."""
         self._held: dict[str, dict[str, bytes]] = {}
@@ -195,6 +202,8 @@ class Ingest:
             self.engine.registry.reload()
             self._last, self._round_json = last, None
             self._decoded.clear()
+            self._stats.clear()
+            self._taken.clear()
             self._held.clear()
             self._own.clear()
             self.assembler.drop_round(last)
@@ -266,6 +275,12 @@ class Ingest:
         chunks an earlier batch stored (read once per transfer: a worker restarted mid-upload
         gets the rest redelivered). Raises ChunkError."""
         blob = None
+        if prefix not in self._own:
+            mine = f"chunks/{round_}/{device_id}/"
+            open_uploads = sum(1 for p in self._own if p.startswith(mine))
+            if open_uploads >= MAX_TRANSFERS:
+                raise ChunkError(f"{open_uploads} uploads of this device are already in progress in round {round_}; "
+                                 f"at most {MAX_TRANSFERS}")
         try:
             if prefix not in self._own:
                 stored = self.store.blob_items(prefix) if not self.assembler.progress(device_id, round_, transfer)[0] \
@@ -282,9 +297,9 @@ class Ingest:
             return  # a repeat of a chunk of a transfer already complete here
         self._held.setdefault(prefix, {})[f"{prefix}{seq}"] = payload
         if blob is not None:
-            self.on_update(device_id, blob, prefix)
-            if (round_, device_id) not in self._decoded and device_id not in self._pending:
-                self._held.pop(prefix, None)  # refused, or a repeat of an update taken: nothing to keep
+            self.on_update(device_id, blob, prefix)  # a refused update's chunks are dropped there
+            if (round_, device_id) in self._taken and device_id not in self._pending:
+                self._held.pop(prefix, None)  # a repeat of an update taken: nothing to keep
 
     def end_batch(self) -> None:
         """The end of a batch of messages, inside its transaction, before the broker is
@@ -337,9 +352,8 @@ class Ingest:
         if rnd is None:
             return
         n = rnd.number
-        marker = self.store.get_json(_key(n, "folded", device_id))
-        if marker is not None:
-            if marker["sha"] != blob.header.sha:
+        if (n, device_id) in self._taken:
+            if self._taken[(n, device_id)] != blob.header.sha:
                 self.reject(device_id, n, "a second, different update for this round was ignored", **refers)
             return
         try:
@@ -365,14 +379,16 @@ class Ingest:
         if rnd is None:
             return
         n = rnd.number
-        if self.store.get_json(_key(n, "folded", device_id)) is not None:
+        if (n, device_id) in self._taken:
             return
         problem = self.engine.stats_problem(rnd, device_id, stats)
         if problem:
             self.store.put_json(_key(n, "rejected", device_id), f"stats rejected: {problem}"[:2000])
             self.reject(device_id, n, f"stats rejected: {problem}", kind="stats", upload_id=upload)
             return
-        self.store.put_json(_key(n, "stats", device_id), stats.model_dump(mode="json"))
+        raw = stats.model_dump(mode="json")
+        self.store.put_json(_key(n, "stats", device_id), raw)
+        self._stats[(n, device_id)] = (raw, stats)
         if (n, device_id) in self._decoded:  # else the worker that holds the update takes it (:meth:`poll`)
             self.take(n, device_id)
 
@@ -391,12 +407,13 @@ class Ingest:
         rnd = self.engine.current
         dev = self.engine.registry.get(device_id)
         if rnd is None or rnd.number != n or device_id not in rnd.selected or dev is None or \
-                device_id in self._pending or self.store.get_json(_key(n, "folded", device_id)) is not None:
+                device_id in self._pending or (n, device_id) in self._taken:
             return False
-        raw = self.store.get_json(_key(n, "stats", device_id))
+        raw, stats = self._stats.get((n, device_id)) or (self.store.get_json(_key(n, "stats", device_id)), None)
         if raw is None:
             return False
-        stats = Stats.model_validate(raw)
+        if stats is None:
+            stats = Stats.model_validate(raw)
         cached = self._decoded.get((n, device_id))
         if cached is not None and (stats.update is None or cached[0] != stats.update.sha256):
             del self._decoded[(n, device_id)]  # the engine's rule: stats name the update they go with
@@ -440,8 +457,12 @@ class Ingest:
         Returns:
             How many were taken.
 
+        Inside an enclosing transaction (a batch's, :meth:`end_batch`) it commits with it, and
+        tells what it took only when the caller calls :meth:`tell` after that commit.
+
         Raises:
-            StoreError: the store failed (nothing was taken; the queue is kept for the next try).
+            StoreError: the store failed (nothing was taken; outside a batch the queue is kept
+                for the next try; inside one the worker stops, unacknowledged).
         """
         if not self._pending:
             return 0
@@ -456,8 +477,15 @@ class Ingest:
                 return 0
             for d in sorted(pending):
                 self.store.lock(f"take/{n}/{d}")
-            taken = {d: x for d, x in pending.items()
-                     if x[0] == n and self.store.get_json(_key(n, "folded", d)) is None}
+            taken = {}
+            for d, x in pending.items():
+                found = self.store.get_json(_key(n, "folded", d)) if x[0] == n else None
+                if found is not None:  # another worker took it first (and drops its stored chunks)
+                    self._taken[(n, d)] = found["sha"]
+                    self._stats.pop((n, d), None)
+                    self._held.pop(x[3] or "", None)
+                elif x[0] == n:
+                    taken[d] = x
             sums = self._round_sums(n).copy()
             for d, (_, result, _, _) in taken.items():
                 if result is not None:
@@ -472,13 +500,25 @@ class Ingest:
                     self._drop_chunks(chunks)
         self._sums = (n, sums)
         self._pending.clear()
-        self.taken += len(taken)
         for d, (_, _, marker, _) in taken.items():
+            self._taken[(n, d)] = marker["sha"]
+            self._stats.pop((n, d), None)
+        self.taken += len(taken)
+        self._notices.extend((d, n, marker) for d, (_, _, marker, _) in taken.items())
+        if not self.store.in_transaction:  # else the enclosing batch tells them once it commits
+            self.tell()
+        return len(taken)
+
+    def tell(self) -> None:
+        """Tell the operator (``report``) of each update :meth:`flush` took, and the devices
+        whose update screening rejected: after the transaction that took them committed
+        (a worker whose commit fails stops, and takes them again when it comes back)."""
+        notices, self._notices = self._notices, []
+        for d, n, marker in notices:
             if marker["status"] == "rejected":
                 self.reject(d, n, f"update rejected: {marker['reason']}", kind="update")
             self.progress("report", n, {"device": d, "val_accuracy": marker["stats"].get("val_accuracy"),
                                         "worker": self.worker_id})
-        return len(taken)
 
     def poll(self) -> int:
         """Take the updates decoded here whose statistics another worker stored, sweep up what

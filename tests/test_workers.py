@@ -117,7 +117,7 @@ def _args():
     # ack_wait: the NATS cluster re-sends the chunks a SIGKILLed worker held unacknowledged after 10 s, not 30 s
     # (the restarted worker gets them then; on Mosquitto its session has them at once)
     return Namespace(rounds=2, round_timeout=120.0, procs=1, train_s=1.0, connect_rate=200.0, timeout=300.0,
-                     fedmoe=str(Path(sys.executable).parent / "fedmoe"), ack_wait="10s")
+                     robust="none", fedmoe=str(Path(sys.executable).parent / "fedmoe"), ack_wait="10s")
 
 
 def _exactly_once(s: dict, per_round: int) -> None:
@@ -345,8 +345,8 @@ def test_worker_reassembles_its_own_partition_in_memory_and_stores_only_what_a_b
     from types import SimpleNamespace
 
     from cloud.store import Store
-    from cloud.workers import Ingest
-    from protocol.chunking import split_blob
+    from cloud.workers import MAX_TRANSFERS, Ingest
+    from protocol.chunking import ChunkError, split_blob
 
     store = Store(pg_store)
     rnd = SimpleNamespace(number=1, selected={"d": {}, "e": {}})
@@ -383,4 +383,8 @@ def test_worker_reassembles_its_own_partition_in_memory_and_stores_only_what_a_b
     assert got2 == [("e", b, "chunks/1/e/tb/")]
     ing2._drop_chunks("chunks/1/e/tb/")  # taken: its stored chunk goes
     assert store.blob_keys("chunks/") == []
+    for i in range(MAX_TRANSFERS):  # as on the shared path: at most MAX_TRANSFERS uploads in progress
+        ing2.on_chunk("d", split_blob(a, 4096, f"u{i}", "update", 1)[0][0], own=True)
+    with pytest.raises(ChunkError, match=f"at most {MAX_TRANSFERS}"):
+        ing2.on_chunk("d", split_blob(a, 4096, "u9", "update", 1)[0][0], own=True)
     store.close()

@@ -85,8 +85,9 @@ class RoundSums:
         """Safetensors bytes: ``sums`` (float64, every sum flattened and concatenated in the
         order of ``names``), ``weights`` (float64, one per name), ``n`` (int64 [1]) the device
         count, and the metadata ``names``: JSON ``[[name, shape], ...]``. One tensor, not one
-        per sum: writing a streaming round's sums at each batch took about 0.7 ms of the
-        aggregator's CPU per update as 128 tensors (``results/fleet/profile_pairs_batches.md``)."""
+        per sum: as 128 tensors, serialising a streaming round's sums at each batch was 40%
+        of the aggregator's samples in screening and aggregation
+        (``results/fleet/profile_runs/batches_cur*``); as one, it takes about a third less."""
         from safetensors.torch import save
 
         names = list(self.weighted)

@@ -38,7 +38,10 @@ def squared_distances(flat: torch.Tensor) -> torch.Tensor:
         that are not finite.
     """
     finite = torch.isfinite(flat).all(dim=1)
-    centred = flat - flat[finite].mean(dim=0) if bool(finite.any()) else flat
+    if bool(finite.all()):
+        centred = flat - flat.mean(dim=0)
+    else:
+        centred = flat - flat[finite].mean(dim=0) if bool(finite.any()) else flat
     sq = (centred * centred).sum(dim=1)
     d2 = torch.addmm(sq[:, None] + sq[None, :], centred, centred.T, alpha=-2.0).clamp_min_(0.0)
     d2.fill_diagonal_(0.0)
