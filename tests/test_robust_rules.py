@@ -90,6 +90,9 @@ def test_median_helpers_hand_computed():
     x = torch.tensor([[5.0, 1.0], [1.0, 2.0], [3.0, 100.0], [2.0, -4.0]], dtype=torch.float64)
     assert median(x).tolist() == [2.5, 1.5]
     assert median(x[:3]).tolist() == [3.0, 2.0]
+    nan = float("nan")  # a minority of NaN coordinates counts as the largest values: it never reaches the median
+    w = torch.tensor([[nan, 1.0], [1.0, nan], [3.0, 2.0], [2.0, 4.0], [9.0, 0.0]], dtype=torch.float64)
+    assert median(w).tolist() == [3.0, 2.0] and median(w[:4]).tolist() == [2.5, 3.0]
     # trim 0.2 of 5 values: k = 1 from each end
     y = torch.tensor([[0.0], [1.0], [2.0], [6.0], [1e6]], dtype=torch.float64)
     assert trimmed_mean(y, 0.2).tolist() == [3.0]  # mean(1, 2, 6)
