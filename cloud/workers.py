@@ -274,20 +274,20 @@ class Ingest:
         """:meth:`on_chunk` on the own partition: into :attr:`assembler`, after the transfer's
         chunks an earlier batch stored (read once per transfer: a worker restarted mid-upload
         gets the rest redelivered). Raises ChunkError."""
-        blob = None
-        if prefix not in self._own:
+        stored: list[tuple[str, bytes]] = []
+        if prefix not in self._own:  # the transfer's first chunk here
             mine = f"chunks/{round_}/{device_id}/"
             open_uploads = sum(1 for p in self._own if p.startswith(mine))
             if open_uploads >= MAX_TRANSFERS:
                 raise ChunkError(f"{open_uploads} uploads of this device are already in progress in round {round_}; "
                                  f"at most {MAX_TRANSFERS}")
+            if not self.assembler.progress(device_id, round_, transfer)[0]:
+                stored = self.store.blob_items(prefix)
+            self._own[prefix] = bool(stored)
+        blob = None
         try:
-            if prefix not in self._own:
-                stored = self.store.blob_items(prefix) if not self.assembler.progress(device_id, round_, transfer)[0] \
-                    else []
-                self._own[prefix] = bool(stored)
-                for _, chunk in stored:
-                    blob = self.assembler.add(device_id, chunk) or blob
+            for _, chunk in stored:
+                blob = self.assembler.add(device_id, chunk) or blob
             blob = self.assembler.add(device_id, payload) or blob
         except ChunkError:
             if not self.assembler.progress(device_id, round_, transfer)[0]:  # the assembler dropped the transfer

@@ -24,9 +24,8 @@ def median(stacked: torch.Tensor) -> torch.Tensor:
         does not reach the result.
     """
     n = stacked.shape[0]
-    # kthvalue selects without sorting (quickselect; NaN counts as larger than any number, as in torch.sort:
-    # pytorch/pytorch#17824):
-    # 6.6x faster than sorting along dim 0 for 1,000 rows of 3,072 float64 values
+    # kthvalue selects without sorting (6.6x faster than sorting along dim 0 for 1,000 rows of 3,072 float64
+    # values); it counts NaN as larger than any number, as torch.sort does (pytorch/pytorch#17824)
     upper = torch.kthvalue(stacked, n // 2 + 1, dim=0).values
     if n % 2:
         return upper
